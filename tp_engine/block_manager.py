@@ -1,0 +1,340 @@
+"""The paged KV-cache pool on rank 0: block allocation and the prefix cache.
+
+Rank 0 alone owns this bookkeeping; the ranks only see the resulting block ids in the StepPlan.
+Every block is in exactly one state:
+
+    state               ref_cnt  block_hash  in free queue   reached by
+    free and empty      0        None        yes (head end)  start; freeing an unhashed block
+    owned               >= 1     None        no              allocation
+    full and cached     >= 1     set         no              a full block registered / a hit
+    cached, unreferenced 0       set         yes (LRU order) freeing a cached block
+
+Invariant: ref_cnt == 0 <=> the block is in the free queue. The free queue hands out empty
+blocks before cached ones, and cached ones least recently freed first; taking a cached block
+from it evicts its hash entry. A prefix hit on an unreferenced cached block takes it back out of
+the queue ("touch") wherever it is, which is why the queue is a doubly linked list.
+
+Full blocks are registered under a chained hash, hash(i) = xxh3(hash(i - 1), tokens of block i),
+so equal tokens after different prefixes never match. A hit also compares the stored token ids
+and parent hash, so a hash collision cannot hand out wrong K/V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Sequence as TokenIds
+
+import numpy as np
+import xxhash
+
+from tp_engine.sequence import Sequence
+
+HashFn = Callable[[int | None, TokenIds[int]], int]
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: TokenIds[int]) -> int:
+    """Chained hash of one full block: depends on every token before it through parent_hash."""
+    h = xxhash.xxh3_64()
+    # A distinct first byte keeps "no parent" apart from a parent whose hash happens to be 0.
+    h.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return h.intdigest()
+
+
+class KVBlock:
+    """One physical block of `block_size` token slots, plus its free-queue links."""
+
+    __slots__ = ("block_hash", "block_id", "next", "parent_hash", "prev", "ref_cnt", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Set while the block is registered in the prefix cache.
+        self.block_hash: int | None = None
+        # What the hash stands for, compared on every hit.
+        self.parent_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+        # Free-queue neighbours; both None exactly when the block is not in the queue.
+        self.prev: KVBlock | None = None
+        self.next: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) append, appendleft, popleft and remove."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        # Sentinels at both ends remove every empty-list special case.
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next
+
+    def popleft(self) -> KVBlock:
+        if self._len == 0:
+            raise RuntimeError("no free KV block left (the scheduler should have checked)")
+        block = self._head.next
+        assert block is not None
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        self._insert_after(self._tail.prev, block)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev, block.next
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next, nxt.prev = nxt, prev
+        block.prev = block.next = None
+        self._len -= 1
+
+    def _insert_after(self, anchor: KVBlock | None, block: KVBlock) -> None:
+        if block.prev is not None or block.next is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        assert anchor is not None and anchor.next is not None
+        block.prev, block.next = anchor, anchor.next
+        anchor.next.prev = block
+        anchor.next = block
+        self._len += 1
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences and shares full blocks through the prefix cache."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn = hash_block_tokens,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_fn = hash_fn
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVBlock] = {}
+        # Prefix-cache counters in tokens, counted once per successful admission.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that an allocation can take: empty ones and evictable cached ones."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by at least one sequence."""
+        return (self.num_blocks - len(self.free_queue)) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """Longest run of cached blocks holding a prefix of `seq`, never covering its last token.
+
+        The last token is always left to compute because its logits are needed; at block
+        granularity that means a fully cached prompt of k full blocks reuses only k - 1.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self._block_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        hits: list[KVBlock] = []
+        for i in range(min(max_blocks, len(hashes))):
+            block = self.cached.get(hashes[i])
+            if (
+                block is None
+                or block.parent_hash != (hashes[i - 1] if i else None)
+                or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            ):
+                break
+            hits.append(block)
+        return hits
+
+    # -- allocation --------------------------------------------------------------------------------
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] | None = None
+    ) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens; False (nothing changed) if short.
+
+        `cached_prefix` is passed at admission only (from `find_cached_prefix`, possibly empty):
+        its blocks gain a reference, its tokens count as computed, and the prefix-cache counters
+        record the query.
+        """
+        admitting = cached_prefix is not None
+        cached_prefix = cached_prefix or []
+        if admitting and seq.block_table:
+            raise ValueError(f"{seq.request_id}: admission needs an empty block table")
+        num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
+        num_needed = self.blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = max(0, num_needed - len(seq.block_table) - len(cached_prefix))
+        # Unreferenced hits sit in the free queue; taking them shrinks what is left to allocate.
+        num_touched = sum(1 for block in cached_prefix if block.ref_cnt == 0)
+        if num_new_blocks > len(self.free_queue) - num_touched:
+            return False
+
+        for block in cached_prefix:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+            seq.block_table.append(block.block_id)
+        if admitting:
+            num_hit_tokens = len(cached_prefix) * self.block_size
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+            seq.num_cached_tokens = num_hit_tokens
+            seq.num_computed_tokens = num_computed
+            seq.num_committed_blocks = len(cached_prefix)
+        for _ in range(num_new_blocks):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            seq.block_table.append(block.block_id)
+        return True
+
+    def commit_computed_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that became full of computed K/V in the prefix cache.
+
+        Called after a step, so a registered block always holds K/V that has been written.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_committed_blocks:
+            return
+        hashes = self._block_hashes(seq)
+        bs = self.block_size
+        for i in range(seq.num_committed_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            # Already registered (a prefix hit), or another block holds this hash (the same
+            # prefix computed twice, or a collision): this one stays private to the sequence.
+            if block.block_hash is None and hashes[i] not in self.cached:
+                block.block_hash = hashes[i]
+                block.parent_hash = hashes[i - 1] if i else None
+                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self.cached[hashes[i]] = block
+        seq.num_committed_blocks = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the references of `seq`, tail block first.
+
+        Reverse order puts a sequence's last blocks nearer the eviction end than its first ones,
+        so a shared prefix outlives the suffixes that hang off it. Unhashed blocks hold nothing
+        reusable and go to the head, to be handed out before any cached block is evicted.
+        """
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+        seq.block_table = []
+        seq.num_committed_blocks = 0
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every unreferenced cached block; returns how many were dropped."""
+        dropped = [block for block in self.cached.values() if block.ref_cnt == 0]
+        for block in dropped:
+            self._evict(block)
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+        return len(dropped)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _evict(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        del self.cached[block.block_hash]
+        block.block_hash = block.parent_hash = block.token_ids = None
+
+    def _block_hashes(self, seq: Sequence) -> list[int]:
+        """Chained hashes of every full block of the sequence's tokens, extended incrementally.
+
+        They depend on the tokens only (never on where the K/V lives), so they survive
+        preemption and are computed once per block over the sequence's life.
+        """
+        hashes = seq.block_hashes
+        bs = self.block_size
+        for i in range(len(hashes), seq.num_tokens // bs):
+            hashes.append(
+                self._hash_fn(hashes[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs])
+            )
+        return hashes
+
+    # -- checking ----------------------------------------------------------------------------------
+
+    def check_integrity(self, sequences: Iterable[Sequence] = ()) -> None:
+        """Raise AssertionError if any invariant is broken; cheap enough for every test step.
+
+        With `sequences` (every sequence holding blocks), also checks that each block's ref_cnt
+        equals the number of block tables that hold it.
+        """
+        in_queue = list(self.free_queue)
+        assert len(in_queue) == len(self.free_queue), "free queue length out of sync"
+        queued_ids = {block.block_id for block in in_queue}
+        assert len(queued_ids) == len(in_queue), "a block is twice in the free queue"
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, f"{block} has a negative ref_cnt"
+            assert (block.ref_cnt == 0) == (block.block_id in queued_ids), (
+                f"{block}: ref_cnt == 0 must hold exactly when the block is in the free queue"
+            )
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, f"{block} hashed but not cached"
+                assert block.token_ids is not None and len(block.token_ids) == self.block_size
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"cache entry {block_hash:#x} points at {block}"
+        num_used = sum(1 for block in self.blocks if block.ref_cnt > 0)
+        assert num_used + len(in_queue) == self.num_blocks, "free + used != total"
+        seen_cached = False
+        for block in in_queue:
+            seen_cached |= block.block_hash is not None
+            assert not (seen_cached and block.block_hash is None), (
+                "an empty block sits behind a cached one in the free queue"
+            )
+
+        sequences = list(sequences)
+        if sequences:
+            refs = [0] * self.num_blocks
+            for seq in sequences:
+                assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} repeats a block"
+                assert len(seq.block_table) >= self.blocks_needed(seq.num_computed_tokens), (
+                    f"{seq} has fewer blocks than computed tokens"
+                )
+                for block_id in seq.block_table:
+                    refs[block_id] += 1
+            for block in self.blocks:
+                assert block.ref_cnt == refs[block.block_id], (
+                    f"{block}: ref_cnt {block.ref_cnt} but held by {refs[block.block_id]} tables"
+                )

@@ -1,0 +1,122 @@
+"""Engine configuration: one frozen dataclass with vLLM's argument names.
+
+`EngineConfig` is what the user asked for. Facts learnt at run time (the checkpoint's context
+length, the measured number of KV blocks) never get written back into it: `with_model_defaults`
+returns a new config, and the block count lives in the objects built from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the engine, named as in vLLM's `EngineArgs`."""
+
+    # Checkpoint directory (config.json, *.safetensors, tokenizer files); None = the demo model.
+    model: str | None = None
+    # Number of ranks that each hold a shard of every layer.
+    tensor_parallel_size: int = 1
+    # Longest sequence (prompt + output) served; None = the checkpoint's max_position_embeddings.
+    max_model_len: int | None = None
+    # Most sequences in one step.
+    max_num_seqs: int = 256
+    # Most new tokens in one step; None = max(max_model_len, 8192) without chunked prefill, else 8192.
+    max_num_batched_tokens: int | None = None
+    # Tokens per KV-cache block.
+    block_size: int = 16
+    # Reuse full KV blocks across requests that share a prefix.
+    enable_prefix_caching: bool = True
+    # Split long prompts into chunks that fit the token budget, batched with decodes.
+    enable_chunked_prefill: bool = True
+    # Fraction of GPU memory the engine may use (weights, activations and KV cache).
+    gpu_memory_utilization: float = 0.9
+    # Never capture CUDA graphs.
+    enforce_eager: bool = False
+    # Parameter dtype; "auto" = the checkpoint's torch_dtype on GPU, float32 on CPU.
+    dtype: str = "auto"
+    # Seed of the random generators on every rank.
+    seed: int = 0
+    # Fix the size of the KV pool (blocks per rank) instead of measuring memory. Needed on CPU,
+    # and by tests that force preemption with a tiny pool.
+    num_kv_blocks: int | None = None
+    # Bytes per rank for the KV cache when num_kv_blocks is not set and memory is not measured
+    # (the CPU path); None = 1 GiB on CPU.
+    kv_cache_memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        if self.max_model_len is not None:
+            _check(self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _check(
+            self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
+            "block_size",
+            f"must be a power of two, got {self.block_size}",
+        )
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.num_kv_blocks is not None:
+            _check(self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
+        if self.kv_cache_memory_bytes is not None:
+            _check(self.kv_cache_memory_bytes >= 1, "kv_cache_memory_bytes", "must be >= 1")
+        if self.max_num_batched_tokens is not None:
+            _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+            _check(
+                self.max_num_batched_tokens >= self.max_num_seqs,
+                "max_num_batched_tokens",
+                f"({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
+                "so that every running sequence can decode in one step",
+            )
+            if not self.enable_chunked_prefill and self.max_model_len is not None:
+                _check(
+                    self.max_num_batched_tokens >= self.max_model_len,
+                    "max_num_batched_tokens",
+                    f"({self.max_num_batched_tokens}) is smaller than max_model_len "
+                    f"({self.max_model_len}); without chunked prefill a full-length prompt could "
+                    "never be scheduled. Enable chunked prefill or raise max_num_batched_tokens",
+                )
+
+    @property
+    def resolved_max_num_batched_tokens(self) -> int:
+        """The step's token budget once max_model_len is known."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        budget = max(_DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            budget = max(budget, self.max_model_len)
+        return budget
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Widest block table any sequence can need (for CUDA-graph buffers)."""
+        if self.max_model_len is None:
+            raise ValueError("max_model_len is not resolved yet; call with_model_defaults first")
+        return math.ceil(self.max_model_len / self.block_size)
+
+    def with_model_defaults(self, max_position_embeddings: int) -> EngineConfig:
+        """A new config with max_model_len filled in from the checkpoint and checked against it."""
+        if self.max_model_len is None:
+            return dataclasses.replace(self, max_model_len=max_position_embeddings)
+        _check(
+            self.max_model_len <= max_position_embeddings,
+            "max_model_len",
+            f"({self.max_model_len}) exceeds the checkpoint's max_position_embeddings "
+            f"({max_position_embeddings})",
+        )
+        return self
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} {message}")

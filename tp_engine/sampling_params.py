@@ -1,0 +1,147 @@
+"""Per-request sampling parameters, with vLLM's field names and defaults.
+
+They live on rank 0 only: workers never see them (the StepPlan carries no sampling state).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request. `temperature == 0` means greedy.
+
+    Validation happens on construction and raises `ValueError` naming the field.
+    """
+
+    # Number of completions for the prompt.
+    n: int = 1
+    # Softmax temperature; 0 selects the most likely token (greedy).
+    temperature: float = 1.0
+    # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.
+    top_p: float = 1.0
+    # Keep the top_k most likely tokens; 0 or -1 turns it off (vLLM accepts both).
+    top_k: int = 0
+    # Drop tokens whose probability is below min_p times the top token's.
+    min_p: float = 0.0
+    # Penalties as in vLLM / OpenAI: presence and frequency in [-2, 2], repetition > 0.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Most tokens to generate; None = until max_model_len.
+    max_tokens: int | None = 16
+    # EOS and stop token ids do not end the request before this many tokens.
+    min_tokens: int = 0
+    # Keep generating past EOS (benchmarks).
+    ignore_eos: bool = False
+    # Strings that end the output (matched on detokenized text; not included in it).
+    stop: list[str] = field(default_factory=list)
+    # Token ids that end the output (the token itself is kept).
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Per-request random seed: the same seed gives the same tokens whatever else runs.
+    seed: int | None = None
+    # Number of top log-probabilities to return per generated / prompt token; None = none.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Drop special tokens when detokenizing.
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _validate(self) -> None:
+        _require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _require(
+            _is_real(self.temperature)
+            and math.isfinite(self.temperature)
+            and self.temperature >= 0,
+            "temperature",
+            f"must be a finite number >= 0, got {self.temperature!r}",
+        )
+        _require(
+            _is_real(self.top_p) and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
+        )
+        _require(
+            _is_int(self.top_k) and self.top_k >= 0,
+            "top_k",
+            f"must be -1 or 0 (off) or a positive integer, got {self.top_k!r}",
+        )
+        _require(
+            _is_real(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            "min_p",
+            f"must be in [0, 1], got {self.min_p!r}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(
+                _is_real(value) and -2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value!r}"
+            )
+        _require(
+            _is_real(self.repetition_penalty)
+            and math.isfinite(self.repetition_penalty)
+            and self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be a finite number > 0, got {self.repetition_penalty!r}",
+        )
+        if self.max_tokens is not None:
+            _require(
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
+                "max_tokens",
+                f"must be an integer >= 1, got {self.max_tokens!r}",
+            )
+        _require(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be an integer >= 0, got {self.min_tokens!r}",
+        )
+        if self.max_tokens is not None:
+            _require(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
+        _require(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be a list of non-empty strings",
+        )
+        _require(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of non-negative integers",
+        )
+        if self.seed is not None:
+            _require(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(
+                    _is_int(value) and value >= 0, name, f"must be an integer >= 0, got {value!r}"
+                )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field_name} {message}")

@@ -1,0 +1,266 @@
+"""Continuous batching on rank 0: which sequences run this step and how many tokens each gets.
+
+Each `schedule()` fills a token budget (`max_num_batched_tokens`) under a sequence cap
+(`max_num_seqs`), in this order:
+
+1. running sequences that decode (one token each),
+2. running sequences whose prompt is being prefilled in chunks,
+3. waiting sequences, first come first served; the last one admitted is cut to the budget
+   (chunked prefill) or waits for a later step (chunked prefill off).
+
+When a running sequence cannot get a block, the most recently admitted running sequence that is
+not already part of this step is preempted (its blocks are freed and it is recomputed later,
+usually from the prefix cache); if that is the sequence itself, it steps aside. Nothing is
+admitted in a step that preempted, since the pool is evidently tight. A request that could never
+fit is refused by `add`, so every admitted sequence can always make progress: no livelock.
+
+`update()` takes the sampled token of every sequence that finished its uncomputed tokens this
+step, advances the token accounting, registers newly full blocks in the prefix cache and
+finishes sequences on EOS, a stop token id, max_tokens or max_model_len.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from tp_engine.block_manager import BlockManager
+from tp_engine.config import EngineConfig
+from tp_engine.sequence import Sequence, SequenceStatus
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never be served as asked; the message says why."""
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch. Lists are parallel and in batch order."""
+
+    scheduled: list[Sequence] = field(default_factory=list)
+    # New tokens each sequence computes this step.
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    # Whether the step computes a sequence's last uncomputed token, so its logits are sampled.
+    samples: list[bool] = field(default_factory=list)
+    # Sequences sent back to the waiting queue by this step.
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.samples)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def _add(self, seq: Sequence, num_tokens: int) -> None:
+        self.scheduled.append(seq)
+        self.num_scheduled_tokens.append(num_tokens)
+        self.samples.append(seq.num_computed_tokens + num_tokens == seq.num_tokens)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; drives the BlockManager."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        if config.max_model_len is None:
+            raise ValueError("the scheduler needs a resolved max_model_len")
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.resolved_max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        # In admission order: the tail is the most recently admitted, preempted first.
+        self.running: list[Sequence] = []
+        self._requests: dict[str, Sequence] = {}
+
+    # -- requests --------------------------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._requests.get(request_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence, or raise RequestRejectedError if it could never be served."""
+        self._check_fits(seq)
+        if seq.request_id in self._requests:
+            raise RequestRejectedError(f"request id {seq.request_id!r} is already in use")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._requests[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """End a request in any state and free its blocks; None if it is unknown or finished."""
+        return self.finish(request_id, SequenceStatus.FINISHED_ABORTED)
+
+    def finish(self, request_id: str, status: SequenceStatus) -> Sequence | None:
+        """End a request from outside the step loop (abort, or a stop string seen by the caller)."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        seq.status = status
+        return seq
+
+    def _check_fits(self, seq: Sequence) -> None:
+        max_tokens = seq.sampling_params.max_tokens
+        prompt_len = seq.num_prompt_tokens
+        if max_tokens is None:
+            if prompt_len >= self.max_model_len:
+                raise RequestRejectedError(
+                    f"this model's maximum context length is {self.max_model_len} tokens, and the "
+                    f"prompt has {prompt_len} tokens, leaving no room to generate"
+                )
+            total = self.max_model_len
+        else:
+            total = prompt_len + max_tokens
+            if total > self.max_model_len:
+                raise RequestRejectedError(
+                    f"this model's maximum context length is {self.max_model_len} tokens, but "
+                    f"{total} were requested ({prompt_len} in the prompt and {max_tokens} for the "
+                    "completion); shorten the prompt or lower max_tokens"
+                )
+        # The last sampled token is never fed back, so it needs no KV slot.
+        blocks = self.block_manager.blocks_needed(total - 1)
+        if blocks > self.block_manager.num_blocks:
+            raise RequestRejectedError(
+                f"the request needs up to {total} tokens = {blocks} KV blocks of "
+                f"{self.block_manager.block_size} tokens, but the whole KV cache has "
+                f"{self.block_manager.num_blocks} blocks"
+            )
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch. An empty output is a normal result (nothing to do, or waiting
+        requests that do not fit yet)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        in_step: set[int] = set()  # id() of sequences already in `out`
+
+        decodes = [seq for seq in self.running if not seq.is_prefill]
+        prefills = [seq for seq in self.running if seq.is_prefill]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_tokens):
+                victim = self._pick_victim(in_step)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out._add(seq, num_tokens)
+                in_step.add(id(seq))
+                budget -= num_tokens
+
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached_prefix = bm.find_cached_prefix(seq)
+            num_tokens = seq.num_tokens - len(cached_prefix) * bm.block_size
+            if num_tokens > budget:
+                if not self.enable_chunked_prefill:
+                    break  # first come, first served: nobody overtakes the head of the queue
+                num_tokens = budget
+            if not bm.allocate_slots(seq, num_tokens, cached_prefix):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out._add(seq, num_tokens)
+            budget -= num_tokens
+
+    def _pick_victim(self, in_step: set[int]) -> Sequence:
+        """The most recently admitted running sequence that this step has not scheduled."""
+        for seq in reversed(self.running):
+            if id(seq) not in in_step:
+                return seq
+        raise AssertionError("unreachable: the sequence asking for blocks is itself a candidate")
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        # Back to the front: preempted work resumes before new requests, oldest first.
+        self.waiting.appendleft(seq)
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: SequenceOf[int]) -> list[Sequence]:
+        """Apply a finished step: one sampled id per `out.samples` entry that is True, in batch
+        order. Returns the sequences that finished in this step."""
+        if len(sampled_token_ids) != out.num_samples:
+            raise ValueError(
+                f"expected {out.num_samples} sampled tokens, got {len(sampled_token_ids)}"
+            )
+        bm = self.block_manager
+        finished: list[Sequence] = []
+        sampled = iter(sampled_token_ids)
+        for seq, num_tokens, samples in zip(
+            out.scheduled, out.num_scheduled_tokens, out.samples, strict=True
+        ):
+            token_id = next(sampled) if samples else None
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # aborted between schedule() and update(); its blocks are gone
+            seq.num_computed_tokens += num_tokens
+            bm.commit_computed_blocks(seq)
+            if token_id is None:
+                continue
+            seq.append_token(int(token_id))
+            status = self._stop_status(seq, int(token_id))
+            if status is not None:
+                seq.status = status
+                bm.free(seq)
+                del self._requests[seq.request_id]
+                finished.append(seq)
+        if finished:
+            self.running = [seq for seq in self.running if seq.status == SequenceStatus.RUNNING]
+        return finished
+
+    def _stop_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        params = seq.sampling_params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
+                return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
+        return None

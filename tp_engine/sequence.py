@@ -1,0 +1,140 @@
+"""A request's mutable state on rank 0: its tokens, its KV blocks and where it is in its life.
+
+Token accounting uses one vocabulary throughout the engine:
+
+    token_ids            = prompt tokens + output tokens so far
+    num_prompt_tokens    = len(prompt)
+    num_computed_tokens  = tokens whose K/V is in the cache (from the prefix cache or computed)
+    num_scheduled_tokens = tokens computed in the current step (lives in `SchedulerOutput`)
+
+A sequence needs `num_tokens - num_computed_tokens` more tokens computed. During prefill that is
+the rest of the prompt (possibly in chunks); while decoding it is exactly one (the token sampled
+last step). Once a step computes the last token, its logits are sampled and one token is appended.
+
+Status machine:
+
+    WAITING ──admit──► RUNNING ──finish──► FINISHED_{STOPPED, LENGTH_CAPPED, ABORTED}
+       ▲                  │
+       └────preempt───────┘   (blocks freed, num_computed_tokens reset to 0; recompute later)
+    WAITING ──abort──► FINISHED_ABORTED
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from tp_engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token / stop string
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"  # the client went away or the request was cancelled
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's spelling: "stop", "length" or "abort"; None while not finished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = frozenset(
+    {
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH_CAPPED,
+        SequenceStatus.FINISHED_ABORTED,
+    }
+)
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    """One generation stream. `n > 1` requests are several sequences sharing a prompt."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        # Tokens of the prompt found in the prefix cache at the last admission (for metrics).
+        self.num_cached_tokens = 0
+        # Physical KV block ids, one per logical block, owned by the BlockManager's bookkeeping.
+        self.block_table: list[int] = []
+        # Chained prefix-cache hashes of the full blocks of token_ids (tokens only, so they stay
+        # valid across preemption) and how many leading blocks of block_table have been offered
+        # to the prefix cache. Both are maintained by the BlockManager.
+        self.block_hashes: list[int] = []
+        self.num_committed_blocks = 0
+        self.num_preemptions = 0
+        # Stop token id or stop string that ended the sequence, if any.
+        self.stop_reason: int | str | None = None
+
+    # -- token accounting ---------------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to compute before the next sample: the prompt's rest, or 1 in decode."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token waits to be computed (prompt or recompute)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

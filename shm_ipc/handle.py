@@ -1,0 +1,120 @@
+"""The handle rank 0 gives every worker, and the per-run names it holds.
+
+Ownership: rank 0 makes the names (`RunNames.create`) and builds the handle; it travels to the
+workers as bytes (a uint8 tensor broadcast over torch.distributed), so it is encoded with
+msgpack, never pickle. Names are random per run and live in a private 0700 directory, so two runs
+on one machine, or a stranger on it, cannot meet our sockets or shared memory.
+
+Every name in here is removed by rank 0 as soon as every reader has attached (mappings and
+connected sockets stay valid without their names). Until then, `remove_names` is also what a
+worker calls when it finds rank 0 dead, so a crash during start-up leaves nothing behind either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import tempfile
+from dataclasses import asdict, dataclass, fields
+
+import msgpack
+
+from shm_ipc.ring import SHM_DIR
+
+HANDLE_VERSION = 1
+# sun_path in struct sockaddr_un is 108 bytes on Linux, including the terminating NUL.
+_MAX_IPC_PATH = 107
+
+
+@dataclass(frozen=True)
+class ChannelHandle:
+    """Everything a worker needs to join the channel. Readers are ranks 1..num_readers."""
+
+    shm_name: str  # file name under /dev/shm of the ring region
+    plan_socket: str  # path of rank 0's XPUB doorbell socket (ipc://)
+    back_socket: str  # path of rank 0's PULL socket for hellos and error reports
+    run_dir: str  # the private 0700 directory holding both sockets
+    owner_pid: int  # rank 0's pid, so a waiting worker can tell "idle" from "rank 0 died"
+    slot_bytes: int  # payload capacity of one ring slot
+    num_slots: int
+    num_readers: int
+
+    @property
+    def shm_path(self) -> str:
+        return os.path.join(SHM_DIR, self.shm_name)
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb({"version": HANDLE_VERSION, **asdict(self)}, use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> ChannelHandle:
+        """Decode `to_bytes` output; raises ValueError on anything else."""
+        try:
+            obj = msgpack.unpackb(bytes(data), raw=False)
+        except Exception as exc:  # msgpack raises several unrelated types on garbage
+            raise ValueError(f"channel handle is not valid msgpack: {exc}") from None
+        if not isinstance(obj, dict) or obj.get("version") != HANDLE_VERSION:
+            raise ValueError(f"not a version-{HANDLE_VERSION} channel handle: {obj!r:.200}")
+        values = {}
+        for field in fields(cls):
+            value = obj.get(field.name)
+            want = str if field.type == "str" else int
+            if type(value) is not want:
+                raise ValueError(f"channel handle field {field.name!r} is {value!r:.100}")
+            values[field.name] = value
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class RunNames:
+    """The file-system names of one run: shm region, run directory and its two sockets."""
+
+    shm_name: str
+    run_dir: str
+    plan_socket: str
+    back_socket: str
+
+    @classmethod
+    def create(cls) -> RunNames:
+        """Make the private run directory (mode 0700) and pick fresh random names."""
+        run_dir = tempfile.mkdtemp(prefix="tpe-", dir=_runtime_dir())
+        names = cls(
+            shm_name=f"tpe-{os.getpid()}-{secrets.token_hex(6)}",
+            run_dir=run_dir,
+            plan_socket=os.path.join(run_dir, "plan.sock"),
+            back_socket=os.path.join(run_dir, "back.sock"),
+        )
+        if len(names.plan_socket.encode()) > _MAX_IPC_PATH:
+            os.rmdir(run_dir)
+            raise ValueError(
+                f"socket path {names.plan_socket!r} is longer than {_MAX_IPC_PATH} bytes; "
+                "point XDG_RUNTIME_DIR or TMPDIR at a shorter directory"
+            )
+        return names
+
+
+def _runtime_dir() -> str | None:
+    """$XDG_RUNTIME_DIR when it is usable (containers often carry a stale one), else the temp
+    dir (None lets tempfile choose)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK | os.X_OK):
+        return xdg
+    return None
+
+
+def remove_names(shm_name: str, socket_paths: tuple[str, ...], run_dir: str) -> None:
+    """Remove the run's names if they still exist (idempotent, never raises for a missing one).
+
+    The directory is removed with rmdir, not rmtree: it holds only our sockets, and a handle
+    that pointed somewhere else must not be able to delete anything but empty directories.
+    """
+    for path in (os.path.join(SHM_DIR, shm_name), *socket_paths):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    with contextlib.suppress(OSError):  # missing, or not empty: leave it
+        os.rmdir(run_dir)
+
+
+def remove_handle_names(handle: ChannelHandle) -> None:
+    remove_names(handle.shm_name, (handle.plan_socket, handle.back_socket), handle.run_dir)

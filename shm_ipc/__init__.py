@@ -1,5 +1,5 @@
 """Rank 0 → workers plan channel: a shared-memory ring with a ZeroMQ doorbell, the StepPlan wire
-format, and the workers → rank 0 error channel. No pickle anywhere; nothing here knows what a
+format, and the workers → rank 0 error channel. Nothing is ever unpickled; nothing here knows what a
 model is.
 
     rank 0:   bc = PlanBroadcaster(num_readers=N - 1)

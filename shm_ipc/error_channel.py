@@ -4,7 +4,7 @@ Ownership: rank 0 binds one PULL socket in the run directory (`BackChannelReader
 connects a PUSH socket to it (`BackChannelWriter`). PUSH queues rather than drops, so a hello or a
 report sent before the connection is up waits in the worker's queue instead of being lost, and
 closing the writer lingers briefly so that a report sent just before a worker exits still
-arrives. Messages are msgpack maps (never pickle) told apart by "kind":
+arrives. Messages are msgpack maps (nothing is unpickled) told apart by "kind":
 
     {"kind": "hello", "rank": int, "pid": int}
     {"kind": "error", "rank": int, "step_id": int | None, "type": str, "message": str,

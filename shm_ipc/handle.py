@@ -2,7 +2,7 @@
 
 Ownership: rank 0 makes the names (`RunNames.create`) and builds the handle; it travels to the
 workers as bytes (a uint8 tensor broadcast over torch.distributed), so it is encoded with
-msgpack, never pickle. Names are random per run and live in a private 0700 directory, so two runs
+msgpack only, nothing unpickled. Names are random per run and live in a private 0700 directory, so two runs
 on one machine, or a stranger on it, cannot meet our sockets or shared memory.
 
 Every name in here is removed by rank 0 as soon as every reader has attached (mappings and

@@ -5,7 +5,7 @@ builder flattens one scheduled batch into this immutable value; every rank (rank
 turns it into GPU/CPU tensors for its forward pass. Workers hold no request state, so anything a
 forward pass needs must be here. Sampling parameters stay on rank 0 and are not part of it.
 
-Wire format (little-endian, no pickle). A fixed header, then the int32 arrays back to back:
+Wire format (little-endian, explicit; nothing unpickled). A fixed header, then the int32 arrays back to back:
 
     offset  size  field
     0       4     magic  b"STPL"

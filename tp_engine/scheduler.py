@@ -86,6 +86,8 @@ class Scheduler:
         # In admission order: the tail is the most recently admitted, preempted first.
         self.running: list[Sequence] = []
         self._requests: dict[str, Sequence] = {}
+        # Preemptions since start (vLLM's num_preemptions_total).
+        self.num_preemptions = 0
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -217,6 +219,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         # Back to the front: preempted work resumes before new requests, oldest first.
         self.waiting.appendleft(seq)
 

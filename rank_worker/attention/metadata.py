@@ -1,0 +1,57 @@
+"""What attention needs to know about the batch, beyond q/k/v themselves.
+
+Built once per step by `input_prep.prepare_inputs` from the StepPlan and passed as an argument
+through the model's forward into every attention layer (no module-level context), so that two
+steps can never see each other's metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionMetadata:
+    """Paged-attention layout of one step's batch.
+
+    B sequences, T new tokens; sequence i's new tokens are rows
+    `query_start_loc[i] : query_start_loc[i+1]` and are the LAST `q_len_i` positions of its
+    `seq_lens[i]`-token context, whose earlier K/V are already in the cache. That one rule covers a
+    plain prefill (q_len == seq_len), a prefill with a cached prefix or a later chunk of a chunked
+    prefill (q_len < seq_len), and a decode (q_len == 1).
+    """
+
+    # [T] int64 flat cache slot (block_id * block_size + offset) for each new token's K/V;
+    # negative means "do not store" (padding tokens, e.g. in a CUDA-graph batch).
+    slot_mapping: torch.Tensor
+    # [B+1] int32 prefix sums of new tokens per sequence.
+    query_start_loc: torch.Tensor
+    # [B] int32 context length of each sequence after this step (cached + new).
+    seq_lens: torch.Tensor
+    # [B, W] int32 physical block ids of each sequence; entries past a sequence's own blocks
+    # are padding and never read (seq_lens bounds every read).
+    block_table: torch.Tensor
+    # Longest query (new tokens of one sequence) and longest context in the batch, so that
+    # kernels can size their grids without a device-to-host copy.
+    max_query_len: int
+    max_seq_len: int
+    # Host copies of query_start_loc and seq_lens: the torch backend loops over sequences on
+    # the host, and reading these from the GPU would force a sync per layer.
+    query_start_loc_host: np.ndarray
+    seq_lens_host: np.ndarray
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens_host.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc_host[-1])
+
+    @property
+    def query_lens_host(self) -> np.ndarray:
+        """[B] new tokens per sequence."""
+        return np.diff(self.query_start_loc_host)

@@ -1,0 +1,126 @@
+"""Paged attention in plain torch: the reference backend and the CPU path.
+
+Correctness first, and fast enough for CPU tests: decodes (one query each) are attended in one
+batched step over contexts padded to the longest; every other sequence (a prefill, a prefill
+chunk, a prefill after a cached prefix) is attended on its own, so no batch is padded to the
+longest prompt. Scores and softmax are computed in fp32 whatever the cache dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rank_worker.attention.backend import AttentionBackend
+from rank_worker.attention.metadata import AttentionMetadata
+
+
+def gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> torch.Tensor:
+    """Read the first `context_len` tokens of each sequence out of the paged cache.
+
+    cache `[num_blocks, block_size, num_kv_heads, head_dim]`, block_table `[n, W]` ->
+    `[n, context_len, num_kv_heads, head_dim]`. Rows past a sequence's own length read padding
+    blocks; the caller masks them.
+    """
+    block_size = cache.shape[1]
+    flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, kv_heads, head_dim]
+    pos = torch.arange(context_len, device=cache.device)  # [L]
+    blocks = block_table.long()[:, pos // block_size]  # [n, L]
+    slots = blocks * block_size + pos % block_size  # [n, L]
+    return flat[slots]
+
+
+def _attend_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal GQA attention for n sequences padded to common lengths.
+
+    q `[n, Q, kv_heads, group, head_dim]`, k/v `[n, L, kv_heads, head_dim]`,
+    query_lens/seq_lens `[n]` -> `[n, Q, kv_heads, group, head_dim]` fp32.
+    Query row i of sequence s sits at absolute position `seq_len - q_len + i`, and sees keys at
+    positions up to and including its own.
+    """
+    scores = torch.einsum("nqkgd,nlkd->nkgql", q.float(), k.float()) * scale  # [n,kv,g,Q,L]
+    q_pos = torch.arange(q.shape[1], device=q.device)  # [Q]
+    k_pos = torch.arange(k.shape[1], device=q.device)  # [L]
+    # Absolute position of each query row: [n, Q]
+    abs_q = (seq_lens - query_lens).unsqueeze(1) + q_pos.unsqueeze(0)
+    visible = (k_pos.view(1, 1, -1) <= abs_q.unsqueeze(-1)) & (
+        k_pos.view(1, 1, -1) < seq_lens.view(-1, 1, 1)
+    )  # [n, Q, L]; every real row sees at least key 0, so no row is all -inf
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("nkgql,nlkd->nqkgd", probs, v.float())
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference paged attention (see the module docstring)."""
+
+    name = "torch"
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        slots = slot_mapping.long()  # [T]
+        keep = slots >= 0
+        if not bool(keep.all()):
+            key, value, slots = key[keep], value[keep], slots[keep]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        _, num_heads, head_dim = query.shape  # [T, num_heads, head_dim]
+        num_kv_heads = k_cache.shape[2]
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(query)  # [T, num_heads, head_dim]
+        qsl = meta.query_start_loc_host
+        query_lens = meta.query_lens_host  # [B]
+        seq_lens = meta.seq_lens_host  # [B]
+        device = query.device
+
+        decodes = np.flatnonzero(query_lens == 1)
+        if decodes.size:
+            rows = torch.from_numpy(qsl[decodes].astype(np.int64)).to(device)  # [n]
+            idx = torch.from_numpy(decodes).to(device)
+            q = query[rows].view(-1, 1, num_kv_heads, group, head_dim)  # [n, 1, kv, g, d]
+            context = int(seq_lens[decodes].max())
+            table = meta.block_table[idx]  # [n, W]
+            k = gather_context(k_cache, table, context)  # [n, L, kv, d]
+            v = gather_context(v_cache, table, context)
+            o = _attend_padded(
+                q, k, v, torch.ones_like(idx), meta.seq_lens[idx].long(), scale
+            )  # [n, 1, kv, g, d]
+            out[rows] = o.reshape(-1, num_heads, head_dim).to(out.dtype)
+
+        for i in np.flatnonzero(query_lens > 1):
+            start, end, context = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+            q = query[start:end].view(1, end - start, num_kv_heads, group, head_dim)
+            table = meta.block_table[i : i + 1]  # [1, W]
+            k = gather_context(k_cache, table, context)  # [1, L, kv, d]
+            v = gather_context(v_cache, table, context)
+            lens = torch.tensor([end - start], device=device)
+            o = _attend_padded(q, k, v, lens, torch.tensor([context], device=device), scale)
+            out[start:end] = o.reshape(end - start, num_heads, head_dim).to(out.dtype)
+        return out

@@ -1,0 +1,30 @@
+"""Tensor-parallel building blocks of the Qwen3 model.
+
+Each layer takes a `TPInfo` in its constructor, states in its docstring how its weight is split
+over ranks and which collective its forward issues, and gives each parameter a `weight_loader`
+that cuts this rank's shard out of the full checkpoint tensor.
+"""
+
+from rank_worker.layers.activation import SiluAndMul
+from rank_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from rank_worker.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from rank_worker.layers.norm import RMSNorm
+from rank_worker.layers.rotary import RotaryEmbedding, rope_theta_from_config
+
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabParallelEmbedding",
+    "rope_theta_from_config",
+]

@@ -1,0 +1,276 @@
+"""Column- and row-parallel linear layers (Megatron-style splits).
+
+A column-parallel layer splits the output features: rank r computes a slice of the outputs from
+the full input and needs no communication. A row-parallel layer splits the input features: rank
+r multiplies its slice of the input by its slice of the weight and the partial sums are
+all-reduced. Pairing them (column then row) costs one all-reduce per pair, which is how both the
+attention block (QKV → o_proj) and the MLP (gate/up → down) are built.
+
+Weights follow `nn.Linear`: `[out_features, in_features]`, `y = x @ W.T + b`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rank_worker.layers.params import check_shape, make_param, reject_shard_id
+from rank_worker.tp import TPInfo, all_reduce
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """`y = x @ W.T (+ b)` with W split along its output rows.
+
+    Split: rank r holds rows `[r * out/size, (r+1) * out/size)` of W `[out, in]` (and of b).
+    Forward: no collective; the output is this rank's slice `[num_tokens, out/size]`.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp: TPInfo,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+        self.local_output_size = _divide(output_size, tp.size, "output size")
+        self.weight = make_param(
+            (self.local_output_size, input_size),
+            dtype=dtype,
+            device=device,
+            weight_loader=self._load_rows,
+        )
+        self.bias = (
+            make_param(
+                (self.local_output_size,), dtype=dtype, device=device, weight_loader=self._load_rows
+            )
+            if bias
+            else None
+        )
+
+    def _load_rows(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
+        reject_shard_id(shard_id, type(self).__name__)
+        check_shape(full, (self.output_size, *param.shape[1:]), type(self).__name__)
+        start = self.tp.rank * self.local_output_size
+        param.data.copy_(full.narrow(0, start, self.local_output_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [num_tokens, out/size]
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of the same input fused into one matmul.
+
+    Used for the MLP's gate and up projections. Split: each part i (`output_sizes[i]` rows) is
+    split on its own, so rank r holds `[gate rows of r; up rows of r]`, and the local output is
+    `[num_tokens, sum(output_sizes)/size]` with the parts side by side in order.
+    Forward: no collective. `weight_loader(param, full, shard_id=i)` fills part i.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        tp: TPInfo,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.output_sizes = list(output_sizes)
+        self.local_sizes = [_divide(n, tp.size, "merged output size") for n in output_sizes]
+        self.local_offsets = [sum(self.local_sizes[:i]) for i in range(len(output_sizes))]
+        total = sum(self.local_sizes)
+        self.weight = make_param(
+            (total, input_size), dtype=dtype, device=device, weight_loader=self._load_part
+        )
+        self.bias = (
+            make_param((total,), dtype=dtype, device=device, weight_loader=self._load_part)
+            if bias
+            else None
+        )
+
+    @property
+    def shard_ids(self) -> tuple[int, ...]:
+        """The parts a checkpoint must provide for each parameter."""
+        return tuple(range(len(self.output_sizes)))
+
+    def _load_part(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id not in self.shard_ids:
+            raise ValueError(
+                f"MergedColumnParallelLinear: shard_id must be one of {self.shard_ids}"
+            )
+        check_shape(full, (self.output_sizes[shard_id], *param.shape[1:]), "merged column part")
+        n = self.local_sizes[shard_id]
+        shard = full.narrow(0, self.tp.rank * n, n)
+        param.data.narrow(0, self.local_offsets[shard_id], n).copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [num_tokens, sum(output_sizes)/size]
+
+
+class QKVParallelLinear(nn.Module):
+    """The fused q/k/v projection, split by attention heads.
+
+    Split: query heads are divided evenly (rank r holds heads `[r*h/size, (r+1)*h/size)`). KV
+    heads are divided evenly when `size <= num_kv_heads`; when there are more ranks than KV heads,
+    each KV head is replicated on `size / num_kv_heads` consecutive ranks and rank r holds KV head
+    `r * num_kv_heads // size`, which is exactly the KV head its query heads attend with in the
+    unsplit model (query head j uses KV head `j // (num_heads / num_kv_heads)`).
+    Local weight rows: `[q heads; k heads; v heads]` of this rank, each `head_dim` rows per head.
+    Forward: no collective; output `[num_tokens, (q_local + 2*kv_local) * head_dim]`.
+    `weight_loader(param, full, shard_id)` with shard_id "q", "k" or "v".
+    """
+
+    shard_ids = ("q", "k", "v")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        tp: TPInfo,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.num_local_heads = _divide(num_heads, tp.size, "number of attention heads")
+        self.num_local_kv_heads = local_kv_heads(num_kv_heads, tp)
+        # First KV head of this rank in the checkpoint's numbering.
+        if tp.size >= num_kv_heads:
+            self.kv_head_start = tp.rank * num_kv_heads // tp.size
+        else:
+            self.kv_head_start = tp.rank * self.num_local_kv_heads
+        self.q_size = self.num_local_heads * head_dim
+        self.kv_size = self.num_local_kv_heads * head_dim
+        total = self.q_size + 2 * self.kv_size
+        self.weight = make_param(
+            (total, hidden_size), dtype=dtype, device=device, weight_loader=self._load_part
+        )
+        self.bias = (
+            make_param((total,), dtype=dtype, device=device, weight_loader=self._load_part)
+            if bias
+            else None
+        )
+
+    def _load_part(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id == "q":
+            full_rows, first_head, n_heads, offset = (
+                self.num_heads * self.head_dim,
+                self.tp.rank * self.num_local_heads,
+                self.num_local_heads,
+                0,
+            )
+        elif shard_id in ("k", "v"):
+            full_rows, first_head, n_heads = (
+                self.num_kv_heads * self.head_dim,
+                self.kv_head_start,
+                self.num_local_kv_heads,
+            )
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        else:
+            raise ValueError(
+                f"QKVParallelLinear: shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
+            )
+        check_shape(full, (full_rows, *param.shape[1:]), f"{shard_id}_proj")
+        rows = n_heads * self.head_dim
+        shard = full.narrow(0, first_head * self.head_dim, rows)
+        param.data.narrow(0, offset, rows).copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [num_tokens, q_size + 2 * kv_size]
+
+
+def local_kv_heads(num_kv_heads: int, tp: TPInfo) -> int:
+    """KV heads each rank keeps (and caches): an even share, or one replicated head."""
+    if tp.size >= num_kv_heads:
+        if tp.size % num_kv_heads:
+            raise ValueError(
+                f"tensor-parallel size {tp.size} is not a multiple of the {num_kv_heads} KV heads; "
+                "KV heads could not be replicated evenly"
+            )
+        return 1
+    return _divide(num_kv_heads, tp.size, "number of KV heads")
+
+
+class RowParallelLinear(nn.Module):
+    """`y = x @ W.T (+ b)` with W split along its input columns.
+
+    Split: rank r holds columns `[r * in/size, (r+1) * in/size)` of W `[out, in]`; the bias is
+    replicated and added once, after the reduction. The input is this rank's slice of features
+    (the output of a column-parallel layer).
+    Forward: one all-reduce (sum) of the `[num_tokens, out]` partial products, unless
+    `reduce_results=False`.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        tp: TPInfo,
+        *,
+        bias: bool = False,
+        reduce_results: bool = True,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+        self.local_input_size = _divide(input_size, tp.size, "input size")
+        self.reduce_results = reduce_results
+        self.weight = make_param(
+            (output_size, self.local_input_size),
+            dtype=dtype,
+            device=device,
+            weight_loader=self._load_columns,
+        )
+        self.bias = (
+            make_param((output_size,), dtype=dtype, device=device, weight_loader=self._load_bias)
+            if bias
+            else None
+        )
+
+    def _load_columns(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
+        reject_shard_id(shard_id, "RowParallelLinear")
+        check_shape(full, (self.output_size, self.input_size), "RowParallelLinear")
+        start = self.tp.rank * self.local_input_size
+        param.data.copy_(full.narrow(1, start, self.local_input_size))
+
+    def _load_bias(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
+        reject_shard_id(shard_id, "RowParallelLinear bias")
+        check_shape(full, (self.output_size,), "RowParallelLinear bias")
+        param.data.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # [num_tokens, out], a partial sum on each rank
+        if self.reduce_results:
+            y = all_reduce(y, self.tp)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

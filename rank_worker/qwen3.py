@@ -1,0 +1,267 @@
+"""The Qwen3 dense model, one tensor-parallel shard of it per rank.
+
+Per decoder layer: RMSNorm (fused with the residual add) → QKV column-parallel projection →
+per-head q/k RMSNorm → rotary embedding → paged attention → o_proj row-parallel (all-reduce) →
+RMSNorm (fused residual add) → gate/up merged column-parallel → SiLU×mul → down_proj
+row-parallel (all-reduce). Then the final norm and the vocab-parallel LM head, whose logits are
+gathered to rank 0. So a forward pass issues 1 + 2 * num_layers all-reduces and one gather.
+
+Parameter names mirror the Hugging Face checkpoint names, except where several checkpoint
+tensors are packed into one parameter (`packed_modules_mapping`), so the loader can map names
+without a table per model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from rank_worker.attention.backend import AttentionBackend, get_backend
+from rank_worker.attention.metadata import AttentionMetadata
+from rank_worker.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    rope_theta_from_config,
+)
+from rank_worker.tp import TPInfo
+
+# One layer's K and V caches, each [num_blocks, block_size, num_local_kv_heads, head_dim].
+KVCachePair = tuple[torch.Tensor, torch.Tensor]
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """Qwen3 configs state head_dim (it is not hidden / heads for every size)."""
+    return (
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
+class Qwen3Attention(nn.Module):
+    """Self-attention of one layer on this rank's heads; one all-reduce (in o_proj)."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        tp: TPInfo,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        head_dim = head_dim_of(hf_config)
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        eps = hf_config.rms_norm_eps
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            hf_config.hidden_size,
+            head_dim,
+            hf_config.num_attention_heads,
+            hf_config.num_key_value_heads,
+            tp,
+            bias=bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.num_local_heads = self.qkv_proj.num_local_heads
+        self.num_local_kv_heads = self.qkv_proj.num_local_kv_heads
+        self.o_proj = RowParallelLinear(
+            hf_config.num_attention_heads * head_dim,
+            hf_config.hidden_size,
+            tp,
+            bias=bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.q_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
+        self.rotary = rotary  # shared by all layers: one cos/sin table per model
+        self.backend = backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCachePair,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim], local heads
+        q, k, v = qkv.split(
+            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1
+        )
+        q = self.q_norm(q.reshape(num_tokens, self.num_local_heads, self.head_dim))
+        k = self.k_norm(k.reshape(num_tokens, self.num_local_kv_heads, self.head_dim))
+        v = v.reshape(num_tokens, self.num_local_kv_heads, self.head_dim)  # [T, kv_heads, d]
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, heads, head_dim]
+        return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
+
+
+class Qwen3MLP(nn.Module):
+    """SwiGLU MLP on this rank's slice of the intermediate features; one all-reduce."""
+
+    def __init__(
+        self, hf_config: Any, tp: TPInfo, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (only silu)")
+        inter = hf_config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hf_config.hidden_size, [inter, inter], tp, dtype=dtype, device=device
+        )
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(
+            inter, hf_config.hidden_size, tp, dtype=dtype, device=device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, hidden], all-reduced
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        tp: TPInfo,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.self_attn = Qwen3Attention(hf_config, tp, rotary, backend, dtype=dtype, device=device)
+        self.mlp = Qwen3MLP(hf_config, tp, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(
+            hf_config.hidden_size, eps, dtype=dtype, device=device
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        kv_cache: KVCachePair,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns `(block output, residual stream)`; the next norm adds them (fused)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        tp: TPInfo,
+        backend: AttentionBackend,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, tp, dtype=dtype, device=device
+        )
+        rotary = RotaryEmbedding(
+            head_dim_of(hf_config),
+            hf_config.max_position_embeddings,
+            rope_theta_from_config(hf_config),
+            device=device,
+        )
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(hf_config, tp, rotary, backend, dtype=dtype, device=device)
+            for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(
+            hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype, device=device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCachePair],
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, meta, kv_cache)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """This rank's shard of a Qwen3 causal LM.
+
+    `forward(input_ids [T], positions [T], attn_metadata, kv_caches)` -> normed hidden states
+    `[T, hidden]` (whole on every rank); `compute_logits(hidden [B', hidden])` -> logits
+    `[B', vocab]` fp32 on rank 0, None on the other ranks. Every rank must call both with the
+    same shapes, since both issue collectives.
+    """
+
+    # Checkpoint module name -> (parameter module name, shard id) for packed parameters.
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {  # noqa: RUF012
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(
+        self,
+        hf_config: Any,
+        tp: TPInfo,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        attention_backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        backend = attention_backend or get_backend("torch")
+        self.config = hf_config
+        self.tp = tp
+        self.model = Qwen3Model(hf_config, tp, backend, dtype=dtype, device=device)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(
+            hf_config.vocab_size,
+            hf_config.hidden_size,
+            tp,
+            dtype=dtype,
+            device=device,
+            tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[KVCachePair],
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata, kv_caches)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.compute_logits(hidden)  # [B', vocab] fp32 on rank 0

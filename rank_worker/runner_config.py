@@ -1,0 +1,46 @@
+"""What a rank's ModelRunner needs to know, and nothing rank-0-only.
+
+Rank 0 derives it from the engine configuration and sends it to the workers at start-up (msgpack
+inside the bootstrap message), so every rank builds the same model and the same KV layout
+whatever each was launched with. Scheduling knobs (prefix caching, chunked prefill) are rank
+0's business and are not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    # Longest sequence; sizes the widest block table and the warm-up step.
+    max_model_len: int
+    # Tokens per KV block; fixes the cache layout.
+    block_size: int
+    # Largest step the scheduler may send: the warm-up forward that measures memory uses it.
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    # "auto", "float32", "float16" or "bfloat16".
+    dtype: str = "auto"
+    # Seeds torch on every rank.
+    seed: int = 0
+    # GPU sizing: fraction of the device's memory the engine may use.
+    gpu_memory_utilization: float = 0.9
+    # Fixed pool size, or bytes for the cache (CPU default 1 GiB) when memory is not measured.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    # No CUDA graphs.
+    enforce_eager: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunnerConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"RunnerConfig: unknown fields {sorted(unknown)}")
+        return cls(**data)

@@ -1,0 +1,202 @@
+"""Tensor-parallel facts and the named collectives every parallel layer uses.
+
+Every rank holds one shard of every layer; the ranks of one model form one process group (the
+default group that torchrun's environment sets up). This module is the only place that talks to
+`torch.distributed`: layers receive a `TPInfo` in their constructor and call the functions below,
+so a layer's docstring can say exactly which collective its forward issues.
+
+Backends: NCCL when CUDA is available, gloo otherwise (the CPU test path). A tensor on CUDA under
+gloo is staged through host memory, since gloo reduces host buffers. A size-1 group never calls
+into `torch.distributed`, so single-rank runs need no process group at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "TPInfo",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_min_int",
+    "barrier",
+    "broadcast_bytes",
+    "destroy_process_group",
+    "gather_to_first",
+    "init_process_group",
+]
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """This rank's place in the tensor-parallel group."""
+
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"invalid TPInfo(rank={self.rank}, size={self.size})")
+
+    @property
+    def is_first(self) -> bool:
+        """Rank 0 schedules, gathers the logits and samples."""
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    @property
+    def is_single(self) -> bool:
+        """No communication is needed (and none is issued)."""
+        return self.size == 1
+
+
+def init_process_group(
+    backend: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    timeout_s: float = 600.0,
+) -> TPInfo:
+    """Join the process group described by torchrun's environment (or the explicit arguments).
+
+    RANK and WORLD_SIZE come from the environment unless given; MASTER_ADDR/MASTER_PORT are read
+    by torch's `env://` rendezvous unless `init_method` (e.g. `file:///tmp/x` in tests) is given.
+    `backend` None picks NCCL with CUDA and gloo without. With CUDA, LOCAL_RANK selects the device
+    first so that NCCL binds each rank to its own GPU. A world of one creates no group.
+    """
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    tp = TPInfo(rank, world_size)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise ValueError(
+                f"a process group (rank {dist.get_rank()} of {dist.get_world_size()}) already "
+                f"exists; cannot join as rank {rank} of {world_size}"
+            )
+        return tp
+    if tp.is_single:
+        return tp
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method or "env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return tp
+
+
+def destroy_process_group() -> None:
+    """Leave the group (a no-op when none was created)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _needs_host_staging(x: torch.Tensor) -> bool:
+    return x.is_cuda and dist.get_backend() == "gloo"
+
+
+def _comm_device() -> torch.device:
+    """Where a freshly made buffer must live for the group's backend."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """Sum `x` over all ranks, in place; returns `x`."""
+    if tp.is_single:
+        return x
+    if _needs_host_staging(x):
+        host = x.cpu()
+        dist.all_reduce(host)
+        x.copy_(host)
+    else:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather(x: torch.Tensor, tp: TPInfo, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` (same shape on all ranks) along `dim`, rank order."""
+    if tp.is_single:
+        return x
+    staged = x.cpu() if _needs_host_staging(x) else x
+    staged = staged.contiguous()
+    parts = [torch.empty_like(staged) for _ in range(tp.size)]
+    dist.all_gather(parts, staged)
+    return torch.cat(parts, dim=dim).to(x.device)
+
+
+def gather_to_first(x: torch.Tensor, tp: TPInfo, dim: int = -1) -> torch.Tensor | None:
+    """Concatenate every rank's `x` along `dim` on rank 0; other ranks get None.
+
+    Used for the vocab-parallel logits: only rank 0 samples, so the other ranks need not
+    receive the full vocabulary.
+    """
+    if tp.is_single:
+        return x
+    staged = x.cpu() if _needs_host_staging(x) else x
+    staged = staged.contiguous()
+    parts = [torch.empty_like(staged) for _ in range(tp.size)] if tp.is_first else None
+    dist.gather(staged, gather_list=parts, dst=0)
+    if parts is None:
+        return None
+    return torch.cat(parts, dim=dim).to(x.device)
+
+
+def broadcast_bytes(data: bytes | None, tp: TPInfo, src: int = 0) -> bytes:
+    """Send `data` from rank `src` to every rank (others pass None); returns it everywhere.
+
+    Two broadcasts of plain tensors (length, then uint8 payload): no pickle ever crosses ranks.
+    """
+    if not 0 <= src < tp.size:
+        raise ValueError(f"broadcast_bytes: source rank {src} is not in a group of {tp.size}")
+    if tp.rank == src and data is None:
+        raise ValueError(f"broadcast_bytes: source rank {src} must pass bytes, got None")
+    if tp.is_single and data is not None:
+        return bytes(data)
+    device = _comm_device()
+    length = torch.tensor([len(data) if tp.rank == src else 0], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src)
+    n = int(length.item())
+    if n == 0:
+        return b""
+    if tp.rank == src:
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        payload = torch.empty(n, dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=src)
+    if tp.rank == src:
+        return bytes(data)
+    return payload.cpu().numpy().tobytes()
+
+
+def all_reduce_min_int(value: int, tp: TPInfo) -> int:
+    """The smallest `value` over all ranks (e.g. the number of KV blocks every rank can hold)."""
+    if tp.is_single:
+        return int(value)
+    t = torch.tensor([value], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def barrier(tp: TPInfo) -> None:
+    """Wait until every rank arrives."""
+    if not tp.is_single:
+        dist.barrier()

@@ -1,0 +1,51 @@
+"""A rank that fails mid-run: `generate` raises an error naming it, nothing hangs or leaks.
+
+Its own module, so that no other test's process group is alive when these start theirs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.tp_cases import build_checkpoints
+from tp_engine import LLM, SamplingParams
+from tp_engine.engine import EngineDeadError
+
+pytestmark = pytest.mark.slow
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))
+
+
+def _shm_entries() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("tpe-")}
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit"])
+def test_a_failing_worker_fails_generate_naming_the_rank(checkpoints, monkeypatch, kind):
+    before = _shm_entries()
+    monkeypatch.setenv("TP_ENGINE_FAULT", f"rank=1,step=2,kind={kind}")
+    llm = LLM(
+        str(checkpoints["tied_kv2_oddvocab"]),
+        tensor_parallel_size=2,
+        block_size=4,
+        num_kv_blocks=64,
+    )
+    workers = list(llm._workers)
+    with pytest.raises(EngineDeadError, match=r"rank 1") as info:
+        llm.generate([[1, 2, 3, 4, 5]] * 3, greedy(8), use_tqdm=False)
+    assert info.value.rank == 1
+    if kind == "raise":
+        assert "injected fault on rank 1 at step 2" in str(info.value)
+    assert all(p.poll() is not None for p in workers), "a worker outlived the failed engine"
+    assert _shm_entries() <= before
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2]], greedy(2), use_tqdm=False)

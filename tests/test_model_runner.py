@@ -1,0 +1,57 @@
+"""ModelRunner's life cycle on CPU (the logits themselves are checked in test_model_tp.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from rank_worker.model_runner import ModelRunner
+from rank_worker.runner_config import RunnerConfig
+from rank_worker.tp import TPInfo
+from shm_ipc.step_plan import Command, StepPlan
+from tp_engine.checkpoints import build_random_qwen3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_qwen3(
+        tmp_path_factory.mktemp("m"), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=8, intermediate_size=64, max_position_embeddings=128,
+    )  # fmt: skip
+
+
+def test_cpu_defaults_and_sizing(model_dir: Path) -> None:
+    config = RunnerConfig(max_model_len=128, kv_cache_memory_bytes=1 << 20, block_size=16)
+    runner = ModelRunner(model_dir, config, TPInfo(0, 1), "cpu")
+    assert runner.dtype == torch.float32  # "auto" on CPU
+    # K and V * 2 layers * 16 tokens * 2 KV heads (all of them at TP=1) * 8 dims * 4 bytes
+    assert runner.kv_spec.bytes_per_block == 2 * 2 * 16 * 2 * 8 * 4
+    assert runner.determine_num_kv_blocks() == (1 << 20) // runner.kv_spec.bytes_per_block
+    with pytest.raises(RuntimeError, match="init_kv_cache"):
+        runner.execute(dataclasses.replace(StepPlan.exit(0), command=Command.RUN))
+
+
+def test_exit_plan_is_refused(model_dir: Path) -> None:
+    runner = ModelRunner(
+        model_dir, RunnerConfig(max_model_len=128, block_size=16), TPInfo(0, 1), "cpu"
+    )
+    runner.init_kv_cache(4)
+    with pytest.raises(ValueError, match="RUN"):
+        runner.execute(StepPlan.exit(3))
+
+
+def test_warmup_step_runs(model_dir: Path) -> None:
+    # The GPU sizing path runs this step before measuring memory; on CPU we can at least check
+    # that the largest step is a valid plan the model runs.
+    config = RunnerConfig(
+        max_model_len=40, max_num_seqs=5, max_num_batched_tokens=100, block_size=8
+    )
+    runner = ModelRunner(model_dir, config, TPInfo(0, 1), "cpu")
+    plan, num_blocks = runner._warmup_plan()
+    plan.validate()
+    assert plan.num_tokens == 100 and plan.num_seqs == 5
+    assert int(plan.seq_lens.max()) <= 40 and num_blocks == 5
+    assert runner._warmup() == num_blocks * runner.kv_spec.bytes_per_block

@@ -1,0 +1,364 @@
+"""Random-weight Qwen3 checkpoints made locally, in the Hugging Face layout.
+
+Tests, the built-in demo model and the benchmarks need checkpoints on machines that cannot
+download one. This module writes the same files a real Qwen3 export has (config.json,
+generation_config.json, safetensors, optionally sharded with model.safetensors.index.json, and
+tokenizer files with a ChatML chat template), so that everything downstream, transformers
+included, loads them as it would a real model.
+
+Weights are written tensor by tensor rather than through `Qwen3ForCausalLM`, so that a
+real-size preset (`QWEN3_PRESETS["32B"]`) never needs the whole model in host memory at once:
+only the shard being written. The tensor names and shapes are transformers' own (the tests
+load the result with `Qwen3ForCausalLM.from_pretrained` and check nothing is missing).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# -- tokenizer ------------------------------------------------------------------------------
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+
+# ChatML, as Qwen writes it (without the tool-calling branches).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# A few paragraphs of plain English for the BPE merges. The tokenizer is byte-level, so any
+# text round-trips whatever the corpus; the corpus only decides which byte runs get merged.
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A serving engine answers many requests at "
+    "once: it batches the prompts that arrive, runs the model on all of them together, and "
+    "streams each answer back as soon as a new token is ready.",
+    "Tensor parallelism splits every layer of a large language model across several devices. "
+    "Each device holds a slice of every weight matrix, computes its part of the result, and the "
+    "devices then add their partial results together before the next layer begins.",
+    "Hello, world! How are you today? I am fine, thank you. What would you like to talk about? "
+    "Tell me a story about a small robot that learned to paint the sea at sunset.",
+    "The cache keeps the keys and values of every token that was already computed, in blocks of "
+    "a fixed size. When two requests share the same beginning, they can share the same blocks, "
+    "and the second request starts where the first one left off.",
+    "Numbers and symbols appear in text too: 0 1 2 3 4 5 6 7 8 9, 10, 42, 100, 2024, 3.14, "
+    "(a + b) * c = d; x[i] = y{j}; \"quoted\" and 'single' marks; e-mail@example.com; #tag.",
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i, add(i, i))\n",
+    "Once upon a time there was a quiet village by a river. Every morning the people walked to "
+    "the market, and every evening they came home, told each other what they had seen, and "
+    "went to sleep under the bright stars of the summer sky.",
+)
+_TOKENIZER_VOCAB = 640
+
+
+def build_tokenizer(out_dir: str | Path) -> Any:
+    """Train a small byte-level BPE tokenizer and save it to `out_dir` with Qwen's special
+    tokens, eos `<|im_end|>`, pad `<|endoftext|>` and a ChatML chat template.
+
+    Deterministic: the same corpus and settings give the same merges on every machine. Returns
+    the `transformers` tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Byte-level, no prefix space, GPT-2's split regex: every byte sequence has an encoding.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TOKENIZER_VOCAB,
+        min_frequency=1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(_CORPUS), trainer=trainer)
+    # Added after training, so they sit at the end of the vocabulary as in Qwen's.
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(str(out_dir))
+    return hf_tok
+
+
+# -- model ----------------------------------------------------------------------------------
+
+# Real Qwen3 dense shapes (from the released config.json files), for benchmarks.
+QWEN3_PRESETS: dict[str, dict[str, Any]] = {
+    "0.6B": dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                 intermediate_size=3072, tie_word_embeddings=True),
+    "1.7B": dict(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8,
+                 intermediate_size=6144, tie_word_embeddings=True),
+    "4B": dict(hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8,
+               intermediate_size=9728, tie_word_embeddings=True),
+    "8B": dict(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+               intermediate_size=12288, tie_word_embeddings=False),
+    "14B": dict(hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=8,
+                intermediate_size=17408, tie_word_embeddings=False),
+    "32B": dict(hidden_size=5120, num_layers=64, num_heads=64, num_kv_heads=8,
+                intermediate_size=25600, tie_word_embeddings=False),
+}  # fmt: skip
+for _preset in QWEN3_PRESETS.values():
+    _preset.update(
+        head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0
+    )
+
+# Standard deviation of the logits of a random model: large enough that greedy decoding
+# follows the context rather than one token that wins everywhere, small enough that sampling at
+# temperature 1 is not greedy in disguise.
+_LOGIT_STD = 3.0
+# Embedding scale. A tied head scores every token by its own input embedding, so an embedding
+# that dominates the residual stream makes greedy decoding repeat the last token forever; tied
+# models get embeddings small next to the layer outputs (O(1) per feature).
+_EMBED_STD_UNTIED = 1.0
+_EMBED_STD_TIED = 0.05
+
+
+def _random_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    *,
+    hidden_size: int,
+    embed_std: float,
+    gen: torch.Generator,
+) -> torch.Tensor:
+    """A random fp32 tensor for the checkpoint tensor `name`.
+
+    Scaled so that activations stay O(1) through any depth: linear weights ~ N(0, 1/fan_in),
+    norm weights ~ 1 ± 0.1 (non-trivial, so a misplaced norm shows up in the tests). The final
+    norm sets the logit scale for a tied and an untied head alike: its output has RMS
+    `_LOGIT_STD / (sqrt(hidden) * embed_std)`, and a logit sums `hidden` such products.
+    """
+    if name.endswith("norm.weight"):
+        w = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        if name == "model.norm.weight":
+            w *= _LOGIT_STD / (math.sqrt(hidden_size) * embed_std)
+        return w
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return embed_std * torch.randn(shape, generator=gen)
+    return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+
+
+def _tensor_shapes(
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int,
+    tie_word_embeddings: bool,
+) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a Qwen3ForCausalLM checkpoint, in transformers' names and order."""
+    shapes: list[tuple[str, tuple[int, ...]]] = [
+        ("model.embed_tokens.weight", (vocab_size, hidden_size))
+    ]
+    for i in range(num_layers):
+        p = f"model.layers.{i}"
+        shapes += [
+            (f"{p}.input_layernorm.weight", (hidden_size,)),
+            (f"{p}.self_attn.q_proj.weight", (num_heads * head_dim, hidden_size)),
+            (f"{p}.self_attn.k_proj.weight", (num_kv_heads * head_dim, hidden_size)),
+            (f"{p}.self_attn.v_proj.weight", (num_kv_heads * head_dim, hidden_size)),
+            (f"{p}.self_attn.o_proj.weight", (hidden_size, num_heads * head_dim)),
+            (f"{p}.self_attn.q_norm.weight", (head_dim,)),
+            (f"{p}.self_attn.k_norm.weight", (head_dim,)),
+            (f"{p}.post_attention_layernorm.weight", (hidden_size,)),
+            (f"{p}.mlp.gate_proj.weight", (intermediate_size, hidden_size)),
+            (f"{p}.mlp.up_proj.weight", (intermediate_size, hidden_size)),
+            (f"{p}.mlp.down_proj.weight", (hidden_size, intermediate_size)),
+        ]
+    shapes.append(("model.norm.weight", (hidden_size,)))
+    if not tie_word_embeddings:
+        shapes.append(("lm_head.weight", (vocab_size, hidden_size)))
+    return shapes
+
+
+def _write_safetensors(
+    out_dir: Path,
+    shapes: list[tuple[str, tuple[int, ...]]],
+    *,
+    hidden_size: int,
+    embed_std: float,
+    dtype: torch.dtype,
+    seed: int,
+    max_shard_bytes: int | None,
+) -> None:
+    """Generate and write the tensors, one shard in memory at a time."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        nbytes = math.prod(shape) * itemsize
+        if max_shard_bytes is not None and groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, group in enumerate(groups):
+        fname = (
+            "model.safetensors"
+            if max_shard_bytes is None
+            else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        )
+        tensors = {
+            name: _random_tensor(
+                name, shape, hidden_size=hidden_size, embed_std=embed_std, gen=gen
+            ).to(dtype)
+            for name, shape in group
+        }
+        save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        del tensors
+    if max_shard_bytes is not None:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def build_random_qwen3(
+    out_dir: str | Path,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int | None = None,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 4096,
+    max_shard_bytes: int | None = None,
+    rope_theta: float = 1_000_000.0,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a random-weight Qwen3 checkpoint (config, generation config, weights, tokenizer).
+
+    `vocab_size` None uses the tokenizer's size; a larger value pads the embedding table as
+    real checkpoints do (Qwen3's 151936 rows exceed its tokenizer). `max_shard_bytes` splits the
+    weights into several files with a `model.safetensors.index.json`. Same arguments and seed,
+    same bytes. Returns `out_dir`.
+    """
+    from transformers import GenerationConfig, Qwen3Config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out)
+    if vocab_size is None:
+        vocab_size = len(tok)
+    if vocab_size < len(tok):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tok)}")
+    eos_id = tok.convert_tokens_to_ids(IM_END)
+    pad_id = tok.convert_tokens_to_ids(ENDOFTEXT)
+    torch_dtype = getattr(torch, dtype)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    config.dtype = torch_dtype
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(str(out))
+    gen_config = GenerationConfig(
+        eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, bos_token_id=pad_id
+    )
+    gen_config.save_pretrained(str(out))
+    shapes = _tensor_shapes(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    _write_safetensors(
+        out,
+        shapes,
+        hidden_size=hidden_size,
+        embed_std=_EMBED_STD_TIED if tie_word_embeddings else _EMBED_STD_UNTIED,
+        dtype=torch_dtype,
+        seed=seed,
+        max_shard_bytes=max_shard_bytes,
+    )
+    return out
+
+
+# -- the built-in demo model ----------------------------------------------------------------
+
+# Bump when the demo's shape or weights change, so old caches are not reused.
+DEMO_VERSION = 1
+DEMO_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=192,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+    seed=0,
+)
+
+
+def demo_checkpoint_dir() -> Path:
+    """The tiny random demo checkpoint, built on first use and cached.
+
+    Lives in `$TP_ENGINE_CACHE/demo-qwen3-v<N>` (default cache `~/.cache/tp_engine`). Built
+    in a temporary directory next to it and renamed into place: the rename is atomic, so a
+    concurrent first use (every torchrun rank at once) either wins or finds the finished
+    directory, and nobody ever reads a half-written checkpoint.
+    """
+    root = Path(os.environ.get("TP_ENGINE_CACHE") or Path.home() / ".cache" / "tp_engine")
+    final = root / f"demo-qwen3-v{DEMO_VERSION}"
+    if (final / "config.json").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    try:
+        build_random_qwen3(tmp, **DEMO_SHAPE)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process renamed its copy first; theirs is complete, use it.
+            if not (final / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,331 @@
+"""The offline API: `LLM(model, tensor_parallel_size=N).generate(prompts, params)`.
+
+Three ways to run, one engine:
+
+- plain Python, N = 1: everything happens in this process;
+- plain Python, N > 1: this process becomes rank 0 and starts ranks 1..N-1 as child processes
+  (`python -m rank_worker.worker`) that rendezvous with it on 127.0.0.1;
+- under torchrun (RANK and WORLD_SIZE set): every rank constructs `LLM`; on rank 0 it returns
+  the engine, on the other ranks it serves rank 0 until shutdown and then exits the process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence as SequenceOf
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from rank_worker.tp import destroy_process_group, init_process_group
+from rank_worker.worker import run_worker
+from tp_engine.config import EngineConfig
+from tp_engine.engine import EngineDeadError, LLMEngine
+from tp_engine.outputs import CompletionOutput, RequestOutput
+from tp_engine.sampling_params import SamplingParams
+from tp_engine.sequence import Sequence, SequenceStatus
+
+PromptType = str | list[int] | dict[str, Any]
+
+# How long shutdown waits for spawned workers to exit before killing them.
+_WORKER_EXIT_TIMEOUT_S = 10.0
+
+
+class LLM:
+    """Generate completions for a batch of prompts with a tensor-parallel engine."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tensor_parallel_size: int | None = None,
+        dist_backend: str | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else None
+        if world_size is not None and tensor_parallel_size not in (None, world_size):
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} but torchrun started "
+                f"{world_size} ranks; they must match"
+            )
+        tp_size = world_size or tensor_parallel_size or 1
+        # Validate every argument before any process is started.
+        config = EngineConfig(model=model, tensor_parallel_size=tp_size, **engine_kwargs)
+        self._workers: list[subprocess.Popen] = []
+        self._owns_process_group = False
+
+        if under_torchrun:
+            tp = init_process_group(dist_backend)
+            self._owns_process_group = tp.size > 1
+            if not tp.is_first:
+                code = run_worker(tp)
+                destroy_process_group()
+                raise SystemExit(code)
+        elif tp_size > 1:
+            port = _free_port()
+            _limit_cpu_threads(tp_size)
+            self._workers = _spawn_workers(tp_size, port, dist_backend)
+            try:
+                tp = init_process_group(
+                    dist_backend,
+                    rank=0,
+                    world_size=tp_size,
+                    init_method=f"tcp://127.0.0.1:{port}",
+                )
+            except BaseException:
+                self._kill_workers()
+                raise
+            self._owns_process_group = True
+        else:
+            tp = init_process_group(dist_backend, rank=0, world_size=1)
+
+        try:
+            self.engine = LLMEngine(config, tp)
+        except BaseException:
+            self._release(dead=True)
+            raise
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceOf[PromptType],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`.
+
+        A prompt is a string, a list of token ids, or `{"prompt_token_ids": [...]}` (or
+        `{"prompt": "..."}`). A bad prompt or parameter raises ValueError before anything runs.
+        """
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        requests = [
+            (self._prompt_ids(p), p, sp) for p, sp in zip(prompt_list, params_list, strict=True)
+        ]
+
+        seqs: list[Sequence] = []
+        try:
+            for token_ids, _, params in requests:
+                seqs.append(self.engine.add_request(f"gen-{next(self._ids)}", token_ids, params))
+        except ValueError:
+            for seq in seqs:
+                self.engine.abort_request(seq.request_id)
+            raise
+        texts = self._run(seqs, use_tqdm)
+        return [
+            RequestOutput(
+                request_id=seq.request_id,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=token_ids,
+                outputs=[
+                    CompletionOutput(
+                        index=0,
+                        text=text,
+                        token_ids=seq.output_token_ids,
+                        finish_reason=seq.finish_reason,
+                        stop_reason=seq.stop_reason,
+                    )
+                ],
+                finished=True,
+                num_cached_tokens=seq.num_cached_tokens,
+            )
+            for seq, text, (token_ids, prompt, _) in zip(seqs, texts, requests, strict=True)
+        ]
+
+    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[str]:
+        """Step the engine until every sequence finished; returns their final texts."""
+        texts: dict[str, str] = {}
+        bar = tqdm(
+            total=len(seqs), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        )
+        prefill_tokens = decode_tokens = 0
+        start = time.perf_counter()
+        remaining = {seq.request_id for seq in seqs}
+        try:
+            while remaining:
+                result = self.engine.step()
+                prefill_tokens += result.num_prefill_tokens
+                decode_tokens += result.num_decode_tokens
+                done = list(result.finished)
+                for seq in result.sampled:
+                    if (
+                        seq.sampling_params.stop
+                        and not seq.is_finished
+                        and self._hit_stop_string(seq, texts)
+                    ):
+                        done.append(seq)
+                for seq in done:
+                    if seq.request_id not in texts:
+                        texts[seq.request_id] = self._detokenize(seq)
+                    remaining.discard(seq.request_id)
+                if done:
+                    bar.update(len(done))
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(
+                        f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
+                        f"decode {decode_tokens / elapsed:.0f} tok/s"
+                    )
+        except EngineDeadError:
+            self._release(dead=True)
+            raise
+        except BaseException:
+            for seq in seqs:
+                self.engine.abort_request(seq.request_id)
+            raise
+        finally:
+            bar.close()
+        return [texts[seq.request_id] for seq in seqs]
+
+    def _hit_stop_string(self, seq: Sequence, texts: dict[str, str]) -> bool:
+        """End `seq` if its text contains a stop string; the text is cut before it."""
+        text = self._detokenize(seq)
+        hits = [(text.find(s), s) for s in seq.sampling_params.stop if s in text]
+        if not hits:
+            return False
+        position, stop = min(hits)
+        self.engine.scheduler.finish(seq.request_id, SequenceStatus.FINISHED_STOPPED)
+        seq.stop_reason = stop
+        texts[seq.request_id] = text[:position]
+        return True
+
+    def _detokenize(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(
+            seq.output_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens
+        )
+
+    def _prompt_ids(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return list(prompt)
+        raise ValueError(
+            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the workers and free the channel. Idempotent; also runs at interpreter exit."""
+        if getattr(self, "_closed", True):
+            return
+        self._release(dead=False)
+
+    def _release(self, dead: bool) -> None:
+        self._closed = True
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+        if dead:
+            self._kill_workers()
+        else:
+            self._wait_workers()
+        if self._owns_process_group:
+            # Also after a failure: the peers are gone (killed above), and a later LLM in this
+            # process needs a fresh group.
+            self._owns_process_group = False
+            destroy_process_group()
+
+    def _wait_workers(self) -> None:
+        deadline = time.monotonic() + _WORKER_EXIT_TIMEOUT_S
+        for proc in self._workers:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._workers = []
+
+    def _kill_workers(self) -> None:
+        for proc in self._workers:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self._workers:
+            proc.wait()
+        self._workers = []
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: PromptType | SequenceOf[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    if not prompts:
+        raise ValueError("no prompts given")
+    return prompts
+
+
+def _as_params_list(
+    params: SamplingParams | SequenceOf[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"{len(params)} sampling params for {n} prompts")
+    return params
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _limit_cpu_threads(world_size: int) -> None:
+    """On CPU, N ranks on one machine would each start a thread per core; share the cores."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
+def _spawn_workers(world_size: int, port: int, backend: str | None) -> list[subprocess.Popen]:
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    procs = []
+    for rank in range(1, world_size):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TP_ENGINE_DIST_BACKEND=backend or "",
+            TP_ENGINE_WORKER_THREADS=str(threads),
+        )
+        procs.append(subprocess.Popen([sys.executable, "-m", "rank_worker.worker"], env=env))
+    return procs

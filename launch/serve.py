@@ -1,4 +1,4 @@
-"""OpenAI-compatible server entry point (not built yet)."""
+"""OpenAI-compatible server entry point (not built yet; `launch/generate.py` runs the engine)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import sys
 
 def main() -> int:
     print(
-        "tp-engine: the OpenAI-compatible server is not built yet; the control plane is. "
-        "Run `python -m pytest -q` to exercise it.",
+        "tp-engine: the OpenAI-compatible HTTP server is not built yet. The engine itself is: "
+        "`python launch/generate.py [--model DIR] [--tensor-parallel-size N]` runs it offline "
+        "(also under torchrun).",
         file=sys.stderr,
     )
-    return 0
+    return 2
 
 
 if __name__ == "__main__":

@@ -40,6 +40,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton", "flash_attn"],
+        default="auto",
+        help="auto: flash_attn when installed and --block-size is a multiple of 256, else "
+        "triton on GPU, torch on CPU",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     return p.parse_args(argv)
@@ -57,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
     )
     prompts = args.prompt or DEFAULT_PROMPTS
     if args.chat:

@@ -15,7 +15,8 @@ from shm_ipc.step_plan import StepPlan
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
 
 
-def _to_device(arr: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def to_device(arr: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A plan array on `device` as `dtype` (int64 or int32), copied out of the plan."""
     # astype copies out of the read-only shared-memory view (and widens where asked).
     host = torch.from_numpy(arr.astype(_NUMPY_DTYPES[dtype]))
     return host.to(device)
@@ -34,16 +35,16 @@ def prepare_inputs(
     seq_lens_host = np.array(plan.seq_lens, dtype=np.int32)  # [B]
     query_lens = np.diff(query_start_loc_host)
     meta = AttentionMetadata(
-        slot_mapping=_to_device(plan.slot_mapping, device, torch.int64),  # [T]
+        slot_mapping=to_device(plan.slot_mapping, device, torch.int64),  # [T]
         query_start_loc=torch.from_numpy(query_start_loc_host).to(device),  # [B+1]
         seq_lens=torch.from_numpy(seq_lens_host).to(device),  # [B]
-        block_table=_to_device(plan.block_table, device, torch.int32),  # [B, W]
+        block_table=to_device(plan.block_table, device, torch.int32),  # [B, W]
         max_query_len=int(query_lens.max()) if query_lens.size else 0,
         max_seq_len=int(seq_lens_host.max()) if seq_lens_host.size else 0,
         query_start_loc_host=query_start_loc_host,
         seq_lens_host=seq_lens_host,
     )
-    input_ids = _to_device(plan.input_ids, device, torch.int64)  # [T]
-    positions = _to_device(plan.positions, device, torch.int64)  # [T]
-    logits_indices = _to_device(plan.logits_indices, device, torch.int64)  # [B']
+    input_ids = to_device(plan.input_ids, device, torch.int64)  # [T]
+    positions = to_device(plan.positions, device, torch.int64)  # [T]
+    logits_indices = to_device(plan.logits_indices, device, torch.int64)  # [B']
     return input_ids, positions, meta, logits_indices

@@ -6,12 +6,16 @@ rank 0 only. The runner holds no request state: what a step needs is in the plan
 leaves behind is K/V in cache slots that rank 0's block manager accounts for.
 
 Life cycle: construct (load weights) → `determine_num_kv_blocks()` (every rank, collective) →
-`init_kv_cache(n)` with the agreed n → `execute(plan)` per step.
+`init_kv_cache(n)` with the agreed n (on GPU this also captures the decode CUDA graphs, a
+collective too) → `execute(plan)` per step. Decode-only steps replay a graph when one fits
+(`rank_worker.cuda_graphs`); every other step runs eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +23,9 @@ import numpy as np
 import torch
 
 from rank_worker.attention.backend import get_backend
-from rank_worker.input_prep import prepare_inputs
+from rank_worker.attention.selection import select_backend
+from rank_worker.cuda_graphs import DecodeGraphRunner, disabled_reason
+from rank_worker.input_prep import prepare_inputs, to_device
 from rank_worker.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
@@ -32,6 +38,8 @@ from rank_worker.runner_config import RunnerConfig
 from rank_worker.sampler import sample
 from rank_worker.tp import TPInfo, all_reduce_min_int
 from shm_ipc.step_plan import Command, StepPlan
+
+logger = logging.getLogger(__name__)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -57,6 +65,14 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     return ckpt if ckpt in _SUPPORTED_DTYPES else torch.float32
 
 
+def ranks_sharing_device(device: torch.device, tp: TPInfo) -> int:
+    """How many ranks of this node run on `device` (more than one only over gloo, when ranks
+    outnumber GPUs). Local rank r runs on GPU `r % device_count` (`worker.default_device`)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", tp.size))
+    count = torch.cuda.device_count()
+    return sum(1 for r in range(local_ranks) if r % count == device.index) or 1
+
+
 class ModelRunner:
     """This rank's shard of the model plus its KV cache (see the module docstring)."""
 
@@ -66,23 +82,36 @@ class ModelRunner:
         config: RunnerConfig,
         tp: TPInfo,
         device: torch.device | str,
-        *,
-        attention_backend: str = "torch",
     ) -> None:
         self.config = config
         self.tp = tp
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            # Triton launches on the current device, whatever device its tensors are on.
+            torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
         self.hf_config = load_hf_config(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        # Checked before the weights load: a backend that cannot run fails in a second.
+        self.attention_backend = get_backend(
+            select_backend(
+                config.attention_backend,
+                device=self.device,
+                block_size=config.block_size,
+                dtype=self.dtype,
+            )
+        )
         self.model = Qwen3ForCausalLM(
-            self.hf_config, tp, self.dtype, self.device, get_backend(attention_backend)
+            self.hf_config, tp, self.dtype, self.device, self.attention_backend
         )
         load_weights(self.model, model_dir)
         self.model.eval()
         self.kv_spec = KVCacheSpec.for_model(self.hf_config, tp, config.block_size, self.dtype)
         self.kv_caches: list[KVCachePair] | None = None
         self.num_kv_blocks: int | None = None
+        self.graph_runner: DecodeGraphRunner | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -93,9 +122,11 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             local = self.config.num_kv_blocks
         elif self.device.type == "cuda":
+            # What is left of the device after every rank's weights (the measurement counts
+            # other processes' memory as used), split between the ranks that share the device.
             local = measure_gpu_num_blocks(
                 self.kv_spec, self._warmup, self.config.gpu_memory_utilization, self.device
-            )
+            ) // ranks_sharing_device(self.device, self.tp)
         else:
             local = cpu_num_blocks(
                 self.kv_spec, self.config.num_kv_blocks, self.config.kv_cache_memory_bytes
@@ -103,9 +134,26 @@ class ModelRunner:
         return all_reduce_min_int(local, self.tp)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the cache; `num_blocks` must be the same on every rank."""
+        """Allocate the cache, then capture the decode graphs where they are on; `num_blocks`
+        must be the same on every rank (and every rank captures the same sizes in the same
+        order, since capture runs the forward's collectives)."""
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         self.num_kv_blocks = num_blocks
+        reason = disabled_reason(
+            self.device, self.config.enforce_eager, self.attention_backend, self.tp
+        )
+        if reason is not None:
+            logger.info("rank %d: no CUDA graphs: %s", self.tp.rank, reason)
+            return
+        self.graph_runner = DecodeGraphRunner(
+            self.model,
+            self.kv_caches,
+            max_num_seqs=min(self.config.max_num_seqs, self.config.max_num_batched_tokens),
+            max_model_len=int(self.config.max_model_len),
+            block_size=self.config.block_size,
+            device=self.device,
+        )
+        self.graph_runner.capture()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
@@ -114,11 +162,17 @@ class ModelRunner:
             raise ValueError(f"step {plan.step_id}: execute takes RUN plans, got {plan.command!r}")
         if self.kv_caches is None:
             raise RuntimeError("execute before init_kv_cache")
+        if self.graph_runner is not None and self.graph_runner.can_run(plan):
+            hidden = self.graph_runner.run(plan)  # [B, hidden], one row per sequence
+            return self._logits(hidden, to_device(plan.logits_indices, self.device, torch.int64))
         return self._forward(plan, self.kv_caches)
 
     def _forward(self, plan: StepPlan, kv_caches: list[KVCachePair]) -> torch.Tensor | None:
         input_ids, positions, meta, logits_indices = prepare_inputs(plan, self.device)
         hidden = self.model(input_ids, positions, meta, kv_caches)  # [T, hidden]
+        return self._logits(hidden, logits_indices)
+
+    def _logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:
         if logits_indices.numel() == 0:
             # A step of mid-prompt chunks only. Every rank sees the same plan, so all of them
             # skip the gather together.

@@ -33,6 +33,9 @@ class RunnerConfig:
     kv_cache_memory_bytes: int | None = None
     # No CUDA graphs.
     enforce_eager: bool = False
+    # "auto", "torch", "triton" or "flash_attn"; each rank resolves it for its device and dtype
+    # (`rank_worker.attention.selection`).
+    attention_backend: str = "auto"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

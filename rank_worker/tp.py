@@ -64,12 +64,14 @@ def init_process_group(
     rank: int | None = None,
     world_size: int | None = None,
     init_method: str | None = None,
+    store: dist.Store | None = None,
     timeout_s: float = 600.0,
 ) -> TPInfo:
     """Join the process group described by torchrun's environment (or the explicit arguments).
 
     RANK and WORLD_SIZE come from the environment unless given; MASTER_ADDR/MASTER_PORT are read
-    by torch's `env://` rendezvous unless `init_method` (e.g. `file:///tmp/x` in tests) is given.
+    by torch's `env://` rendezvous unless `init_method` (e.g. `file:///tmp/x` in tests) or a
+    ready `store` (see `rank_worker.launcher`) is given.
     `backend` None picks NCCL with CUDA and gloo without. With CUDA, LOCAL_RANK selects the device
     first so that NCCL binds each rank to its own GPU. A world of one creates no group.
     """
@@ -94,7 +96,8 @@ def init_process_group(
         return tp
     dist.init_process_group(
         backend=backend,
-        init_method=init_method or "env://",
+        init_method=None if store is not None else (init_method or "env://"),
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 import msgpack
@@ -23,9 +25,10 @@ import torch
 
 from rank_worker.faults import maybe_inject
 from rank_worker.runner_config import RunnerConfig
-from rank_worker.tp import TPInfo, broadcast_bytes, destroy_process_group, init_process_group
+from rank_worker.tp import TPInfo, broadcast_bytes, destroy_process_group
 from shm_ipc import ChannelHandle, Command, OwnerDiedError, PlanReceiver
 from shm_ipc.errors import ChannelClosed
+from shm_ipc.liveness import ProcessWatch
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +66,14 @@ class Bootstrap:
 
 
 def default_device(tp: TPInfo) -> torch.device:
-    """This rank's device: its local GPU when the group runs NCCL, else the CPU."""
-    import torch.distributed as dist
+    """This rank's device: GPU `LOCAL_RANK % device_count` whenever CUDA is available, else the
+    CPU.
 
-    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
+    Also under gloo: then ranks may outnumber GPUs and share one (TP = 2 or 4 on a single GPU),
+    their collectives staged through host memory (`tp.all_reduce`) and their decode steps run
+    without CUDA graphs (`cuda_graphs.disabled_reason`).
+    """
+    if torch.cuda.is_available():
         return torch.device(
             "cuda", int(os.environ.get("LOCAL_RANK", tp.rank)) % torch.cuda.device_count()
         )
@@ -82,6 +89,7 @@ def run_worker(tp: TPInfo, device: torch.device | None = None) -> int:
     boot = Bootstrap.from_bytes(broadcast_bytes(None, tp))
     device = device or default_device(tp)
     receiver = PlanReceiver(boot.channel, tp.rank)
+    _start_owner_watchdog(boot.channel.owner_pid, tp.rank)
     step_id: int | None = None
     try:
         runner = ModelRunner(boot.model_dir, boot.runner_config, tp, device)
@@ -105,11 +113,33 @@ def run_worker(tp: TPInfo, device: torch.device | None = None) -> int:
         receiver.close()
 
 
+def _start_owner_watchdog(owner_pid: int, rank: int) -> None:
+    """Exit this process if rank 0 dies while this rank is blocked somewhere other than `recv`.
+
+    `recv` notices a dead rank 0 by itself; a rank blocked inside a collective would otherwise
+    wait for the process group's timeout (NCCL does not notice a vanished peer), holding its GPU.
+    The watchdog waits for two consecutive checks so that `recv`'s own, cleaner exit wins when
+    the rank is idle.
+    """
+
+    def watch() -> None:
+        owner = ProcessWatch(owner_pid)
+        dead_checks = 0
+        while dead_checks < 2:
+            time.sleep(1.0)
+            dead_checks = dead_checks + 1 if not owner.alive() else 0
+        logger.error("rank %d: rank 0 (pid %d) died; exiting", rank, owner_pid)
+        os._exit(EXIT_OWNER_DIED)
+
+    threading.Thread(target=watch, name=f"rank{rank}-owner-watchdog", daemon=True).start()
+
+
 def main() -> int:
-    """Entry point of a worker process started by `LLM` (env: RANK, WORLD_SIZE, MASTER_*)."""
+    """Entry point of a worker process started by `rank_worker.launcher.spawn_local_group`."""
+    from rank_worker.launcher import join_local_group
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    torch.set_num_threads(int(os.environ.get("TP_ENGINE_WORKER_THREADS", torch.get_num_threads())))
-    tp = init_process_group(os.environ.get("TP_ENGINE_DIST_BACKEND") or None)
+    tp = join_local_group()
     try:
         return run_worker(tp)
     finally:

@@ -35,7 +35,14 @@ def test_generate_plain_python_and_torchrun_agree(env):
         assert r["finish_reason"] in ("length", "stop") and 1 <= len(r["token_ids"]) <= 6
 
     spawned = run([sys.executable, "launch/generate.py", "--tensor-parallel-size", "2", *ARGS], env)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
     under_torchrun = run([*torchrun, "launch/generate.py", *ARGS], env)
     # Greedy and float32: the tensor-parallel runs give the same tokens as one rank.
     assert [r["token_ids"] for r in spawned] == [r["token_ids"] for r in single]

@@ -130,10 +130,33 @@ def test_prompt_forms_and_text(llm):
     assert first.text == tok.decode(first.token_ids, skip_special_tokens=True)
 
 
+def test_stop_string_completed_by_the_last_token(llm):
+    # The stop string ends exactly at the last allowed token: max_tokens and the stop string
+    # fire in the same step, and the stop string must still win (text cut, reason "stop").
+    llm.engine.reconfigure()
+    prompts = [[i, i + 1, i + 2] for i in range(1, 200, 7)]
+    outs = llm.generate(prompts, greedy(6), use_tqdm=False)
+    cases = [(p, o.outputs[0].text) for p, o in zip(prompts, outs, strict=True)]
+    cases = [(p, text) for p, text in cases if len(text) >= 2][:3]
+    assert cases, "no prompt produced text to build a stop string from"
+    for prompt, text in cases:
+        stop = text[-2:]
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=[stop])
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert got.text == text[: text.find(stop)]
+        assert (got.finish_reason, got.stop_reason) == ("stop", stop)
+
+
 def test_bad_requests_are_refused_and_nothing_is_lost(llm):
     vocab = llm.engine.vocab_size
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 2, 3], [vocab + 5]], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="integer token ids"):
+        llm.generate([[1, 2, 3], {"prompt_token_ids": ["x"]}], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="integer token ids"):
+        llm.generate([{"prompt_token_ids": [5.9, 6.2]}], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"top_p=0.5 is not supported yet"):
+        llm.generate([[1, 2, 3]], SamplingParams(top_p=0.5), use_tqdm=False)
     with pytest.raises(ValueError, match="maximum context length"):
         llm.generate([[1] * (MAX_MODEL_LEN - 2)], greedy(5), use_tqdm=False)
     assert not llm.engine.has_unfinished()

@@ -39,7 +39,7 @@ def test_a_failing_worker_fails_generate_naming_the_rank(checkpoints, monkeypatc
         block_size=4,
         num_kv_blocks=64,
     )
-    workers = list(llm._workers)
+    workers = list(llm._group.procs)
     with pytest.raises(EngineDeadError, match=r"rank 1") as info:
         llm.generate([[1, 2, 3, 4, 5]] * 3, greedy(8), use_tqdm=False)
     assert info.value.rank == 1
@@ -49,3 +49,10 @@ def test_a_failing_worker_fails_generate_naming_the_rank(checkpoints, monkeypatc
     assert _shm_entries() <= before
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2]], greedy(2), use_tqdm=False)
+
+
+def test_a_worker_that_dies_before_joining_is_named_at_once(checkpoints, monkeypatch):
+    # A malformed fault spec makes the worker fail at import, before it joins the group.
+    monkeypatch.setenv("TP_ENGINE_FAULT", "not a fault spec")
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited with code 1 before joining"):
+        LLM(str(checkpoints["tied_kv2_oddvocab"]), tensor_parallel_size=2, num_kv_blocks=8)

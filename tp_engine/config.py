@@ -12,6 +12,10 @@ import math
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Checked again, with the device and dtype in hand, by rank_worker.attention.selection.
+_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+# flash-attn 2's paged KV cache accepts only page sizes that are multiples of 256.
+_FLASH_ATTN_BLOCK_MULTIPLE = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
@@ -49,6 +53,9 @@ class EngineConfig:
     # Bytes per rank for the KV cache when num_kv_blocks is not set and memory is not measured
     # (the CPU path); None = 1 GiB on CPU.
     kv_cache_memory_bytes: int | None = None
+    # Paged-attention implementation: "torch", "triton", "flash_attn" (needs block_size a
+    # multiple of 256), or "auto" = flash_attn where it can run, else triton on GPU, torch on CPU.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
@@ -66,6 +73,19 @@ class EngineConfig:
             f"must be in (0, 1], got {self.gpu_memory_utilization}",
         )
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _check(
+            self.attention_backend in _ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        if self.attention_backend == "flash_attn":
+            _check(
+                self.block_size % _FLASH_ATTN_BLOCK_MULTIPLE == 0,
+                "attention_backend",
+                f"'flash_attn' needs a block_size that is a multiple of "
+                f"{_FLASH_ATTN_BLOCK_MULTIPLE} (its paged KV cache accepts no other), got "
+                f"block_size={self.block_size}",
+            )
         if self.num_kv_blocks is not None:
             _check(self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         if self.kv_cache_memory_bytes is not None:

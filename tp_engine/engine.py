@@ -63,7 +63,8 @@ class StepResult:
 
 
 def runner_config_for(config: EngineConfig) -> RunnerConfig:
-    assert config.max_model_len is not None
+    if config.max_model_len is None:
+        raise ValueError("max_model_len is not resolved yet; call with_model_defaults first")
     return RunnerConfig(
         max_model_len=config.max_model_len,
         block_size=config.block_size,
@@ -75,6 +76,7 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         enforce_eager=config.enforce_eager,
+        attention_backend=config.attention_backend,
     )
 
 
@@ -118,18 +120,25 @@ class LLMEngine:
         runner_config = runner_config_for(self.config)
 
         self.channel: PlanBroadcaster | None = None
-        if tp.size > 1:
-            self.channel = PlanBroadcaster(num_readers=tp.size - 1)
-            boot = Bootstrap(str(model_dir), runner_config, self.channel.handle)
-            broadcast_bytes(boot.to_bytes(), tp)
-            self.channel.wait_for_readers()
         self.step_id = 0
-        with self._failures_named("start-up"):
-            self.runner = ModelRunner(model_dir, runner_config, tp, device or default_device(tp))
-            self.num_kv_blocks = self.runner.determine_num_kv_blocks()
-            self.runner.init_kv_cache(self.num_kv_blocks)
-        self.scheduler = self._build_scheduler(self.config)
         self._dead: EngineDeadError | None = None
+        try:
+            if tp.size > 1:
+                self.channel = PlanBroadcaster(num_readers=tp.size - 1)
+                boot = Bootstrap(str(model_dir), runner_config, self.channel.handle)
+                broadcast_bytes(boot.to_bytes(), tp)
+                self.channel.wait_for_readers()
+            with self._failures_named("start-up"):
+                self.runner = ModelRunner(
+                    model_dir, runner_config, tp, device or default_device(tp)
+                )
+                self.num_kv_blocks = self.runner.determine_num_kv_blocks()
+                self.runner.init_kv_cache(self.num_kv_blocks)
+        except BaseException:
+            if self.channel is not None:
+                self.channel.close()  # the workers see CLOSE and exit non-zero
+            raise
+        self.scheduler = self._build_scheduler(self.config)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -137,8 +146,11 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Sequence:
         """Queue a request; raises ValueError (RequestRejectedError) saying what is wrong."""
-        if params.n != 1:
-            raise ValueError("SamplingParams.n > 1 is not supported yet; send n requests")
+        _refuse_unsupported(params)
+        if not isinstance(prompt_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids
+        ):
+            raise ValueError(f"request {request_id!r}: prompt token ids must be a list of integers")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
@@ -168,6 +180,9 @@ class LLMEngine:
         with self._failures_named(f"step {plan.step_id}"):
             if self.channel is not None:
                 self.channel.publish(plan)
+                # A worker that died since the last step would leave rank 0 waiting in the
+                # forward's first collective; find out now, with its rank and report.
+                self.channel.check_readers()
             maybe_inject(0, plan.step_id)
             logits = self.runner.execute(plan)
         assert logits is not None  # rank 0 always gets the gathered logits
@@ -182,7 +197,7 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if not seqs:
             return []
-        temperatures = torch.tensor(
+        temperatures = torch.tensor(  # [B']
             [seq.sampling_params.temperature for seq in seqs], dtype=torch.float32
         )
         return sample(logits, temperatures).tolist()
@@ -218,6 +233,10 @@ class LLMEngine:
                 f"num_kv_blocks {num_blocks} exceeds the allocated {self.num_kv_blocks}"
             )
         config = dataclasses.replace(self._launch_config, **changes)
+        if config.max_num_seqs > self._launch_config.max_num_seqs:
+            raise ValueError(
+                f"max_num_seqs cannot grow past the launch value ({self._launch_config.max_num_seqs})"
+            )
         launch_budget = self._launch_config.resolved_max_num_batched_tokens
         if config.resolved_max_num_batched_tokens > launch_budget:
             raise ValueError(
@@ -284,6 +303,31 @@ class _FailureGuard:
         return EngineDeadError(
             f"rank 0 failed during {self.what}: {type(exc).__name__}: {exc}", rank=0
         )
+
+
+# Fields that the sampler does not implement yet, with the value that means "off".
+_UNSUPPORTED_DEFAULTS = {
+    "n": 1,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "seed": None,
+    "logprobs": None,
+    "prompt_logprobs": None,
+}
+
+
+def _refuse_unsupported(params: SamplingParams) -> None:
+    """Refuse, rather than silently ignore, sampling controls the sampler does not apply yet."""
+    for name, off in _UNSUPPORTED_DEFAULTS.items():
+        if getattr(params, name) != off:
+            raise ValueError(
+                f"SamplingParams.{name}={getattr(params, name)!r} is not supported yet (only "
+                "greedy and temperature sampling are); leave it at its default"
+            )
 
 
 def _demo_model_dir() -> Path:

@@ -14,16 +14,13 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
+from rank_worker.launcher import LocalGroup, spawn_local_group
 from rank_worker.tp import destroy_process_group, init_process_group
 from rank_worker.worker import run_worker
 from tp_engine.config import EngineConfig
@@ -31,6 +28,7 @@ from tp_engine.engine import EngineDeadError, LLMEngine
 from tp_engine.outputs import CompletionOutput, RequestOutput
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.sequence import Sequence, SequenceStatus
+from tp_engine.stop_strings import find_stop_string
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -59,7 +57,7 @@ class LLM:
         tp_size = world_size or tensor_parallel_size or 1
         # Validate every argument before any process is started.
         config = EngineConfig(model=model, tensor_parallel_size=tp_size, **engine_kwargs)
-        self._workers: list[subprocess.Popen] = []
+        self._group: LocalGroup | None = None
         self._owns_process_group = False
 
         if under_torchrun:
@@ -70,19 +68,7 @@ class LLM:
                 destroy_process_group()
                 raise SystemExit(code)
         elif tp_size > 1:
-            port = _free_port()
-            _limit_cpu_threads(tp_size)
-            self._workers = _spawn_workers(tp_size, port, dist_backend)
-            try:
-                tp = init_process_group(
-                    dist_backend,
-                    rank=0,
-                    world_size=tp_size,
-                    init_method=f"tcp://127.0.0.1:{port}",
-                )
-            except BaseException:
-                self._kill_workers()
-                raise
+            tp, self._group = spawn_local_group(tp_size, dist_backend)
             self._owns_process_group = True
         else:
             tp = init_process_group(dist_backend, rank=0, world_size=1)
@@ -125,7 +111,7 @@ class LLM:
         try:
             for token_ids, _, params in requests:
                 seqs.append(self.engine.add_request(f"gen-{next(self._ids)}", token_ids, params))
-        except ValueError:
+        except Exception:
             for seq in seqs:
                 self.engine.abort_request(seq.request_id)
             raise
@@ -165,13 +151,12 @@ class LLM:
                 prefill_tokens += result.num_prefill_tokens
                 decode_tokens += result.num_decode_tokens
                 done = list(result.finished)
-                for seq in result.sampled:
-                    if (
-                        seq.sampling_params.stop
-                        and not seq.is_finished
-                        and self._hit_stop_string(seq, texts)
-                    ):
-                        done.append(seq)
+                stopped = [
+                    seq
+                    for seq in result.sampled
+                    if seq.sampling_params.stop and self._apply_stop_strings(seq, texts)
+                ]
+                done += [seq for seq in stopped if seq not in done]
                 for seq in done:
                     if seq.request_id not in texts:
                         texts[seq.request_id] = self._detokenize(seq)
@@ -194,14 +179,22 @@ class LLM:
             bar.close()
         return [texts[seq.request_id] for seq in seqs]
 
-    def _hit_stop_string(self, seq: Sequence, texts: dict[str, str]) -> bool:
-        """End `seq` if its text contains a stop string; the text is cut before it."""
-        text = self._detokenize(seq)
-        hits = [(text.find(s), s) for s in seq.sampling_params.stop if s in text]
-        if not hits:
+    def _apply_stop_strings(self, seq: Sequence, texts: dict[str, str]) -> bool:
+        """End `seq` if its text now contains a stop string, cutting the text before it.
+
+        Checked even when the scheduler finished the sequence in this very step (EOS or
+        max_tokens on the token that completes a stop string): the stop string still wins.
+        """
+        if seq.num_output_tokens < seq.sampling_params.min_tokens:
             return False
-        position, stop = min(hits)
-        self.engine.scheduler.finish(seq.request_id, SequenceStatus.FINISHED_STOPPED)
+        text = self._detokenize(seq)
+        hit = find_stop_string(text, seq.sampling_params.stop)
+        if hit is None:
+            return False
+        position, stop = hit
+        if not seq.is_finished:
+            self.engine.scheduler.finish(seq.request_id, SequenceStatus.FINISHED_STOPPED)
+        seq.status = SequenceStatus.FINISHED_STOPPED
         seq.stop_reason = stop
         texts[seq.request_id] = text[:position]
         return True
@@ -214,8 +207,8 @@ class LLM:
     def _prompt_ids(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
@@ -226,7 +219,8 @@ class LLM:
         ):
             return list(prompt)
         raise ValueError(
-            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+            "a prompt must be a string, a list of integer token ids, or a dict with "
+            f"'prompt_token_ids' or 'prompt'; got {type(prompt).__name__}"
         )
 
     # -- lifetime --------------------------------------------------------------------------------
@@ -242,33 +236,17 @@ class LLM:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-        if dead:
-            self._kill_workers()
-        else:
-            self._wait_workers()
+        if self._group is not None:
+            group, self._group = self._group, None
+            if dead:
+                group.kill()
+            else:
+                group.wait(_WORKER_EXIT_TIMEOUT_S)
         if self._owns_process_group:
             # Also after a failure: the peers are gone (killed above), and a later LLM in this
             # process needs a fresh group.
             self._owns_process_group = False
             destroy_process_group()
-
-    def _wait_workers(self) -> None:
-        deadline = time.monotonic() + _WORKER_EXIT_TIMEOUT_S
-        for proc in self._workers:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._workers = []
-
-    def _kill_workers(self) -> None:
-        for proc in self._workers:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in self._workers:
-            proc.wait()
-        self._workers = []
 
     def __enter__(self) -> LLM:
         return self
@@ -299,33 +277,3 @@ def _as_params_list(
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling params for {n} prompts")
     return params
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _limit_cpu_threads(world_size: int) -> None:
-    """On CPU, N ranks on one machine would each start a thread per core; share the cores."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-
-
-def _spawn_workers(world_size: int, port: int, backend: str | None) -> list[subprocess.Popen]:
-    threads = max(1, (os.cpu_count() or 1) // world_size)
-    procs = []
-    for rank in range(1, world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TP_ENGINE_DIST_BACKEND=backend or "",
-            TP_ENGINE_WORKER_THREADS=str(threads),
-        )
-        procs.append(subprocess.Popen([sys.executable, "-m", "rank_worker.worker"], env=env))
-    return procs

@@ -2,5 +2,12 @@
 
 from rank_worker.attention.backend import AttentionBackend, get_backend
 from rank_worker.attention.metadata import AttentionMetadata
+from rank_worker.attention.selection import BACKEND_NAMES, select_backend
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
+__all__ = [
+    "BACKEND_NAMES",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "get_backend",
+    "select_backend",
+]

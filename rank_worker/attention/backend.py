@@ -5,6 +5,12 @@ paged cache, then attend from the step's queries over each sequence's cached con
 matters: a sequence's new tokens attend to each other, and they find each other in the cache.
 Backends are stateless apart from configuration, so one instance serves every layer.
 
+CUDA graphs. A backend with `supports_cuda_graphs` handles a decode-only batch
+(`max_query_len == 1`) with device work alone: no host synchronisation, no host-to-device copy,
+and the metadata's host fields (`seq_lens_host`, `max_seq_len`) used only as upper bounds to
+size work, since a captured graph is replayed with other sequence lengths than it was captured
+with (`rank_worker.cuda_graphs` captures with `max_model_len` there).
+
 Cache layout (per layer, K and V alike): `[num_blocks, block_size, num_kv_heads, head_dim]`,
 token `i` of a sequence at `cache[block_table[i // block_size], i % block_size]`.
 """
@@ -22,6 +28,8 @@ class AttentionBackend(ABC):
     """Paged attention over a `[num_blocks, block_size, num_kv_heads, head_dim]` KV cache."""
 
     name: str
+    # Decode-only batches may be captured in a CUDA graph (see the module docstring).
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def store_kv(
@@ -63,9 +71,24 @@ class AttentionBackend(ABC):
 
 
 def get_backend(name: str = "torch") -> AttentionBackend:
-    """The backend called `name` ("torch" for now; "triton" and "flash_attn" come later)."""
+    """A new backend called `name` ("torch", "triton" or "flash_attn").
+
+    Does not check that it can run here: `selection.select_backend` does, with the device and
+    dtype in hand, and resolves "auto". Imports are deferred so that the torch path never
+    imports Triton or flash-attn.
+    """
     if name == "torch":
         from rank_worker.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: 'torch'")
+    if name == "triton":
+        from rank_worker.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if name == "flash_attn":
+        from rank_worker.attention.flash_attn_backend import FlashAttnBackend
+
+        return FlashAttnBackend()
+    raise ValueError(
+        f"unknown attention backend {name!r}; available: 'torch', 'triton', 'flash_attn'"
+    )

@@ -39,7 +39,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     # Host copies of query_start_loc and seq_lens: the torch backend loops over sequences on
-    # the host, and reading these from the GPU would force a sync per layer.
+    # the host, and reading these from the GPU would force a sync per layer. In a batch
+    # captured in a CUDA graph, max_seq_len and seq_lens_host hold an upper bound
+    # (max_model_len), not the lengths the graph is replayed with (see `AttentionBackend`).
     query_start_loc_host: np.ndarray
     seq_lens_host: np.ndarray
 

@@ -1,0 +1,111 @@
+"""Checks and launch facts shared by the kernel wrappers (no kernels here).
+
+Every host wrapper validates its tensors before launch, because a Triton kernel given a wrong
+stride or dtype does not fail: it reads the wrong memory. None of these checks reads device
+memory, so the wrappers stay free of host-device syncs and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def interpreting(kernel: object) -> bool:
+    """Whether `kernel` (a `@triton.jit` function) runs under the Triton interpreter.
+
+    Triton decides this once, when the decorator runs (`TRITON_INTERPRET=1` at import time), so
+    the kernel object itself is the reliable witness, not the environment now.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def check_device(kernel: object, *tensors: torch.Tensor) -> None:
+    """All tensors on one device, and a device this kernel can run on."""
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"tensors on different devices: {device} and {t.device}")
+    if device.type != "cuda" and not interpreting(kernel):
+        raise ValueError(
+            f"Triton kernels need CUDA tensors, got {device}; to run them on CPU set "
+            "TRITON_INTERPRET=1 before `kernels` is imported (the tests do this)"
+        )
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_index(name: str, t: torch.Tensor, ndim: int) -> None:
+    """An int32/int64 index tensor of `ndim` dims, contiguous (kernels index it flat)."""
+    if t.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    """The innermost dim is dense: vectorised loads need it, other strides are passed in."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """`[num_blocks, block_size, num_kv_heads, head_dim]`, K and V alike, contiguous."""
+    if k_cache.dim() != 4:
+        raise ValueError(
+            "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} differs from k_cache "
+            f"{tuple(k_cache.shape)} {k_cache.dtype}"
+        )
+    check_float("k_cache", k_cache)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+
+
+def dot_options(kernel: object, dtype: torch.dtype) -> dict[str, object]:
+    """Constexprs that pick how `tl.dot` runs for inputs of `dtype`.
+
+    - fp32 inputs: "ieee" precision. Triton's default for fp32 is TF32 (10-bit mantissa), which
+      would make fp32 attention no more exact than bf16 and break fp32 bit-closeness to the
+      torch reference the project's equality tests rely on.
+    - bf16 under the interpreter: the operands are upcast to fp32 first. Triton 3.x's
+      interpreter keeps bf16 as raw uint16 and `tl.dot` multiplies those integers, which is
+      garbage; on a GPU bf16 goes to the tensor cores as is.
+    """
+    return {
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "UPCAST_DOT": dtype == torch.bfloat16 and interpreting(kernel),
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors on `device`; a nominal 8 elsewhere (the interpreter), which keeps
+    the split heuristics exercised by CPU tests without making them slow."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else 0)
+    return 8
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))

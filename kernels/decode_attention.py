@@ -1,0 +1,324 @@
+"""Attention of one new token per sequence over its paged context, split along the context.
+
+A decode batch has one query per sequence, so one program per (sequence, KV head) gives a
+small batch with a long context too few programs to fill a GPU: a single 32k-token sequence
+would run on 8 of 132 SMs. Split-KV ("flash-decoding") cuts each context into `num_splits`
+slices:
+
+- stage 1, grid `(B, num_kv_heads, num_splits)`: each program attends the GQA group of its KV
+  head (all `GROUP` query heads as rows of one tile, so each K/V tile is read once per group)
+  over its slice, and writes the slice's normalised output and log-sum-exp per query head;
+- stage 2, grid `(B, num_heads)`: merges the slices, weighting each by `exp(lse - max lse)`.
+
+With `num_splits == 1` stage 1 writes the final output itself and stage 2 is skipped. A
+sequence with `seq_len == 0` (a padding row of a CUDA-graph batch) gets zeros, not NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    check_device,
+    check_float,
+    check_index,
+    check_kv_cache,
+    check_last_dim_contiguous,
+    dot_options,
+    interpreting,
+    next_pow2,
+    num_sms,
+)
+from kernels._paged_tile import attend_tile
+
+_LOG2E = 1.4426950408889634
+# Below this many context tokens per slice, the partial writes and the merge cost more than the
+# extra parallelism gains.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """Slices per context so that stage 1 runs about two waves of programs on `num_sms` SMs.
+
+    One sequence of 32k tokens with 8 KV heads on 132 SMs -> 33 splits; a batch of 64 such
+    sequences -> 1. Never cuts slices shorter than `MIN_TOKENS_PER_SPLIT` tokens.
+    """
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = triton.cdiv(2 * num_sms, programs)
+    by_length = triton.cdiv(max(max_context_len, 1), MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+@triton.jit
+def _decode_split_kernel(
+    out_ptr,  # [B, num_heads, head_dim] final output (written only when NUM_SPLITS == 1)
+    part_out_ptr,  # [B, num_heads, NUM_SPLITS, head_dim] fp32 per-slice normalised output
+    part_lse_ptr,  # [B, num_heads, NUM_SPLITS] fp32 per-slice log2-sum-exp2 (-inf: empty)
+    q_ptr,  # [B, num_heads, head_dim] queries; strides stride_qb, stride_qh, 1
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    seq_lens_ptr,  # [B] int32 context length including the new token
+    block_table_ptr,  # [B, W] int32 physical block ids, row stride stride_bt
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two, at least 16 (tl.dot's minimum M)
+    BLOCK_N: tl.constexpr,  # key positions per tile
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV page
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Slices are whole tiles, so a tile never straddles two slices and only the context's last
+    # tile needs a length mask.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    full_end = tl.minimum(end, (seq_len // BLOCK_N) * BLOCK_N)
+
+    g = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + g  # [BLOCK_H] query heads of this KV head's group
+    row_ok = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_qb + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + (seq_len - 1)  # the new token is the last
+
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, tile, seq_len, k_cache_ptr, v_cache_ptr, table_row,
+            kv_head, qk_scale, stride_cb, stride_cs, stride_ch,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, UPCAST_DOT, DOT_PRECISION,
+        )  # fmt: skip
+    for tile in range(tl.maximum(start, full_end), end, BLOCK_N):  # the ragged last tile
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, tile, seq_len, k_cache_ptr, v_cache_ptr, table_row,
+            kv_head, qk_scale, stride_cb, stride_cs, stride_ch,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, UPCAST_DOT, DOT_PRECISION,
+        )  # fmt: skip
+
+    # An empty slice (short context, or seq_len == 0) has l_i == 0: output 0, lse -inf, so the
+    # merge gives it zero weight.
+    nonempty = l_i > 0.0
+    o = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        part_row = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_H]
+        tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
+        p_ptrs = part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :]
+        tl.store(p_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr,  # [B, num_heads, head_dim] final output; strides stride_ob, stride_oh, 1
+    part_out_ptr,  # [B, num_heads, NUM_SPLITS, head_dim] fp32 per-slice normalised output
+    part_lse_ptr,  # [B, num_heads, NUM_SPLITS] fp32 per-slice log2-sum-exp2 (-inf: empty)
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Grid: (B, num_heads).
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, BLOCK_D)
+    row = seq.to(tl.int64) * NUM_HEADS + head
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    # All slices empty (seq_len == 0): subtracting a finite 0 keeps exp2 at 0 instead of NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # [SPLITS_PAD]
+    o_mask = (s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM)
+    parts = tl.load(
+        part_out_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=o_mask,
+        other=0.0,
+    )  # [SPLITS_PAD, BLOCK_D]
+    w_sum = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * parts, 0) / tl.where(w_sum > 0.0, w_sum, 1.0)
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _launch_config(block_d: int, dtype: torch.dtype, interpret: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). Decode is bandwidth bound: 64-key tiles keep enough
+    loads in flight; fp32 or wide heads halve the tile to bound registers. The interpreter uses
+    16-key tiles so short CPU-test contexts still span several tiles and slices."""
+    if interpret:
+        return 16, 4, 1
+    if dtype == torch.float32 or block_d > 128:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of `query [B, num_heads, head_dim]` (one new token per sequence, already stored
+    in the cache) over each sequence's `seq_lens[i]` cached tokens; returns a new tensor.
+
+    Caches `[num_blocks, block_size, num_kv_heads, head_dim]` contiguous, same dtype as the
+    query; seq_lens `[B]` and block_table `[B, W]` int32. `num_splits=None` picks the split
+    count from the batch size and `W * block_size`, an upper bound of the longest context read
+    from shapes alone: no device sync, and a CUDA graph captured for a fixed W keeps its grid.
+    """
+    check_device(_decode_split_kernel, query, k_cache, v_cache, seq_lens, block_table)
+    check_kv_cache(k_cache, v_cache)
+    check_float("query", query)
+    if query.dim() != 3:
+        raise ValueError(f"query must be [B, num_heads, head_dim], got {tuple(query.shape)}")
+    check_last_dim_contiguous("query", query)
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"query is {query.dtype} but the cache is {k_cache.dtype}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
+    for name, t, ndim in (("seq_lens", seq_lens, 1), ("block_table", block_table, 2)):
+        check_index(name, t, ndim)
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if seq_lens.shape[0] != num_seqs or block_table.shape[0] != num_seqs:
+        raise ValueError(
+            f"seq_lens {tuple(seq_lens.shape)} and block_table {tuple(block_table.shape)} "
+            f"do not match {num_seqs} queries"
+        )
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_seqs, num_kv_heads, block_table.shape[1] * block_size, num_sms(query.device)
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [B, heads, dim]
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_d = next_pow2(head_dim)
+    block_n, num_warps, num_stages = _launch_config(
+        block_d, query.dtype, interpreting(_decode_split_kernel)
+    )
+    if num_splits > 1:
+        # [B, num_heads, num_splits, head_dim] / [B, num_heads, num_splits], fp32 whatever the
+        # input dtype: the merge must not round each slice's output to 8 mantissa bits.
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+    else:
+        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out,
+        part_out,
+        part_lse,
+        query,
+        k_cache,
+        v_cache,
+        seq_lens,
+        block_table,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        BLOCK_H=max(16, next_pow2(group)),
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **dot_options(_decode_split_kernel, query.dtype),
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            out,
+            part_out,
+            part_lse,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=next_pow2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Plain-torch `paged_decode_attention` (no splits): one sequence at a time, fp32 softmax.
+    A sequence with `seq_len == 0` gets zeros, as in the kernel."""
+    del num_splits  # splitting changes the summation order, not the result
+    num_heads = query.shape[1]
+    block_size = k_cache.shape[1]
+    group = num_heads // k_cache.shape[2]
+    out = torch.zeros_like(query)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        pos = torch.arange(seq_len, device=query.device)
+        blocks = block_table[i].long()[pos // block_size]
+        k = k_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
+        v = v_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale  # [heads, seq_len]
+        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v).to(query.dtype)
+    return out

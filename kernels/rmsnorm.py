@@ -1,0 +1,163 @@
+"""RMSNorm, alone or fused with the residual add before it, with Qwen3's rounding.
+
+Hugging Face's Qwen3RMSNorm computes `weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(dtype)`:
+statistics in fp32, the normalised value rounded to the input dtype, THEN multiplied by the
+weight (and rounded again). The kernels round at the same two places, so in bf16 they agree with
+the reference except where a last-bit difference of fp32 rsqrt tips a bf16 rounding; rounding
+once at the end instead would differ from transformers by one ulp in many outputs.
+
+What the fusion pays: `fused_add_rms_norm` reads x and residual once and writes the sum and the
+normed output once (4 tensor passes), where eager torch takes about 8 (add, cast, square, mean,
+rsqrt-mul, cast, mul) and materialises fp32 temporaries. `rms_norm` is also used per head for
+Qwen3's q/k norm (`[T, heads, head_dim]`, rows of 128); there the kernel is mostly launch cost
+and pays only by saving the eager chain's temporaries.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check_device, check_float, check_last_dim_contiguous, next_pow2
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr,  # [R, N] normed rows, contiguous
+    x_ptr,  # [R, N] input rows; row r at (r // inner) * stride_xo + (r % inner) * stride_xi
+    residual_ptr,  # [R, N] residual rows, same row addressing as x (only when ADD_RESIDUAL)
+    sum_ptr,  # [R, N] x + residual, contiguous (only when ADD_RESIDUAL)
+    weight_ptr,  # [N] norm weight, same dtype as x
+    num_rows,
+    inner,  # rows per outer index: 1 for 2-D inputs, num_heads for [T, heads, head_dim]
+    stride_xo,
+    stride_xi,
+    stride_ro,
+    stride_ri,
+    eps,
+    N: tl.constexpr,  # normalised dim (hidden size or head_dim)
+    BLOCK_N: tl.constexpr,  # N rounded up to a power of two
+    ROWS: tl.constexpr,  # rows per program
+    ADD_RESIDUAL: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (cols[None, :] < N)
+    outer = (rows // inner).to(tl.int64)
+    in_row = rows % inner
+    x_off = (outer * stride_xo + in_row * stride_xi)[:, None] + cols[None, :]
+    x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)  # [ROWS, BLOCK_N]
+    dense_off = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if ADD_RESIDUAL:
+        r_off = (outer * stride_ro + in_row * stride_ri)[:, None] + cols[None, :]
+        res = tl.load(residual_ptr + r_off, mask=mask, other=0.0).to(tl.float32)
+        # The residual stream is kept in the input dtype, as the model's eager add does; the
+        # norm then sees the rounded sum.
+        s = (x + res).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + dense_off, s, mask=mask)
+        x = s.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 1) / N + eps)  # [ROWS]
+    normed = (x * inv_rms[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + dense_off, (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_view(name: str, x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(num_rows, inner, outer stride, inner stride) addressing the rows of a 2-D or 3-D x."""
+    check_last_dim_contiguous(name, x)
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), 0
+    if x.dim() == 3:
+        return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
+    raise ValueError(f"{name} must be [rows, dim] or [T, heads, dim], got {tuple(x.shape)}")
+
+
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    new_residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Check, allocate the normed output and launch; fills `new_residual` when a residual is
+    given."""
+    tensors = [x, weight] if residual is None else [x, residual, weight]
+    check_device(_rms_norm_kernel, *tensors)
+    check_float("x", x)
+    n = x.shape[-1]
+    if weight.shape != (n,) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError(
+            f"weight must be a contiguous [{n}] {x.dtype} tensor, "
+            f"got {tuple(weight.shape)} {weight.dtype}"
+        )
+    num_rows, inner, stride_xo, stride_xi = _rows_view("x", x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None or new_residual is None:
+        # The kernel never touches these two when ADD_RESIDUAL is off.
+        res_arg, sum_arg, stride_ro, stride_ri = x, out, 0, 0
+    else:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"residual {tuple(residual.shape)} {residual.dtype} must match x "
+                f"{tuple(x.shape)} {x.dtype}"
+            )
+        _, _, stride_ro, stride_ri = _rows_view("residual", residual)
+        res_arg, sum_arg = residual, new_residual
+    if num_rows == 0:
+        return out
+    block_n = next_pow2(n)
+    # Several short rows per program (per-head norms have 128-wide rows), up to 4096 elements.
+    rows = max(1, min(16, 4096 // block_n))
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        out,
+        x,
+        res_arg,
+        sum_arg,
+        weight,
+        num_rows,
+        inner,
+        stride_xo,
+        stride_xi,
+        stride_ro,
+        stride_ri,
+        eps,
+        N=n,
+        BLOCK_N=block_n,
+        ROWS=rows,
+        ADD_RESIDUAL=residual is not None,
+        num_warps=8 if block_n >= 4096 else 4,
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of `x` (`[rows, dim]` or `[T, heads, dim]`, last dim dense,
+    other strides free); `weight [dim]` of x's dtype. Returns a new contiguous tensor."""
+    return _launch(x, None, None, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`new_residual = x + residual` (in x's dtype) and `rms_norm(new_residual)`, in one pass.
+
+    Returns `(normed, new_residual)`, both new contiguous tensors; the inputs are not modified.
+    """
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _launch(x, residual, new_residual, weight, eps), new_residual
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm.forward, verbatim in substance."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = x + residual
+    return rms_norm_ref(new_residual, weight, eps), new_residual

@@ -1,0 +1,113 @@
+"""Write a step's new K/V rows into their slots of the paged cache.
+
+Slot `s` is `block_id * block_size + offset`, i.e. row `s` of the cache viewed as
+`[num_blocks * block_size, num_kv_heads, head_dim]`. A negative slot means "not a real token"
+(padding rows of a CUDA-graph batch) and its row is skipped, so a padded batch never scribbles
+over a block some sequence owns. Slots are not range-checked on the device (that would need a
+sync); the block manager hands out only slots of allocated blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    check_device,
+    check_index,
+    check_kv_cache,
+    check_last_dim_contiguous,
+    next_pow2,
+)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [T, num_kv_heads, head_dim] new keys; token stride stride_kt, heads dense
+    value_ptr,  # [T, num_kv_heads, head_dim] new values; token stride stride_vt, heads dense
+    k_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim] contiguous
+    v_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim] contiguous
+    slot_mapping_ptr,  # [T] int32/int64 flat slot per token, negative = skip
+    stride_kt,
+    stride_vt,
+    ROW: tl.constexpr,  # num_kv_heads * head_dim: elements of one token's K (or V)
+    BLOCK: tl.constexpr,  # elements copied per program, a power of two
+):
+    # Grid: (T, cdiv(ROW, BLOCK)); one program copies one chunk of one token's K and V rows.
+    token = tl.program_id(0)
+    chunk = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(key_ptr + token * stride_kt + offs, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + offs, mask=mask)
+    # int64: slot * ROW passes 2**31 once a layer's cache holds more than 2**31 elements.
+    tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Copy `key`/`value` `[T, num_kv_heads, head_dim]` into `k_cache`/`v_cache` (in place).
+
+    Caches are `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, of the same dtype
+    as key/value (no silent cast). `slot_mapping [T]` is int32 or int64; rows with a negative
+    slot are skipped. key/value may be strided views (e.g. slices of a fused QKV output) as long
+    as each token's heads are dense.
+    """
+    check_device(_store_kv_kernel, key, value, k_cache, v_cache, slot_mapping)
+    check_kv_cache(k_cache, v_cache)
+    check_index("slot_mapping", slot_mapping, 1)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_tokens = slot_mapping.shape[0]
+    for name, t in (("key", key), ("value", value)):
+        if t.shape != (num_tokens, num_kv_heads, head_dim):
+            raise ValueError(
+                f"{name} must be [{num_tokens}, {num_kv_heads}, {head_dim}] to match "
+                f"slot_mapping and the cache, got {tuple(t.shape)}"
+            )
+        if t.dtype != k_cache.dtype:
+            raise ValueError(f"{name} is {t.dtype} but the cache is {k_cache.dtype}")
+        check_last_dim_contiguous(name, t)
+        if t.stride(1) != head_dim:
+            raise ValueError(f"{name}'s heads must be dense (stride {head_dim}), got {t.stride()}")
+    if num_tokens == 0:
+        return
+    row = num_kv_heads * head_dim
+    block = min(next_pow2(row), 4096)
+    grid = (num_tokens, triton.cdiv(row, block))
+    _store_kv_kernel[grid](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        value.stride(0),
+        ROW=row,
+        BLOCK=block,
+        num_warps=4,
+    )
+
+
+def store_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Plain-torch `store_kv`: same arguments, same in-place effect."""
+    slots = slot_mapping.long()  # [T]
+    keep = slots >= 0
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = key[keep]
+    v_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = value[keep]

@@ -1,0 +1,263 @@
+"""CUDA graphs for decode steps: capture once at start-up, replay for every decode-only batch.
+
+A decode step launches hundreds of small kernels whose launch overhead dominates at small batch
+sizes; a graph replays them all with one launch. A graph replays fixed shapes and fixed device
+addresses, so:
+
+- graphs are captured for a ladder of batch sizes (`capture_sizes`: 1, 2, 4, 8, then every
+  multiple of 8 up to max_num_seqs, and max_num_seqs itself) and a batch of b sequences runs in
+  the smallest captured size >= b;
+- the inputs live in static buffers (`StaticDecodeBuffers`) that every replay overwrites:
+  input_ids, positions, slot_mapping, seq_lens and a block table as wide as the longest
+  sequence can need (`ceil(max_model_len / block_size)`). `query_start_loc` is always
+  `0..size` (one token per sequence) and is written once;
+- the `size - b` padding rows (`pad_decode_plan`) write nowhere (slot -1: store_kv skips it)
+  and read a valid dummy context (seq_len 1 against block 0), so they compute finite garbage
+  that is sliced off; they never touch a block a real sequence owns;
+- the attention metadata is still an argument of the model's forward: the graph is captured
+  with metadata over views of the static buffers, whose host fields hold upper bounds
+  (`max_model_len`), see `AttentionBackend`.
+
+What runs eagerly instead: a batch with any prefill row, a batch larger than the largest
+captured size, and everything when graphs are off (`disabled_reason`): on CPU, with
+`enforce_eager`, with a backend that syncs with the host (torch), or when the ranks talk over
+gloo, which stages each all-reduce through host memory (a graph cannot capture that; NCCL
+collectives it can).
+
+Ownership: the plan (host numpy) is padded here and copied into the runner's static buffers;
+the graphs, their memory pool and their output tensors belong to one `DecodeGraphRunner`, which
+belongs to one ModelRunner and its KV cache (a graph holds the cache's addresses).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rank_worker.attention.backend import AttentionBackend
+from rank_worker.attention.metadata import AttentionMetadata
+from rank_worker.tp import TPInfo
+from shm_ipc.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
+
+# Sizes below the first multiple of 8 (batches of a few interactive requests are common).
+_SMALL_SIZES = (1, 2, 4)
+_SIZE_STEP = 8
+# The block every padding row reads: any allocated block will do, and block 0 always exists.
+_DUMMY_BLOCK = 0
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, then multiples of 8, up to and including max_num_seqs."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = {s for s in _SMALL_SIZES if s <= max_num_seqs}
+    sizes.update(range(_SIZE_STEP, max_num_seqs + 1, _SIZE_STEP))
+    sizes.add(max_num_seqs)
+    return sorted(sizes)
+
+
+def graph_size_for(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds `num_seqs` rows (sizes sorted), or None."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+def is_decode_only(plan: StepPlan) -> bool:
+    """Every sequence computes exactly one token (so rows == sequences)."""
+    return plan.num_seqs > 0 and plan.num_tokens == plan.num_seqs
+
+
+def disabled_reason(
+    device: torch.device, enforce_eager: bool, backend: AttentionBackend, tp: TPInfo
+) -> str | None:
+    """Why this rank runs decode steps eagerly, or None when it captures graphs."""
+    if device.type != "cuda":
+        return f"the model runs on {device}"
+    if enforce_eager:
+        return "enforce_eager is set"
+    if not backend.supports_cuda_graphs:
+        return f"the {backend.name!r} attention backend syncs with the host"
+    if not tp.is_single:
+        import torch.distributed as dist
+
+        if dist.get_backend() != "nccl":
+            return (
+                f"collectives run over {dist.get_backend()}, which stages tensors through host "
+                "memory; only NCCL collectives can be captured"
+            )
+    return None
+
+
+@dataclass(frozen=True)
+class PaddedDecodeBatch:
+    """A decode-only plan padded to a captured size; host arrays, `size` rows each."""
+
+    num_seqs: int  # real rows, first in every array
+    input_ids: np.ndarray  # [size] int64; padding 0 (any valid token id)
+    positions: np.ndarray  # [size] int64; padding 0 (a valid rotary row)
+    slot_mapping: np.ndarray  # [size] int64; padding -1: store nothing
+    seq_lens: np.ndarray  # [size] int32; padding 1: attend to one key
+    block_table: np.ndarray  # [size, W_plan] int32; padding rows all _DUMMY_BLOCK
+
+    @property
+    def size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def pad_decode_plan(plan: StepPlan, size: int) -> PaddedDecodeBatch:
+    """Pad a decode-only plan of b <= size sequences to `size` rows (see the module docstring)."""
+    b = plan.num_seqs
+    if not is_decode_only(plan):
+        raise ValueError(f"step {plan.step_id}: not a decode-only batch")
+    if b > size:
+        raise ValueError(f"step {plan.step_id}: {b} sequences do not fit a batch of {size}")
+
+    def padded(arr: np.ndarray, fill: int, dtype: type) -> np.ndarray:
+        out = np.full(size, fill, dtype=dtype)
+        out[:b] = arr
+        return out
+
+    table = np.full((size, plan.block_table.shape[1]), _DUMMY_BLOCK, dtype=np.int32)
+    table[:b] = plan.block_table
+    return PaddedDecodeBatch(
+        num_seqs=b,
+        input_ids=padded(plan.input_ids, 0, np.int64),
+        positions=padded(plan.positions, 0, np.int64),
+        slot_mapping=padded(plan.slot_mapping, -1, np.int64),
+        seq_lens=padded(plan.seq_lens, 1, np.int32),
+        block_table=table,
+    )
+
+
+class StaticDecodeBuffers:
+    """Device buffers for the largest captured batch; batch `size` uses the first `size` rows.
+
+    Columns of `block_table` past a plan's own width keep earlier plans' (valid) block ids;
+    seq_lens bounds every read, so they are never read.
+    """
+
+    def __init__(
+        self, max_size: int, max_model_len: int, block_size: int, device: torch.device
+    ) -> None:
+        self.max_model_len = max_model_len
+        width = math.ceil(max_model_len / block_size)
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(max_size, **i64)  # [N]
+        self.positions = torch.zeros(max_size, **i64)  # [N]
+        self.slot_mapping = torch.full((max_size,), -1, **i64)  # [N]
+        self.seq_lens = torch.ones(max_size, **i32)  # [N]
+        self.block_table = torch.full((max_size, width), _DUMMY_BLOCK, **i32)  # [N, W]
+        self.query_start_loc = torch.arange(max_size + 1, **i32)  # [N+1], never changes
+
+    @property
+    def width(self) -> int:
+        return int(self.block_table.shape[1])
+
+    def load(self, batch: PaddedDecodeBatch) -> None:
+        """Copy a padded batch into the first `batch.size` rows."""
+        n, w = batch.size, batch.block_table.shape[1]
+        if w > self.width:
+            raise ValueError(f"block table of width {w} exceeds the static width {self.width}")
+        self.input_ids[:n].copy_(torch.from_numpy(batch.input_ids))
+        self.positions[:n].copy_(torch.from_numpy(batch.positions))
+        self.slot_mapping[:n].copy_(torch.from_numpy(batch.slot_mapping))
+        self.seq_lens[:n].copy_(torch.from_numpy(batch.seq_lens))
+        self.block_table[:n, :w].copy_(torch.from_numpy(batch.block_table))
+
+    def forward_args(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """`(input_ids, positions, metadata)` over the first `size` rows.
+
+        The host fields are bounds, not values: the graph captured with them is replayed for
+        sequences of every length up to max_model_len.
+        """
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc_host=np.arange(size + 1, dtype=np.int32),
+            seq_lens_host=np.full(size, self.max_model_len, dtype=np.int32),
+        )
+        return self.input_ids[:size], self.positions[:size], meta
+
+
+class DecodeGraphRunner:
+    """Runs decode-only batches through captured graphs (see the module docstring).
+
+    `run` works before `capture` too (and on CPU): it then runs the model eagerly on the same
+    padded static buffers, which is how the padding is tested without a GPU.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[Any],
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = capture_sizes(max_num_seqs)
+        self.buffers = StaticDecodeBuffers(self.sizes[-1], max_model_len, block_size, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # size -> [size, hidden], in the graph pool
+        self.num_replays = 0
+
+    def can_run(self, plan: StepPlan) -> bool:
+        return (
+            is_decode_only(plan)
+            and graph_size_for(plan.num_seqs, self.sizes) is not None
+            and plan.block_table.shape[1] <= self.buffers.width
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        input_ids, positions, meta = self.buffers.forward_args(size)
+        return self.model(input_ids, positions, meta, self.kv_caches)  # [size, hidden]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first, all in one memory pool.
+
+        Largest first: the pool grows to the largest batch's activations once and the smaller
+        graphs reuse that memory. Sharing is safe because replays never overlap and each
+        output is consumed before the next replay. Each size runs once eagerly before its
+        capture, so that Triton compiles (and NCCL sets up) outside the capture, where both
+        would fail. The buffers hold padding rows (slot -1) throughout: nothing is stored.
+        """
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Hidden states `[b, hidden]` of a decode-only plan that `can_run`."""
+        size = graph_size_for(plan.num_seqs, self.sizes)
+        if size is None or not is_decode_only(plan):
+            raise ValueError(f"step {plan.step_id}: no captured graph fits this batch")
+        self.buffers.load(pad_decode_plan(plan, size))
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._forward(size)[: plan.num_seqs]
+        graph.replay()
+        self.num_replays += 1
+        return self.outputs[size][: plan.num_seqs]

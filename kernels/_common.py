@@ -78,7 +78,7 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must be contiguous")
 
 
-def dot_options(kernel: object, dtype: torch.dtype) -> dict[str, object]:
+def dot_options(dtype: torch.dtype, interpret: bool) -> dict[str, object]:
     """Constexprs that pick how `tl.dot` runs for inputs of `dtype`.
 
     - fp32 inputs: "ieee" precision. Triton's default for fp32 is TF32 (10-bit mantissa), which
@@ -90,7 +90,7 @@ def dot_options(kernel: object, dtype: torch.dtype) -> dict[str, object]:
     """
     return {
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-        "UPCAST_DOT": dtype == torch.bfloat16 and interpreting(kernel),
+        "UPCAST_DOT": dtype == torch.bfloat16 and interpret,
     }
 
 

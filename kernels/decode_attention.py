@@ -40,23 +40,23 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
-    """Slices per context so that stage 1 runs about two waves of programs on `num_sms` SMs.
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
+    """Slices per context so that stage 1 runs about two waves of programs on `sm_count` SMs.
 
     One sequence of 32k tokens with 8 KV heads on 132 SMs -> 33 splits; a batch of 64 such
     sequences -> 1. Never cuts slices shorter than `MIN_TOKENS_PER_SPLIT` tokens.
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    wanted = triton.cdiv(2 * num_sms, programs)
+    wanted = triton.cdiv(2 * sm_count, programs)
     by_length = triton.cdiv(max(max_context_len, 1), MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
 @triton.jit
 def _decode_split_kernel(
-    out_ptr,  # [B, num_heads, head_dim] final output (written only when NUM_SPLITS == 1)
-    part_out_ptr,  # [B, num_heads, NUM_SPLITS, head_dim] fp32 per-slice normalised output
-    part_lse_ptr,  # [B, num_heads, NUM_SPLITS] fp32 per-slice log2-sum-exp2 (-inf: empty)
+    out_ptr,  # [B, num_heads, head_dim] final output (written only when SINGLE_SPLIT)
+    part_out_ptr,  # [B, num_heads, num_splits, head_dim] fp32 per-slice normalised output
+    part_lse_ptr,  # [B, num_heads, num_splits] fp32 per-slice log2-sum-exp2 (-inf: empty)
     q_ptr,  # [B, num_heads, head_dim] queries; strides stride_qb, stride_qh, 1
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
@@ -72,7 +72,7 @@ def _decode_split_kernel(
     stride_cs,
     stride_ch,
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the final output, skip the merge
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of two, at least 16 (tl.dot's minimum M)
     BLOCK_N: tl.constexpr,  # key positions per tile
@@ -85,10 +85,13 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The split count is the grid's third dim, not a constexpr: an automatic choice that varies
+    # with batch size and context would otherwise compile a new kernel per value mid-serving.
+    num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # Slices are whole tiles, so a tile never straddles two slices and only the context's last
     # tile needs a length mask.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     full_end = tl.minimum(end, (seq_len // BLOCK_N) * BLOCK_N)
@@ -125,12 +128,12 @@ def _decode_split_kernel(
     # merge gives it zero weight.
     nonempty = l_i > 0.0
     o = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_ob + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        part_row = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_H]
+        part_row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + split  # [BLOCK_H]
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
         p_ptrs = part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :]
         tl.store(p_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
@@ -139,13 +142,13 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     out_ptr,  # [B, num_heads, head_dim] final output; strides stride_ob, stride_oh, 1
-    part_out_ptr,  # [B, num_heads, NUM_SPLITS, head_dim] fp32 per-slice normalised output
-    part_lse_ptr,  # [B, num_heads, NUM_SPLITS] fp32 per-slice log2-sum-exp2 (-inf: empty)
+    part_out_ptr,  # [B, num_heads, num_splits, head_dim] fp32 per-slice normalised output
+    part_lse_ptr,  # [B, num_heads, num_splits] fp32 per-slice log2-sum-exp2 (-inf: empty)
     stride_ob,
     stride_oh,
+    num_splits,
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
+    SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -155,14 +158,14 @@ def _decode_merge_kernel(
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, BLOCK_D)
     row = seq.to(tl.int64) * NUM_HEADS + head
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     # All slices empty (seq_len == 0): subtracting a finite 0 keeps exp2 at 0 instead of NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.exp2(lse - lse_max)  # [SPLITS_PAD]
-    o_mask = (s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM)
+    o_mask = (s[:, None] < num_splits) & (d[None, :] < HEAD_DIM)
     parts = tl.load(
-        part_out_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+        part_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
         mask=o_mask,
         other=0.0,
     )  # [SPLITS_PAD, BLOCK_D]
@@ -172,15 +175,46 @@ def _decode_merge_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _launch_config(block_d: int, dtype: torch.dtype, interpret: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). Decode is bandwidth bound: 64-key tiles keep enough
-    loads in flight; fp32 or wide heads halve the tile to bound registers. The interpreter uses
-    16-key tiles so short CPU-test contexts still span several tiles and slices."""
+def launch_meta(
+    group: int,
+    num_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_splits: int,
+    dtype: torch.dtype,
+    interpret: bool,
+) -> dict[str, object]:
+    """Stage 1's constexprs and launch options (shared with the sm_90 compile test, so that it
+    compiles exactly what the wrapper launches).
+
+    Tiles chosen like the prefill kernel's, from ptxas's register counts for sm_90. Decode is
+    bandwidth bound: 64-key tiles in 3 stages keep enough loads in flight (~96 registers); wide
+    heads halve the tile; fp32 ("ieee" dot on FMA units) takes 32-key tiles on 8 warps to stay
+    clear of spills. The interpreter uses 16-key tiles so short CPU-test contexts still span
+    several tiles and splits.
+    """
+    block_d = max(16, next_pow2(head_dim))  # tl.dot's minimum K on NVIDIA GPUs
     if interpret:
-        return 16, 4, 1
-    if dtype == torch.float32 or block_d > 128:
-        return 32, 4, 2
-    return 64, 4, 3
+        block_n, num_warps, num_stages = 16, 4, 1
+    elif dtype == torch.float32:
+        block_n, num_warps, num_stages = 32, 8, 2
+    elif block_d > 128:
+        block_n, num_warps, num_stages = 32, 4, 2
+    else:
+        block_n, num_warps, num_stages = 64, 4, 3
+    return dict(
+        NUM_HEADS=num_heads,
+        SINGLE_SPLIT=num_splits == 1,
+        GROUP=group,
+        BLOCK_H=max(16, next_pow2(group)),  # tl.dot's minimum M on NVIDIA GPUs
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **dot_options(dtype, interpret),
+    )
 
 
 def paged_decode_attention(
@@ -233,10 +267,14 @@ def paged_decode_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [B, heads, dim]
     if num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    block_d = next_pow2(head_dim)
-    block_n, num_warps, num_stages = _launch_config(
-        block_d, query.dtype, interpreting(_decode_split_kernel)
+    meta = launch_meta(
+        num_heads // num_kv_heads,
+        num_heads,
+        head_dim,
+        block_size,
+        num_splits,
+        query.dtype,
+        interpreting(_decode_split_kernel),
     )
     if num_splits > 1:
         # [B, num_heads, num_splits, head_dim] / [B, num_heads, num_splits], fp32 whatever the
@@ -248,7 +286,7 @@ def paged_decode_attention(
             (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
     else:
-        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+        part_out = part_lse = out  # unused by the kernel when SINGLE_SPLIT
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         out,
         part_out,
@@ -267,17 +305,7 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        NUM_HEADS=num_heads,
-        NUM_SPLITS=num_splits,
-        GROUP=group,
-        BLOCK_H=max(16, next_pow2(group)),
-        BLOCK_N=block_n,
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **dot_options(_decode_split_kernel, query.dtype),
+        **meta,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -286,11 +314,11 @@ def paged_decode_attention(
             part_lse,
             out.stride(0),
             out.stride(1),
+            num_splits,
             NUM_HEADS=num_heads,
-            NUM_SPLITS=num_splits,
             SPLITS_PAD=next_pow2(num_splits),
             HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
+            BLOCK_D=meta["BLOCK_D"],
             num_warps=4,
         )
     return out

@@ -41,7 +41,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _prefill_attention_kernel(
-    out_ptr,  # [T, num_heads, head_dim] output, same strides as the query
+    out_ptr,  # [T, num_heads, head_dim] output; strides stride_ot, stride_oh, 1
     q_ptr,  # [T, num_heads, head_dim] queries; strides stride_qt, stride_qh, 1
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
@@ -121,21 +121,43 @@ def _prefill_attention_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _launch_config(
-    group_pad: int, block_d: int, dtype: torch.dtype, interpret: bool
-) -> tuple[int, int, int, int]:
-    """(rows per program, BLOCK_N, num_warps, num_stages).
+def launch_meta(
+    group: int, head_dim: int, block_size: int, dtype: torch.dtype, interpret: bool
+) -> dict[str, object]:
+    """The kernel's constexprs and launch options for one geometry (shared with the sm_90
+    compile test, so that it compiles exactly what the wrapper launches).
 
-    GPU: 128 query rows x 64 keys for 16-bit inputs at head_dim <= 128 (a Q tile and two
-    double/triple-buffered K/V tiles fit easily in Hopper's shared memory); half of that for fp32
-    or wider heads, whose tiles are twice the bytes. Interpreter: small tiles, so that the short
-    sequences CPU tests can afford still span several tiles and run both loops.
+    Tiles were chosen by compiling for sm_90 and reading ptxas's register and spill counts (no
+    GPU timing yet): 16-bit inputs at head_dim <= 128 take 128 rows x 64 keys on 8 warps
+    (tensor cores, ~175 registers, no spills, ~96 KiB of shared memory for 3 stages); wider
+    heads halve both. fp32 runs `tl.dot` in "ieee" precision on the FMA units, whose register
+    appetite allows only 16 x 16 tiles without spilling: the exact path for fp32 tests, not a
+    fast one. Interpreter: small tiles, so that the short sequences CPU tests can afford still
+    span several tiles and run both loops.
     """
+    # tl.dot needs K >= 16 on NVIDIA GPUs; tiny test heads are padded (masked) up to it.
+    block_d = max(16, next_pow2(head_dim))
     if interpret:
-        return 32, 16, 4, 1
-    if dtype == torch.float32 or block_d > 128:
-        return 64, 32, 4, 2
-    return 128, 64, 8, 3
+        rows, block_n, num_warps, num_stages = 32, 16, 4, 1
+    elif dtype == torch.float32:
+        rows, block_n, num_warps, num_stages = 16, 16, 4, 2
+    elif block_d > 128:
+        rows, block_n, num_warps, num_stages = 64, 32, 4, 2
+    else:
+        rows, block_n, num_warps, num_stages = 128, 64, 8, 3
+    group_pad = next_pow2(group)
+    return dict(
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_M=max(1, rows // group_pad),
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **dot_options(dtype, interpret),
+    )
 
 
 def paged_prefill_attention(
@@ -196,14 +218,14 @@ def paged_prefill_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, heads, dim]
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
-    group = num_heads // num_kv_heads
-    group_pad = next_pow2(group)
-    block_d = next_pow2(head_dim)
-    rows, block_n, num_warps, num_stages = _launch_config(
-        group_pad, block_d, query.dtype, interpreting(_prefill_attention_kernel)
+    meta = launch_meta(
+        num_heads // num_kv_heads,
+        head_dim,
+        block_size,
+        query.dtype,
+        interpreting(_prefill_attention_kernel),
     )
-    block_m = max(1, rows // group_pad)
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_kv_heads)
+    grid = (triton.cdiv(max_query_len, meta["BLOCK_M"]), num_seqs, num_kv_heads)
     _prefill_attention_kernel[grid](
         out,
         query,
@@ -221,16 +243,7 @@ def paged_prefill_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **dot_options(_prefill_attention_kernel, query.dtype),
+        **meta,
     )
     return out
 

@@ -72,14 +72,17 @@ def init_process_group(
     RANK and WORLD_SIZE come from the environment unless given; MASTER_ADDR/MASTER_PORT are read
     by torch's `env://` rendezvous unless `init_method` (e.g. `file:///tmp/x` in tests) or a
     ready `store` (see `rank_worker.launcher`) is given.
-    `backend` None picks NCCL with CUDA and gloo without. With CUDA, LOCAL_RANK selects the device
+    `backend` None picks NCCL with a GPU per rank and gloo otherwise. With CUDA, LOCAL_RANK selects the device
     first so that NCCL binds each rank to its own GPU. A world of one creates no group.
     """
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     tp = TPInfo(rank, world_size)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # NCCL wants one GPU per rank; more ranks than GPUs (TP on a single GPU) use gloo, whose
+        # collectives are staged through host memory.
+        enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+        backend = "nccl" if enough_gpus else "gloo"
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs CUDA; use 'gloo' on CPU")

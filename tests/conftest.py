@@ -1,7 +1,9 @@
-"""Shared pytest set-up: our `kernels` package first on the path, hardware markers skipped."""
+"""Shared pytest set-up: our `kernels` package first on the path, Triton's interpreter on machines
+without a GPU, hardware markers skipped."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +14,22 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # every `import kernels` in the tests resolve to this project's package.
 if str(REPO_ROOT) not in sys.path[:1]:
     sys.path.insert(0, str(REPO_ROOT))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return False
+    return torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels run under Triton's interpreter (numpy, on CPU tensors). Triton
+# reads TRITON_INTERPRET when each `@triton.jit` decorator runs, i.e. when `kernels` is first
+# imported, so this must happen here, before any test module is collected. With a GPU it stays
+# unset and the same tests run natively. `setdefault`: an explicit setting wins.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _num_cuda_devices() -> int:

@@ -27,9 +27,11 @@ from tp_engine import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 MAX_TOKENS = 16
-# Nats between transformers' best token and the engine's choice at the first divergence: bf16
-# logits of magnitude ~10 carry errors of a few 1e-2.
-LOGPROB_SLACK = 0.1
+# Nats between transformers' best token and the engine's choice at the first divergence. Both
+# sides carry bf16 rounding through every layer (logits of magnitude ~10, each off by a few
+# 1e-2), so a genuine near-tie can flip by a tenth of a nat or two; a wrong kernel misses by
+# whole nats.
+LOGPROB_SLACK = 0.3
 TOP_K = 5
 
 

@@ -68,10 +68,10 @@ def unusable_reason(
             )
         return None
     if name == "flash_attn":
+        # The cheap checks first: "auto" asks on every GPU rank, and importing flash-attn
+        # loads its CUDA extension.
         if device.type != "cuda":
             return f"flash-attn needs a CUDA device, and this rank runs on {device}"
-        if not flash_attn_importable():
-            return "the flash_attn package is not installed (pip install flash-attn)"
         if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
             return (
                 f"flash-attn's paged KV cache needs a block size that is a multiple of "
@@ -79,6 +79,8 @@ def unusable_reason(
             )
         if dtype not in _FLASH_ATTN_DTYPES:
             return f"flash-attn computes in float16 or bfloat16 only, got {dtype}"
+        if not flash_attn_importable():
+            return "the flash_attn package is not installed (pip install flash-attn)"
         return None
     raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
 

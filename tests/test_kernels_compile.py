@@ -1,0 +1,133 @@
+"""Every kernel compiles for an H100/H200 (sm_90), on any machine.
+
+The interpreter runs the kernels' arithmetic but not Triton's GPU compiler, which rejects
+things the interpreter accepts (a `tl.dot` under 16 rows, a constexpr of the wrong type, more
+shared memory than the SM has). This test compiles, ahead of time and without a GPU, what the
+wrappers would launch (`launch_meta` is the wrappers' own choice of constexprs) for
+representative geometries, down to SASS with the ptxas that ships with Triton, so a CPU-only
+CI catches a kernel that would not build on the target.
+
+It runs in a subprocess because this process imported the kernels under TRITON_INTERPRET=1
+(tests/conftest.py), which makes them interpreter objects the compiler cannot take.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Hopper's largest shared-memory allocation per block (227 KiB).
+SM90_MAX_SHARED_BYTES = 232448
+
+# Pointer arguments that are not of the tensor dtype under test.
+_INDEX_PTRS = {
+    "query_start_loc_ptr",
+    "seq_lens_ptr",
+    "block_table_ptr",
+    "slot_mapping_ptr",
+    "positions_ptr",
+}
+_FP32_PTRS = {"part_out_ptr", "part_lse_ptr", "cos_sin_ptr"}
+
+
+def _compile(fn, dtype: str, consts: dict) -> int:
+    """Compile `fn` for sm_90 with `consts`; returns its shared memory in bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    options = {k: consts.pop(k) for k in ("num_warps", "num_stages") if k in consts}
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            ty = "i32" if name in _INDEX_PTRS else "fp32" if name in _FP32_PTRS else dtype
+            signature[name] = "*" + ty
+        else:
+            signature[name] = "fp32" if name in ("qk_scale", "eps") else "i32"
+        # What the JIT specializes on for real shapes: 16-byte aligned pointers and strides that
+        # are multiples of 16 (the block table's width is not).
+        if name.endswith("_ptr") or (name.startswith("stride") and name != "stride_bt"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return int(kernel.metadata.shared)
+
+
+def compile_report() -> dict[str, int]:
+    """Name -> shared bytes for every kernel in representative geometries (run in a child)."""
+    import importlib
+
+    import torch
+
+    from kernels import activation, decode_attention, prefill_attention, rmsnorm, rotary
+
+    # `kernels.store_kv` the attribute is the re-exported function; the module is in sys.modules.
+    store_kv = importlib.import_module("kernels.store_kv")
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    report = {}
+    # (dtype, head_dim, group, block_size): Qwen3's head_dim 128 with groups of 8 and 5, a plain
+    # MHA, the fp32 path and a wide head.
+    for dt, head_dim, group, block_size in [
+        ("bf16", 128, 8, 16),
+        ("fp16", 64, 1, 256),
+        ("fp32", 128, 5, 16),
+        ("bf16", 256, 2, 32),
+    ]:
+        meta = prefill_attention.launch_meta(
+            group, head_dim, block_size, torch_dtype[dt], interpret=False
+        )
+        name = f"prefill-{dt}-d{head_dim}-g{group}-bs{block_size}"
+        report[name] = _compile(prefill_attention._prefill_attention_kernel, dt, meta)
+        for splits in (1, 7):
+            meta = decode_attention.launch_meta(
+                group, 8 * group, head_dim, block_size, splits, torch_dtype[dt], interpret=False
+            )
+            name = f"decode-{dt}-d{head_dim}-g{group}-bs{block_size}-s{splits}"
+            report[name] = _compile(decode_attention._decode_split_kernel, dt, meta)
+    merge = dict(NUM_HEADS=64, SPLITS_PAD=64, HEAD_DIM=128, BLOCK_D=128)
+    report["decode-merge"] = _compile(decode_attention._decode_merge_kernel, "bf16", merge)
+    report["store_kv"] = _compile(store_kv._store_kv_kernel, "bf16", dict(ROW=1024, BLOCK=1024))
+    for n, add in ((5120, True), (128, False)):
+        consts = dict(N=n, BLOCK_N=8192 if n > 4096 else n, ADD_RESIDUAL=add)
+        consts["ROWS"] = max(1, min(16, 4096 // consts["BLOCK_N"]))
+        report[f"rmsnorm-{n}-add{add}"] = _compile(rmsnorm._rms_norm_kernel, "bf16", consts)
+    rope = dict(NUM_Q_HEADS=40, NUM_K_HEADS=8, BLOCK_Q_HEADS=64, BLOCK_K_HEADS=8, HALF=64)
+    rope["BLOCK_HALF"] = 64
+    report["rotary"] = _compile(rotary._rotary_kernel, "bf16", rope)
+    silu = dict(INTER=17408, BLOCK=1024)
+    report["silu_and_mul"] = _compile(activation._silu_and_mul_kernel, "bf16", silu)
+    return report
+
+
+def test_every_kernel_compiles_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]);"
+        "from tests.test_kernels_compile import compile_report;"
+        "print('REPORT ' + json.dumps(compile_report()))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(REPO_ROOT)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
+    report = json.loads(line.removeprefix("REPORT "))
+    too_big = {k: v for k, v in report.items() if v > SM90_MAX_SHARED_BYTES}
+    assert not too_big, f"more shared memory than an sm_90 block can have: {too_big}"
+    assert len(report) == 18  # 4 prefill, 8 decode, merge, store_kv, 2 rmsnorm, rotary, silu

@@ -280,6 +280,11 @@ class _FailureGuard:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
         if exc is None or not isinstance(exc, Exception):
             return False
+        if isinstance(exc, ValueError) and self.what == "start-up":
+            # A configuration rank 0 refuses (every rank refuses the same): the caller's error,
+            # not a broken rank, so it keeps its type and message.
+            self.engine._dead = EngineDeadError(f"start-up failed: {exc}", rank=0)
+            return False
         error = self._diagnose(exc)
         self.engine._dead = error
         raise error from exc

@@ -35,7 +35,7 @@ from rank_worker.kv_cache import (
 from rank_worker.loader import load_weights
 from rank_worker.qwen3 import KVCachePair, Qwen3ForCausalLM
 from rank_worker.runner_config import RunnerConfig
-from rank_worker.sampler import sample
+from rank_worker.sampler import sample_for_profiling
 from rank_worker.tp import TPInfo, all_reduce_min_int
 from shm_ipc.step_plan import Command, StepPlan
 
@@ -226,7 +226,7 @@ class ModelRunner:
         scratch = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         logits = self._forward(plan, scratch)
         if logits is not None:
-            temps = torch.ones(logits.shape[0], device=self.device)
-            sample(logits, temps)
+            # The sampler's worst case (a sort over the vocabulary, logprobs) for every row.
+            sample_for_profiling(logits)
         del scratch, logits
         return num_blocks * self.kv_spec.bytes_per_block

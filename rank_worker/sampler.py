@@ -1,17 +1,21 @@
-"""Rank 0's sampler: one token per row of gathered logits.
+"""Rank 0's sampler entry points (the pipeline lives in `rank_worker.sampling`).
 
-Greedy rows (temperature 0) take the argmax; other rows sample from `softmax(logits / T)`.
-Sampling uses the exponential race (`argmax(p / E)` with `E ~ Exp(1)` is distributed as
-`Categorical(p)`), which is batched over rows with different temperatures and takes a
-generator. Top-p/top-k come later.
+`sample` is the temperature-only form (greedy where T = 0), kept for callers that need no
+other control; `sample_for_profiling` runs the most memory-hungry path of the pipeline (a sort
+over the vocabulary and logprobs for every row), so that a memory measurement that runs it
+leaves room for the worst step the sampler can see.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Temperatures at or below this are greedy; dividing logits by them would overflow anyway.
-GREEDY_EPSILON = 1e-5
+from rank_worker.sampling import GREEDY_EPSILON, SamplingMetadata, sample_batch
+
+__all__ = ["GREEDY_EPSILON", "sample", "sample_for_profiling"]
+
+# vLLM's default cap on logprobs per token; the engine refuses requests above it.
+MAX_NUM_LOGPROBS = 20
 
 
 def sample(
@@ -26,12 +30,24 @@ def sample(
             "must be [B, V] and [B]"
         )
     temperatures = temperatures.to(device=logits.device, dtype=torch.float32)
-    greedy_rows = temperatures <= GREEDY_EPSILON  # [B]
-    greedy = logits.argmax(dim=-1)  # [B]
-    if bool(greedy_rows.all()):  # the common all-greedy batch skips the [B, V] softmax
-        return greedy
-    safe_t = torch.where(greedy_rows, torch.ones_like(temperatures), temperatures)
-    probs = torch.softmax(logits.float() / safe_t.unsqueeze(-1), dim=-1)  # [B, V]
-    race = torch.empty_like(probs).exponential_(generator=generator)  # [B, V] ~ Exp(1)
-    sampled = (probs / race).argmax(dim=-1)  # [B]
-    return torch.where(greedy_rows, greedy, sampled)
+    all_greedy = bool((temperatures <= GREEDY_EPSILON).all())
+    md = SamplingMetadata(
+        num_rows=logits.shape[0], temperature=None if all_greedy else temperatures
+    )
+    return sample_batch(logits, md, generator).token_ids
+
+
+def sample_for_profiling(logits: torch.Tensor) -> torch.Tensor:
+    """Sample every row through top-k + top-p (a full sort) with logprobs."""
+    num_rows, vocab_size = logits.shape
+    rows = torch.arange(num_rows, device=logits.device)
+    md = SamplingMetadata(
+        num_rows=num_rows,
+        temperature=torch.ones(num_rows, device=logits.device),
+        top_k_top_p_rows=rows,
+        top_k=torch.full((num_rows,), vocab_size, dtype=torch.int64, device=logits.device),
+        top_p=torch.full((num_rows,), 0.9, device=logits.device),
+        logprob_rows=rows,
+        max_num_logprobs=min(MAX_NUM_LOGPROBS, vocab_size),
+    )
+    return sample_batch(logits, md).token_ids

@@ -155,8 +155,8 @@ def test_bad_requests_are_refused_and_nothing_is_lost(llm):
         llm.generate([[1, 2, 3], {"prompt_token_ids": ["x"]}], greedy(), use_tqdm=False)
     with pytest.raises(ValueError, match="integer token ids"):
         llm.generate([{"prompt_token_ids": [5.9, 6.2]}], greedy(), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"top_p=0.5 is not supported yet"):
-        llm.generate([[1, 2, 3]], SamplingParams(top_p=0.5), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"logprobs=50 exceeds the maximum"):
+        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(logprobs=50), use_tqdm=False)
     with pytest.raises(ValueError, match="maximum context length"):
         llm.generate([[1] * (MAX_MODEL_LEN - 2)], greedy(5), use_tqdm=False)
     assert not llm.engine.has_unfinished()

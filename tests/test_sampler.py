@@ -1,40 +1,302 @@
-"""Rank 0's sampler: greedy rows take the argmax, other rows follow softmax(logits / T)."""
+"""Rank 0's sampler against plain-torch references computed row by row.
+
+The batch side (`SamplingBatchBuilder` turning sequences into per-step tensors, and the batched
+pipeline in `rank_worker.sampling`) must agree, row by row, with a straightforward reference
+written from the documented semantics: penalties, min_tokens bans, temperature, min-p, top-k,
+top-p, each alone and combined, in batches that mix them with greedy rows. Sampling itself is
+checked exactly for seeded rows (same generator, same draws) and statistically otherwise.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections import Counter
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from rank_worker.sampler import sample
+from rank_worker.sampler import sample, sample_for_profiling
+from rank_worker.sampling import process_logits, sample_batch
+from tp_engine.sampling_batch import SamplingBatchBuilder
+from tp_engine.sampling_params import SamplingParams
+from tp_engine.sequence import Sequence
+
+V = 40
+EOS = 7
+NEG_INF = float("-inf")
 
 
-def test_greedy_is_argmax() -> None:
-    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
-    assert sample(logits, torch.zeros(5)).tolist() == logits.argmax(-1).tolist()
+def make_seq(params: SamplingParams, prompt: list[int], output: list[int] = ()) -> Sequence:
+    seq = Sequence(f"r{id(params)}", prompt, params)
+    for t in output:
+        seq.append_token(t)
+    return seq
 
 
-def test_mixed_batch_and_generator() -> None:
+def builder(seed: int = 0) -> SamplingBatchBuilder:
+    return SamplingBatchBuilder(V, [EOS], torch.device("cpu"), seed)
+
+
+# -- the reference ---------------------------------------------------------------------------
+
+
+def reference_row(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The logits one row samples from, from the documented semantics, token by token."""
+    p = seq.sampling_params
+    x = logits.clone()
+    prompt, output = seq.prompt_token_ids, seq.output_token_ids
+    if len(output) < p.min_tokens:
+        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else {EOS}):
+            x[t] = NEG_INF
+    for t in set(prompt) | set(output):
+        if p.repetition_penalty != 1.0:
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t, count in Counter(output).items():
+        x[t] -= p.frequency_penalty * count + p.presence_penalty
+    if p.temperature == 0.0:
+        return x
+    x = x / p.temperature
+    if p.min_p > 0:
+        probs = torch.softmax(x, -1)
+        x[probs < p.min_p * probs.max()] = NEG_INF
+    if 0 < p.top_k < V:
+        kth = sorted(x.tolist(), reverse=True)[p.top_k - 1]
+        x[x < kth] = NEG_INF
+    if p.top_p < 1.0:
+        probs = torch.softmax(x, -1)
+        mass = 0.0
+        for rank, t in enumerate(sorted(range(V), key=lambda t: -x[t].item())):
+            if rank > 0 and mass >= p.top_p:
+                x[t] = NEG_INF
+            mass += probs[t].item()
+    return x
+
+
+def assert_rows_match(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert torch.equal(torch.isinf(got), torch.isinf(expected)), "different tokens dropped"
+    finite = ~torch.isinf(expected)
+    torch.testing.assert_close(got[finite], expected[finite], rtol=1e-5, atol=1e-5)
+
+
+# One row per case: each control alone, then combinations.
+CASES = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature": SamplingParams(temperature=0.7),
+    "top_k": SamplingParams(temperature=1.0, top_k=5),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.6),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.2),
+    "repetition": SamplingParams(temperature=1.0, repetition_penalty=1.7),
+    "presence": SamplingParams(temperature=1.0, presence_penalty=1.5),
+    "frequency": SamplingParams(temperature=1.0, frequency_penalty=0.8),
+    "min_tokens": SamplingParams(temperature=1.0, min_tokens=8, stop_token_ids=[3, 11]),
+    "top_k_top_p": SamplingParams(temperature=0.8, top_k=8, top_p=0.7),
+    "all": SamplingParams(
+        temperature=1.3,
+        top_k=12,
+        top_p=0.85,
+        min_p=0.05,
+        repetition_penalty=1.2,
+        presence_penalty=0.3,
+        frequency_penalty=-0.4,
+        min_tokens=7,
+        stop_token_ids=[2],
+    ),
+    "greedy_penalised": SamplingParams(
+        temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0, min_tokens=9
+    ),
+}
+
+
+def case_batch(names: list[str], seed: int = 0) -> tuple[torch.Tensor, list[Sequence]]:
+    g = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(len(names), V, generator=g)
+    seqs = []
+    for name in names:
+        prompt = torch.randint(0, V, (6,), generator=g).tolist()
+        # Outputs that repeat tokens, some of them also in the prompt.
+        output = [prompt[0], prompt[0], 5, 5, 5, 19]
+        # A copy per row: tests set fields (seed, logprobs) on their rows.
+        seqs.append(make_seq(dataclasses.replace(CASES[name]), prompt, output))
+    return logits, seqs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_control_alone_matches_reference(name: str) -> None:
+    logits, seqs = case_batch([name])
+    got = process_logits(logits, builder().build(seqs).metadata)
+    assert_rows_match(got[0], reference_row(logits[0], seqs[0]))
+
+
+def test_mixed_batch_matches_reference_row_by_row() -> None:
+    names = list(CASES) * 2
+    logits, seqs = case_batch(names, seed=3)
+    got = process_logits(logits, builder().build(seqs).metadata)
+    for i, seq in enumerate(seqs):
+        assert_rows_match(got[i], reference_row(logits[i], seq))
+
+
+def test_penalties_hand_computed() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0] + [-9.0] * (V - 6)])
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
+    )
+    seq = make_seq(params, prompt=[0, 4], output=[3, 3, 1])
+    got = process_logits(logits, builder().build([seq]).metadata)[0, :6]
+    # 0: prompt, positive: 2/2.  1: output once, negative: -1*2 - 0.5 - 0.25.  2: unseen.
+    # 3: output twice: 3/2 - 2*0.5 - 0.25.  4: prompt, negative: -2*2.  5: unseen.
+    expected = torch.tensor([1.0, -2.75, 0.5, 0.25, -4.0, 0.0])
+    torch.testing.assert_close(got, expected)
+    # Greedy follows the penalised logits: token 0, not the raw argmax 3.
+    out = sample_batch(logits, builder().build([seq]).metadata)
+    assert out.token_ids.tolist() == [0]
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.zeros(4, V)
+    logits[:, EOS] = 10.0  # EOS would win every time
+    logits[:, 3] = 9.0
+    seqs = [
+        make_seq(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]), [1], [4]),
+        make_seq(SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[3]), [1], [4]),
+        make_seq(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), [1]),
+        make_seq(SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[3, V + 5]), [1]),
+    ]
+    tokens = sample_batch(logits, builder().build(seqs).metadata).token_ids.tolist()
+    assert tokens[0] not in (EOS, 3)  # one output token, min_tokens 2: both banned
+    assert tokens[1] == EOS  # min_tokens reached: nothing banned
+    assert tokens[2] == EOS  # ignore_eos: EOS is an ordinary token, not banned
+    assert tokens[3] not in (EOS, 3)  # an id past the vocabulary is ignored, not an error
+
+
+def test_seeded_rows_draw_exactly_like_their_own_generator() -> None:
+    names = ["temperature", "top_k", "top_p", "min_p", "all", "greedy"]
+    logits, seqs = case_batch(names, seed=5)
+    for i, seq in enumerate(seqs):
+        seq.sampling_params.seed = 100 + i
+    batch = builder().build(seqs)
+    tokens = sample_batch(logits, batch.metadata).token_ids.tolist()
+    for i, seq in enumerate(seqs):
+        probs = torch.softmax(reference_row(logits[i], seq), -1)
+        noise = torch.empty(V).exponential_(generator=torch.Generator().manual_seed(100 + i))
+        expected = (probs / noise).argmax() if seq.sampling_params.temperature else probs.argmax()
+        assert tokens[i] == int(expected), names[i]
+
+
+def test_seeded_row_ignores_the_rest_of_the_batch() -> None:
+    logits, seqs = case_batch(["all", "top_p", "temperature", "min_p"], seed=6)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=42)
+    alone_seq = make_seq(params, [1, 2, 3])
+    alone = [
+        sample_batch(logits[1:2], builder(1).build([alone_seq]).metadata).token_ids.item()
+        for _ in range(5)
+    ]
+    crowd_seq = make_seq(params, [1, 2, 3])
+    crowd = []
+    for step in range(5):
+        # Other rows, another shared generator, and a different position each step.
+        batch = seqs[: step % 4] + [crowd_seq] + seqs[step % 4 :]
+        rows = torch.cat([logits[: step % 4], logits[1:2], logits[step % 4 :]])
+        out = sample_batch(rows, builder(step).build(batch).metadata).token_ids
+        crowd.append(out[step % 4].item())
+    assert crowd == alone
+    assert len(set(alone)) > 1  # the generator advances from step to step
+
+
+def test_sampling_follows_the_truncated_distribution() -> None:
+    g = torch.Generator().manual_seed(2)
+    row = 2.0 * torch.randn(V, generator=g)
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.8, min_p=0.02)
+    seq = make_seq(params, [1])
+    expected = torch.softmax(reference_row(row, seq), -1)
+    n = 20_000
+    batch = builder().build([seq] * n)
+    tokens = sample_batch(row.expand(n, V).contiguous(), batch.metadata, g).token_ids
+    freq = torch.bincount(tokens, minlength=V).float() / n
+    # 20k draws: the standard error of each frequency is below 0.004.
+    torch.testing.assert_close(freq, expected, atol=0.02, rtol=0)
+    assert freq[expected == 0].sum() == 0
+
+
+def test_logprobs_are_raw_log_softmax_with_top_k_and_rank() -> None:
+    logits, seqs = case_batch(["all", "greedy", "temperature", "top_k"], seed=8)
+    for seq, k in zip(seqs, (3, 0, None, 5), strict=True):
+        seq.sampling_params.logprobs = k
+    batch = builder().build(seqs)
+    assert batch.logprob_rows == [0, 1, 3]
+    out = sample_batch(logits, batch.metadata)
+    assert out.logprobs is not None
+    for j, row in enumerate(batch.logprob_rows):
+        ref = torch.log_softmax(logits[row], -1)  # before penalties and temperature
+        chosen = int(out.token_ids[row])
+        assert out.logprobs.token_ids[j, 0] == chosen
+        torch.testing.assert_close(out.logprobs.logprobs[j, 0], ref[chosen])
+        assert out.logprobs.ranks[j] == 1 + int((ref > ref[chosen]).sum())
+        top = ref.topk(5)
+        assert out.logprobs.token_ids[j, 1:].tolist() == top.indices.tolist()
+        torch.testing.assert_close(out.logprobs.logprobs[j, 1:], top.values)
+
+
+class _Calls(TorchFunctionMode):
+    """Records the torch functions called, with the shape of their first tensor argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...] | None]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        name = getattr(func, "__name__", str(func))
+        self.calls.append((name, tuple(first.shape) if first is not None else None))
+        return func(*args, **(kwargs or {}))
+
+    def shapes(self, name: str) -> list[tuple[int, ...] | None]:
+        return [shape for called, shape in self.calls if called == name]
+
+
+def test_greedy_batch_takes_argmax_without_softmax_or_sort() -> None:
+    logits, seqs = case_batch(["greedy"] * 4)
+    batch = builder().build(seqs)
+    with _Calls() as calls:
+        tokens = sample_batch(logits, batch.metadata)
+    assert tokens.token_ids.tolist() == logits.argmax(-1).tolist()
+    names = {name for name, _ in calls.calls}
+    assert not names & {"sort", "topk", "softmax", "exponential_"}, names
+
+
+def test_only_rows_with_top_p_or_top_k_are_sorted() -> None:
+    names = ["greedy", "temperature", "top_p", "min_p", "top_k_top_p", "greedy"]
+    logits, seqs = case_batch(names)
+    batch = builder().build(seqs)
+    with _Calls() as calls:
+        sample_batch(logits, batch.metadata)
+    assert calls.shapes("sort") == [(2, V)]
+    # top-k alone: one topk of the largest k, no sort.
+    logits, seqs = case_batch(["top_k", "temperature", "greedy"])
+    with _Calls() as calls:
+        sample_batch(logits, builder().build(seqs).metadata)
+    assert calls.shapes("sort") == [] and calls.shapes("topk") == [(1, V)]
+
+
+def test_temperature_only_entry_point() -> None:
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
     temps = torch.tensor([0.0, 1.0, 0.0, 0.7])
     a = sample(logits, temps, torch.Generator().manual_seed(5))
     b = sample(logits, temps, torch.Generator().manual_seed(5))
     assert a.tolist() == b.tolist()  # the generator makes sampling reproducible
     assert a[0] == logits[0].argmax() and a[2] == logits[2].argmax()
+    assert sample(logits, torch.zeros(4)).tolist() == logits.argmax(-1).tolist()
+    with pytest.raises(ValueError, match="must be"):
+        sample(torch.zeros(3, 4), torch.zeros(2))
+    assert sample_for_profiling(logits).shape == (4,)
 
 
-def test_sampling_follows_the_distribution() -> None:
+def test_temperature_follows_the_distribution() -> None:
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).expand(20_000, -1).contiguous()
-    tokens = sample(logits, torch.ones(20_000), torch.Generator().manual_seed(2))
-    freq = torch.bincount(tokens, minlength=3).float() / 20_000
-    # 20k draws: the standard error of each frequency is below 0.004.
-    torch.testing.assert_close(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.02, rtol=0)
     # Temperature 0.5 squares and renormalises the probabilities.
     tokens = sample(logits, torch.full((20_000,), 0.5), torch.Generator().manual_seed(3))
     freq = torch.bincount(tokens, minlength=3).float() / 20_000
     p = torch.tensor([0.36, 0.09, 0.01]) / 0.46
     torch.testing.assert_close(freq, p, atol=0.02, rtol=0)
-
-
-def test_shape_mismatch_is_refused() -> None:
-    with pytest.raises(ValueError, match="must be"):
-        sample(torch.zeros(3, 4), torch.zeros(2))
+    assert math.isclose(float(freq.sum()), 1.0)

@@ -160,9 +160,11 @@ class BlockManager:
         """Longest run of cached blocks holding a prefix of `seq`, never covering its last token.
 
         The last token is always left to compute because its logits are needed; at block
-        granularity that means a fully cached prompt of k full blocks reuses only k - 1.
+        granularity that means a fully cached prompt of k full blocks reuses only k - 1. A
+        sequence that must compute its whole prompt (`reads_prefix_cache`: prompt logprobs) gets
+        no hit.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         hashes = self._block_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size

@@ -6,6 +6,15 @@ channel to the other ranks and the sampler. One `step()`:
     schedule → build StepPlan → publish to ranks 1..N-1 → forward on rank 0 (the collectives
     keep every rank in lock-step) → sample from the gathered logits → Scheduler.update
 
+Sampling stays on rank 0: `SamplingBatchBuilder` turns the sampling sequences' parameters into
+one step's tensors and `rank_worker.sampling` draws from the gathered logits. Logprobs (raw:
+log_softmax of the model's logits) are recorded on the sequences; prompt logprobs ask the
+plan for more logits rows (every prompt position of the chunk), placed after the sampled ones.
+
+A request with `n > 1` becomes n sequences. The first runs at once; the others are held until
+the first has computed its prompt, so that they find its full prompt blocks in the prefix cache
+(the block manager registers full blocks after each step) instead of computing them again.
+
 Start-up mirrors `rank_worker.worker.run_worker` on the other ranks (see its docstring for the
 order). A failure on another rank surfaces here as `EngineDeadError` naming that rank and step.
 """
@@ -13,28 +22,32 @@ order). A failure on another rank surfaces here as `EngineDeadError` naming that
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from rank_worker.faults import maybe_inject
 from rank_worker.model_runner import ModelRunner, load_hf_config
 from rank_worker.runner_config import RunnerConfig
-from rank_worker.sampler import sample
+from rank_worker.sampler import MAX_NUM_LOGPROBS
+from rank_worker.sampling import sample_batch
 from rank_worker.tp import TPInfo, broadcast_bytes
 from rank_worker.worker import Bootstrap, default_device
 from shm_ipc import ChannelError, PlanBroadcaster, StepPlan
 from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
+from tp_engine.generation_config import eos_token_ids, sampling_defaults
+from tp_engine.logprobs import prompt_logprob_rows, record_prompt_logprobs, record_sample_logprobs
 from tp_engine.plan_builder import build_step_plan
+from tp_engine.sampling_batch import SamplingBatchBuilder
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.scheduler import Scheduler
-from tp_engine.sequence import Sequence
+from tp_engine.scheduler import RequestRejectedError, Scheduler
+from tp_engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +66,12 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class StepResult:
-    """What one step did, for outputs and throughput figures."""
+    """What one step did, for outputs and throughput figures.
+
+    The sequences carry the rest: a sampled sequence's new token is `output_token_ids[-1]` and,
+    when it asked for logprobs, its new entry is `output_logprobs[-1]`; prompt logprobs
+    accumulate in `prompt_logprobs` while the prompt is computed.
+    """
 
     finished: list[Sequence]
     # Sequences that received a token this step (finished ones included).
@@ -80,21 +98,6 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
     )
 
 
-def eos_token_ids(tokenizer: Any, model_dir: Path) -> set[int]:
-    """EOS ids from the tokenizer and from generation_config.json (int or list), as vLLM does."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(i) for i in eos)
-    return ids
-
-
 class LLMEngine:
     """The engine on rank 0 of a process group of `tp.size` ranks."""
 
@@ -117,6 +120,11 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = eos_token_ids(self.tokenizer, model_dir)
+        # SamplingParams fields the checkpoint sets for requests that leave them unset.
+        self.generation_defaults = sampling_defaults(model_dir)
+        # n > 1: id of a request's first sequence -> its siblings, held until its prompt is
+        # computed (see the module docstring).
+        self._held: dict[str, tuple[Sequence, list[Sequence]]] = {}
         runner_config = runner_config_for(self.config)
 
         self.channel: PlanBroadcaster | None = None
@@ -139,14 +147,74 @@ class LLMEngine:
                 self.channel.close()  # the workers see CLOSE and exit non-zero
             raise
         self.scheduler = self._build_scheduler(self.config)
+        self.sampling = SamplingBatchBuilder(
+            self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed
+        )
 
     # -- requests --------------------------------------------------------------------------------
+
+    def default_sampling_params(self, **fields: Any) -> SamplingParams:
+        """SamplingParams from request fields where None means unset: unset fields take the
+        checkpoint's generation-config defaults, then vLLM's (`SamplingParams.from_optional`)."""
+        return SamplingParams.from_optional(self.generation_defaults, **fields)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Sequence:
-        """Queue a request; raises ValueError (RequestRejectedError) saying what is wrong."""
-        _refuse_unsupported(params)
+        """Queue a request with `n == 1`; raises ValueError (RequestRejectedError) saying what is
+        wrong. `add_request_group` takes any n."""
+        if params.n != 1:
+            raise ValueError(
+                f"request {request_id!r}: SamplingParams.n={params.n} makes several sequences; "
+                "use add_request_group"
+            )
+        return self.add_request_group(request_id, prompt_token_ids, params)[0]
+
+    def add_request_group(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[Sequence]:
+        """Queue a request as `params.n` sequences sharing the prompt, in sample order.
+
+        With n == 1 the sequence's id is `request_id`; with n > 1 sample i is `f"{i}_{id}"`
+        (vLLM's child ids), its seed is `seed + i` when a seed is given (vLLM's rule, so the
+        samples differ), and only sample 0 computes prompt logprobs (they would be the same).
+        Raises ValueError (RequestRejectedError) saying what is wrong; nothing is queued then.
+        """
+        self._check_request(request_id, prompt_token_ids, params)
+        if params.n == 1:
+            seqs = [Sequence(request_id, prompt_token_ids, params)]
+        else:
+            seqs = []
+            for i in range(params.n):
+                child = dataclasses.replace(
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
+                seq = Sequence(f"{i}_{request_id}", prompt_token_ids, child)
+                seq.sample_index = i
+                seqs.append(seq)
+        taken = [s.request_id for s in seqs if self._is_known(s.request_id)]
+        if taken:
+            raise RequestRejectedError(f"request id {taken[0]!r} is already in use")
+        self.scheduler.add(seqs[0])  # checks that it fits; the siblings are the same size
+        if len(seqs) > 1:
+            self._held[seqs[0].request_id] = (seqs[0], seqs[1:])
+        return seqs
+
+    def _check_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: expected SamplingParams, got {params!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_NUM_LOGPROBS:
+                raise ValueError(
+                    f"SamplingParams.{name}={value} exceeds the maximum of {MAX_NUM_LOGPROBS} "
+                    "log-probabilities per token"
+                )
         if not isinstance(prompt_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids
         ):
@@ -157,25 +225,52 @@ class LLMEngine:
                 f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
                 f"[0, {self.vocab_size})"
             )
-        seq = Sequence(request_id, prompt_token_ids, params)
-        self.scheduler.add(seq)
-        return seq
+
+    def _is_known(self, request_id: str) -> bool:
+        return self.scheduler.get(request_id) is not None or any(
+            seq.request_id == request_id for _, held in self._held.values() for seq in held
+        )
 
     def abort_request(self, request_id: str) -> Sequence | None:
+        """Abort one sequence (a held n > 1 sibling included); None if unknown or finished."""
+        for _, held in self._held.values():
+            for seq in held:
+                if seq.request_id == request_id:
+                    held.remove(seq)
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                    return seq
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or any(held for _, held in self._held.values())
+
+    def _release_held(self) -> None:
+        """Queue the held siblings of every first sample whose prompt has been computed (it
+        has an output token) or that ended; its full prompt blocks are in the prefix cache."""
+        for first_id, (first, held) in list(self._held.items()):
+            if first.num_output_tokens or first.is_finished:
+                del self._held[first_id]
+                for seq in held:
+                    self.scheduler.add(seq)
 
     # -- stepping --------------------------------------------------------------------------------
 
     def step(self) -> StepResult:
         if self._dead is not None:
             raise self._dead
+        if self._held:
+            self._release_held()
         out = self.scheduler.schedule()
         if out.is_empty:
             return StepResult([], [], 0, 0)
         plan = build_step_plan(out, self.config.block_size, self.step_id)
+        prompt_rows = prompt_logprob_rows(out, plan.query_start_loc)
+        if prompt_rows:
+            # After the sampled rows, so that logits[:B'] stays what the sampler takes.
+            extra = np.concatenate([p.rows for p in prompt_rows]).astype(np.int32)
+            plan = dataclasses.replace(
+                plan, logits_indices=np.concatenate([plan.logits_indices, extra])
+            )
         self.step_id += 1
         with self._failures_named(f"step {plan.step_id}"):
             if self.channel is not None:
@@ -191,16 +286,22 @@ class LLMEngine:
         num_decode = sum(
             1 for seq in out.scheduled if seq.num_output_tokens and seq.num_uncomputed_tokens == 1
         )
-        finished = self.scheduler.update(out, self._sample(logits, sampling))
+        num_sampled = len(sampling)
+        tokens = self._sample(logits[:num_sampled], sampling)
+        if prompt_rows:
+            record_prompt_logprobs(logits[num_sampled:], prompt_rows)
+        finished = self.scheduler.update(out, tokens)
         return StepResult(finished, sampling, out.num_batched_tokens - num_decode, num_decode)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Sample one token per sequence from `logits [B', V]`; records requested logprobs."""
         if not seqs:
             return []
-        temperatures = torch.tensor(  # [B']
-            [seq.sampling_params.temperature for seq in seqs], dtype=torch.float32
-        )
-        return sample(logits, temperatures).tolist()
+        batch = self.sampling.build(seqs)
+        result = sample_batch(logits, batch.metadata, self.sampling.generator)
+        if result.logprobs is not None:
+            record_sample_logprobs([seqs[i] for i in batch.logprob_rows], result.logprobs)
+        return result.token_ids.tolist()
 
     def _failures_named(self, what: str) -> _FailureGuard:
         return _FailureGuard(self, what)
@@ -216,7 +317,7 @@ class LLMEngine:
         The workers are not involved: their caches keep the same shape and whatever the new
         block manager hands out is overwritten before it is read.
         """
-        if self.scheduler.has_unfinished():
+        if self.has_unfinished():
             raise RuntimeError("reconfigure needs an idle engine")
         allowed = {
             "enable_prefix_caching",
@@ -308,31 +409,6 @@ class _FailureGuard:
         return EngineDeadError(
             f"rank 0 failed during {self.what}: {type(exc).__name__}: {exc}", rank=0
         )
-
-
-# Fields that the sampler does not implement yet, with the value that means "off".
-_UNSUPPORTED_DEFAULTS = {
-    "n": 1,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "seed": None,
-    "logprobs": None,
-    "prompt_logprobs": None,
-}
-
-
-def _refuse_unsupported(params: SamplingParams) -> None:
-    """Refuse, rather than silently ignore, sampling controls the sampler does not apply yet."""
-    for name, off in _UNSUPPORTED_DEFAULTS.items():
-        if getattr(params, name) != off:
-            raise ValueError(
-                f"SamplingParams.{name}={getattr(params, name)!r} is not supported yet (only "
-                "greedy and temperature sampling are); leave it at its default"
-            )
 
 
 def _demo_model_dir() -> Path:

@@ -7,6 +7,12 @@ Three ways to run, one engine:
   (`python -m rank_worker.worker`) that rendezvous with it on 127.0.0.1;
 - under torchrun (RANK and WORLD_SIZE set): every rank constructs `LLM`; on rank 0 it returns
   the engine, on the other ranks it serves rank 0 until shutdown and then exits the process.
+
+Generation as in vLLM's offline API: `sampling_params=None` means the checkpoint's
+generation-config defaults (`get_default_sampling_params`); a request with `n > 1` returns n
+completions whose samples share the prompt's KV blocks; `chat` renders conversations with the
+tokenizer's chat template. Detokenization, stop strings and logprob dicts happen here, on the
+caller's side of the engine.
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ from rank_worker.tp import destroy_process_group, init_process_group
 from rank_worker.worker import run_worker
 from tp_engine.config import EngineConfig
 from tp_engine.engine import EngineDeadError, LLMEngine
-from tp_engine.outputs import CompletionOutput, RequestOutput
+from tp_engine.outputs import CompletionOutput, RequestOutput, logprob_dicts
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.sequence import Sequence, SequenceStatus
 from tp_engine.stop_strings import find_stop_string
 
 PromptType = str | list[int] | dict[str, Any]
+ChatMessage = dict[str, Any]
 
 # How long shutdown waits for spawned workers to exit before killing them.
 _WORKER_EXIT_TIMEOUT_S = 10.0
@@ -88,6 +95,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults overridden by the checkpoint's generation_config.json."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | SequenceOf[PromptType],
@@ -97,47 +108,112 @@ class LLM:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
 
         A prompt is a string, a list of token ids, or `{"prompt_token_ids": [...]}` (or
-        `{"prompt": "..."}`). A bad prompt or parameter raises ValueError before anything runs.
+        `{"prompt": "..."}`, or both). `sampling_params` None takes the checkpoint's defaults.
+        A bad prompt or parameter raises ValueError before anything runs.
         """
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
         requests = [
-            (self._prompt_ids(p), p, sp) for p, sp in zip(prompt_list, params_list, strict=True)
+            (self._prompt_ids(p), _prompt_text(p), sp)
+            for p, sp in zip(prompt_list, params_list, strict=True)
         ]
 
-        seqs: list[Sequence] = []
+        groups: list[tuple[str, list[Sequence]]] = []
         try:
             for token_ids, _, params in requests:
-                seqs.append(self.engine.add_request(f"gen-{next(self._ids)}", token_ids, params))
+                request_id = f"gen-{next(self._ids)}"
+                groups.append(
+                    (request_id, self.engine.add_request_group(request_id, token_ids, params))
+                )
         except Exception:
-            for seq in seqs:
-                self.engine.abort_request(seq.request_id)
+            for _, seqs in groups:
+                for seq in seqs:
+                    self.engine.abort_request(seq.request_id)
             raise
-        texts = self._run(seqs, use_tqdm)
+        texts = self._run([seq for _, seqs in groups for seq in seqs], use_tqdm)
         return [
-            RequestOutput(
-                request_id=seq.request_id,
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=token_ids,
-                outputs=[
-                    CompletionOutput(
-                        index=0,
-                        text=text,
-                        token_ids=seq.output_token_ids,
-                        finish_reason=seq.finish_reason,
-                        stop_reason=seq.stop_reason,
-                    )
-                ],
-                finished=True,
-                num_cached_tokens=seq.num_cached_tokens,
-            )
-            for seq, text, (token_ids, prompt, _) in zip(seqs, texts, requests, strict=True)
+            self._request_output(request_id, prompt, token_ids, seqs, texts)
+            for (request_id, seqs), (token_ids, prompt, _) in zip(groups, requests, strict=True)
         ]
 
-    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[str]:
-        """Step the engine until every sequence finished; returns their final texts."""
+    def chat(
+        self,
+        messages: SequenceOf[ChatMessage] | SequenceOf[SequenceOf[ChatMessage]],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of `{"role", "content"}` messages) or a
+        list of conversations, rendered with the checkpoint's chat template (or
+        `chat_template`). The rendered text is the output's `prompt`; its tokens are encoded
+        without adding special tokens, since the template writes them (as vLLM does)."""
+        if not messages:
+            raise ValueError("no messages given")
+        first = messages[0]
+        conversations = [messages] if isinstance(first, dict) else list(messages)
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                list(conversation),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+            )
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _request_output(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        seqs: list[Sequence],
+        texts: dict[str, str],
+    ) -> RequestOutput:
+        first = seqs[0]
+        wants_prompt_logprobs = first.sampling_params.prompt_logprobs is not None
+        return RequestOutput(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            outputs=[self._completion(seq, texts[seq.request_id]) for seq in seqs],
+            finished=True,
+            num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=(
+                logprob_dicts(first.prompt_logprobs, self.tokenizer)
+                if wants_prompt_logprobs
+                else None
+            ),
+        )
+
+    def _completion(self, seq: Sequence, text: str) -> CompletionOutput:
+        wants_logprobs = seq.sampling_params.logprobs is not None
+        logprobs = None
+        if wants_logprobs:
+            logprobs = [
+                d for d in logprob_dicts(seq.output_logprobs, self.tokenizer) if d is not None
+            ]
+        return CompletionOutput(
+            index=seq.sample_index,
+            text=text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            logprobs=logprobs,
+        )
+
+    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> dict[str, str]:
+        """Step the engine until every sequence finished; returns their final texts by id."""
         texts: dict[str, str] = {}
         bar = tqdm(
             total=len(seqs), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
@@ -177,7 +253,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [texts[seq.request_id] for seq in seqs]
+        return texts
 
     def _apply_stop_strings(self, seq: Sequence, texts: dict[str, str]) -> bool:
         """End `seq` if its text now contains a stop string, cutting the text before it.
@@ -205,6 +281,7 @@ class LLM:
         )
 
     def _prompt_ids(self, prompt: PromptType) -> list[int]:
+        """Token ids of a prompt; `prompt_token_ids` wins over `prompt` in a dict."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
@@ -264,6 +341,14 @@ def _as_prompt_list(prompts: PromptType | SequenceOf[PromptType]) -> list[Prompt
     if not prompts:
         raise ValueError("no prompts given")
     return prompts
+
+
+def _prompt_text(prompt: PromptType) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    return None
 
 
 def _as_params_list(

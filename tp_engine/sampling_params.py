@@ -1,12 +1,21 @@
 """Per-request sampling parameters, with vLLM's field names and defaults.
 
 They live on rank 0 only: workers never see them (the StepPlan carries no sampling state).
+
+Defaults, as in vLLM: `SamplingParams()` always has the documented defaults below. The
+checkpoint's generation_config.json (temperature, top_k, top_p, min_p, repetition_penalty,
+max_new_tokens) only fills fields a request leaves unset, which needs "unset" to be visible:
+`SamplingParams.from_optional(defaults, **fields)` treats None as unset. `LLM.generate` without
+sampling params and the API server (request fields it did not receive) go that way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -56,6 +65,23 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+
+    @classmethod
+    def from_optional(
+        cls, defaults: Mapping[str, Any] | None = None, **fields: Any
+    ) -> SamplingParams:
+        """Parameters where a field given as None is unset: it takes its value from `defaults`
+        (e.g. `tp_engine.generation_config.sampling_defaults`), else the class default.
+
+        Unknown names in `fields` raise ValueError; unknown names in `defaults` are ignored.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise ValueError(f"SamplingParams has no field {unknown[0]!r}")
+        values = {k: v for k, v in (defaults or {}).items() if k in names and v is not None}
+        values.update({k: v for k, v in fields.items() if v is not None})
+        return cls(**values)
 
     @property
     def is_greedy(self) -> bool:

@@ -23,8 +23,13 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tp_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -56,6 +61,20 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
 }
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Raw log-probabilities at one position: the chosen token first, then the top-k.
+
+    The chosen token is the sampled one (output) or the actual next token (prompt); it may
+    appear again among the top-k. `rank` is the chosen token's rank (1 = most likely); the
+    top-k entries have ranks 1..k in order.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
 
 
 class Sequence:
@@ -90,6 +109,20 @@ class Sequence:
         # Stop token id or stop string that ended the sequence, if any.
         self.stop_reason: int | str | None = None
 
+        # -- sampling state (rank 0 only) --
+        # Which of its request's n samples this is (`CompletionOutput.index`).
+        self.sample_index = 0
+        # The request's own generator when it has a seed: created on the logits' device at the
+        # first sample, then advanced only by this sequence's draws.
+        self.generator: torch.Generator | None = None
+        # One entry per output token when `logprobs` is set, and their sum (chosen tokens).
+        self.output_logprobs: list[TokenLogprobs] = []
+        self.cumulative_logprob = 0.0
+        # One entry per prompt token when `prompt_logprobs` is set; the first token has none.
+        self.prompt_logprobs: list[TokenLogprobs | None] = (
+            [None] if self.sampling_params.prompt_logprobs is not None else []
+        )
+
     # -- token accounting ---------------------------------------------------------------------
 
     @property
@@ -121,6 +154,22 @@ class Sequence:
     def is_prefill(self) -> bool:
         """True while more than one token waits to be computed (prompt or recompute)."""
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True while prompt logprobs are asked for and some prompt position lacks them."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether admission may reuse cached blocks. Not while prompt logprobs are missing: a
+        cached block's positions would never be computed, so their logits never seen (vLLM
+        skips prefix-cache reads for such requests too). Its blocks are still cached for others.
+        """
+        return not self.needs_prompt_logits
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,85 @@
+"""Rank 0's logprob bookkeeping: which extra logits rows prompt logprobs need, and recording
+sampled and prompt logprobs on the sequences.
+
+Device tensors (`rank_worker.sampling.LogprobsTensors`) -> one `TokenLogprobs` per position on
+the sequence, copied to the host once per step. Prompt logprobs ask the StepPlan for the logits
+of every prompt position a chunk computes (after the rows that are sampled); each such row adds
+`[1, V]` fp32 logits on rank 0, which the GPU memory measurement does not budget for: a very
+long prompt with prompt_logprobs costs `prompt_len * V * 4` bytes in its step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rank_worker.sampling import LogprobsTensors, compute_logprobs
+from tp_engine.scheduler import SchedulerOutput
+from tp_engine.sequence import Sequence, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Extra logits rows of one sequence in one step, for its prompt logprobs."""
+
+    seq: Sequence
+    # Rows in the plan's flattened tokens: positions `start .. start + count - 1` of the
+    # sequence, whose logits score prompt tokens `start + 1 .. start + count`.
+    rows: np.ndarray
+    targets: list[int]
+
+
+def prompt_logprob_rows(
+    out: SchedulerOutput, query_start_loc: np.ndarray
+) -> list[PromptLogprobRows]:
+    """The logits rows each scheduled sequence needs for prompt logprobs it lacks.
+
+    Must run before `Scheduler.update` (num_computed_tokens says where the chunk starts). A
+    chunk computing positions `start .. start + n - 1` yields logits for prompt tokens
+    `start + 1 .. start + n`; only tokens not yet recorded are taken (a recompute after
+    preemption does not record them twice).
+    """
+    found = []
+    for i, seq in enumerate(out.scheduled):
+        if not seq.needs_prompt_logits:
+            continue
+        start = seq.num_computed_tokens
+        lo = max(start, len(seq.prompt_logprobs) - 1)  # first position whose logits are missing
+        hi = min(start + out.num_scheduled_tokens[i], seq.num_prompt_tokens - 1)
+        if lo >= hi:
+            continue
+        rows = np.arange(lo, hi, dtype=np.int64) - start + int(query_start_loc[i])
+        found.append(PromptLogprobRows(seq, rows, seq.token_ids[lo + 1 : hi + 1]))
+    return found
+
+
+def record_prompt_logprobs(logits: torch.Tensor, found: list[PromptLogprobRows]) -> None:
+    """`logits [R, V]`: the extra rows of `found`, in order."""
+    targets = torch.tensor([t for f in found for t in f.targets], dtype=torch.int64)
+    nums = [f.seq.sampling_params.prompt_logprobs or 0 for f in found]
+    tensors = compute_logprobs(logits, targets.to(logits.device), min(max(nums), logits.shape[-1]))
+    entries = _entries(tensors, [n for f, n in zip(found, nums, strict=True) for _ in f.targets])
+    offset = 0
+    for f in found:
+        f.seq.prompt_logprobs.extend(entries[offset : offset + len(f.targets)])
+        offset += len(f.targets)
+
+
+def _entries(tensors: LogprobsTensors, num_top: list[int]) -> list[TokenLogprobs]:
+    """Device tensors -> one TokenLogprobs per row, each cut to its own top-k (one copy)."""
+    ids = tensors.token_ids.tolist()
+    values = tensors.logprobs.tolist()
+    ranks = tensors.ranks.tolist()
+    return [
+        TokenLogprobs(ids[r][: k + 1], values[r][: k + 1], ranks[r]) for r, k in enumerate(num_top)
+    ]
+
+
+def record_sample_logprobs(seqs: list[Sequence], tensors: LogprobsTensors) -> None:
+    """Append each sequence's entry for the token it just sampled (rows in `seqs` order)."""
+    entries = _entries(tensors, [seq.sampling_params.logprobs or 0 for seq in seqs])
+    for seq, entry in zip(seqs, entries, strict=True):
+        seq.output_logprobs.append(entry)
+        seq.cumulative_logprob += entry.logprobs[0]

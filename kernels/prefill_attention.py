@@ -71,7 +71,8 @@ def _prefill_attention_kernel(
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq)
+    # int64: (q_start + tok) * stride grows with the step's token count.
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
         return  # this sequence has fewer new tokens than the longest one

@@ -35,7 +35,8 @@ def _store_kv_kernel(
     BLOCK: tl.constexpr,  # elements copied per program, a power of two
 ):
     # Grid: (T, cdiv(ROW, BLOCK)); one program copies one chunk of one token's K and V rows.
-    token = tl.program_id(0)
+    # int64 so that token * stride stays exact for any step size.
+    token = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:

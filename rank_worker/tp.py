@@ -81,7 +81,8 @@ def init_process_group(
     if backend is None:
         # NCCL wants one GPU per rank; more ranks than GPUs (TP on a single GPU) use gloo, whose
         # collectives are staged through host memory.
-        enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
         backend = "nccl" if enough_gpus else "gloo"
     if backend == "nccl":
         if not torch.cuda.is_available():

@@ -134,6 +134,9 @@ CASES = {
     # A plain prefill, a prompt after a cached prefix of 8, a later chunk, decodes, a 1-token
     # prompt: every row shape in one batch.
     "mixed": [(9, 9), (13, 5), (20, 7), (7, 1), (12, 1), (1, 1)],
+    # As the scheduler lays a step out: running decodes first, then prefill chunks and a new
+    # 1-token prompt (which is not a leading decode).
+    "decodes_first": [(7, 1), (40, 1), (12, 1), (9, 9), (13, 5), (1, 1)],
     # Prompts whose first blocks are cached (prefix hit): only their tails are computed.
     "prefix_cached": [(12, 4), (17, 1 + 8), (30, 3)],
     # The first and the second chunk of two chunked prompts.
@@ -257,10 +260,15 @@ def test_decode_only_batches_take_the_decode_kernel(monkeypatch):
 
         monkeypatch.setattr(triton_backend, kernel, spy)
     backend = get_backend("triton")
-    for case_name in ("decode_only", "mixed"):
+    for case_name in ("decode_only", "mixed", "decodes_first"):
         case = make_case(CASES[case_name], 4, 2, 16, 4, torch.float32, KERNEL_DEVICE)
         run_backend(backend, case)
-    assert calls == ["paged_decode_attention", "paged_prefill_attention"]
+    assert calls == [
+        "paged_decode_attention",  # decode_only
+        "paged_prefill_attention",  # mixed: no leading decodes, one prefill launch
+        "paged_decode_attention",  # decodes_first: the 3 leading decodes...
+        "paged_prefill_attention",  # ...and the rest
+    ]
 
 
 # -- flash_attn through a stand-in -----------------------------------------------------------

@@ -7,7 +7,7 @@ steps can never see each other's metadata.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,6 +44,24 @@ class AttentionMetadata:
     # (max_model_len), not the lengths the graph is replayed with (see `AttentionBackend`).
     query_start_loc_host: np.ndarray
     seq_lens_host: np.ndarray
+    # Derived once per step (not per layer) in __post_init__: the sequences at the head of the
+    # batch with exactly one new token (the scheduler puts running decodes first). In a mixed
+    # batch they go to the split-KV decode kernel and the rest to the prefill kernel, whose
+    # query offsets rebased to the first non-decode row are `prefill_query_start_loc`
+    # [B - num_leading_decodes + 1] (None unless 0 < num_leading_decodes < B).
+    num_leading_decodes: int = field(init=False)
+    prefill_query_start_loc: torch.Tensor | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        not_one = np.flatnonzero(np.diff(self.query_start_loc_host) != 1)
+        n = int(not_one[0]) if not_one.size else self.num_seqs
+        rebased = None
+        if 0 < n < self.num_seqs:
+            # Decode rows are one token each, so the prefill rows start at token n.
+            host = self.query_start_loc_host[n:] - n
+            rebased = torch.from_numpy(host).to(self.query_start_loc.device)
+        object.__setattr__(self, "num_leading_decodes", n)
+        object.__setattr__(self, "prefill_query_start_loc", rebased)
 
     @property
     def num_seqs(self) -> int:

@@ -5,12 +5,11 @@ Two kernels, chosen per batch from the metadata alone (no device-to-host copy):
 - decode-only batch (every sequence has one new token, `max_query_len == 1`): the paged decode
   kernel, one query row per sequence, split-KV over long contexts. This is the batch shape that
   CUDA graphs capture, and the kernel needs nothing from the host but the shapes.
-- any other batch (prefills, prefill chunks after a cached prefix, and any decodes scheduled in
-  the same step): ONE launch of the paged prefill kernel over the whole batch. That kernel
-  already treats a decode as a sequence whose query is its last position, so a mixed batch needs
-  no split into two launches and no gather/scatter of rows; the decodes in a mixed step are few
-  next to the prefill tokens that fill the step's token budget, so their share of a
-  prefill-shaped grid costs little.
+- a mixed batch: the leading decode rows (the scheduler puts running decodes first) go to the
+  decode kernel, so a decode over a long context is still split across programs; the remaining
+  rows (prefills, chunks after a cached prefix) are one launch of the paged prefill kernel.
+- a batch with no leading decodes: one launch of the prefill kernel (it treats a one-token
+  sequence as a query at its last position).
 
 Triton reads the device from the tensors' current device, so the caller must have set it
 (`ModelRunner` does). On CPU the kernels run only under `TRITON_INTERPRET=1` (tests).
@@ -57,13 +56,37 @@ class TritonAttentionBackend(AttentionBackend):
             return paged_decode_attention(
                 query, k_cache, v_cache, meta.seq_lens, meta.block_table, scale
             )
+        n = meta.num_leading_decodes
+        if n == 0:
+            return self._prefill(query, k_cache, v_cache, meta, meta.query_start_loc, 0, scale)
+        assert meta.prefill_query_start_loc is not None  # set by prepare_inputs when 0 < n < B
+        out = torch.empty_like(query)  # [T, num_heads, head_dim]
+        out[:n] = paged_decode_attention(
+            query[:n], k_cache, v_cache, meta.seq_lens[:n], meta.block_table[:n], scale
+        )
+        out[n:] = self._prefill(
+            query[n:], k_cache, v_cache, meta, meta.prefill_query_start_loc, n, scale
+        )
+        return out
+
+    @staticmethod
+    def _prefill(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        query_start_loc: torch.Tensor,
+        first_seq: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """The prefill kernel over sequences `first_seq:` (their rows are `query`)."""
         return paged_prefill_attention(
             query,
             k_cache,
             v_cache,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_table,
+            query_start_loc,
+            meta.seq_lens[first_seq:],
+            meta.block_table[first_seq:],
             meta.max_query_len,
             scale,
         )

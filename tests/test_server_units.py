@@ -1,0 +1,200 @@
+"""The server's pure parts, without processes: wire messages, incremental detokenization and
+stop strings, request parsing, logprob shapes, metric counters."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from tp_engine.server.detokenizer import IncrementalDetokenizer
+from tp_engine.server.errors import APIError
+from tp_engine.server.logprobs import LogprobFormatter
+from tp_engine.server.messages import (
+    AbortRequest,
+    AddRequest,
+    Dead,
+    Delta,
+    Drain,
+    EngineOutputs,
+    EngineStats,
+    Exit,
+    Hello,
+    MessageError,
+    Ready,
+    Rejected,
+    decode,
+    encode,
+)
+from tp_engine.server.metrics import ServerMetrics
+from tp_engine.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from tp_engine.checkpoints import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+# -- messages -------------------------------------------------------------------------------------
+
+STATS = EngineStats(2, 1, 0.25, 100, 32, 0)
+MESSAGES = [
+    Hello("/m", ["a", "b"], 4096, 151936, {"temperature": 0.7}, None, 4),
+    Ready(8000),
+    AddRequest("cmpl-1-0", [1, 2, 3], {"n": 2, "stop": ["x"], "seed": None}),
+    AbortRequest("cmpl-1-0", [1], True),
+    AbortRequest("cmpl-1-0", None, False),
+    EngineOutputs(
+        ["a"],
+        [Rejected("b", 400, "too long")],
+        [
+            Delta("a", 0, [5], None, None, 3, 0.01, [[[5, 6], [-0.1, -2.0], 1]], None),
+            Delta("a", 1, [7, 8], "stop", 8, None, None, None, [None, [[4], [-1.5], 3]]),
+        ],
+        STATS,
+    ),
+    Drain(10.0),
+    Dead("rank 1 failed at step 3"),
+    Exit(1),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\xc1 not msgpack",
+        msgpack.packb("hello"),
+        msgpack.packb([99, 1]),
+        msgpack.packb([int(Ready.KIND)]),  # a field missing
+        msgpack.packb([int(EngineOutputs.KIND), [], [[1]], [], [0, 0, 0.0, 0, 0, 0]]),
+    ],
+)
+def test_anything_else_is_refused(frame):
+    with pytest.raises(MessageError):
+        decode(frame)
+
+
+# -- detokenizer ------------------------------------------------------------------------------------
+
+
+def run(detok, ids, *, engine_stopped=False, chunk=1):
+    out = ""
+    for i in range(0, len(ids), chunk):
+        last = i + chunk >= len(ids)
+        out += detok.update(ids[i : i + chunk], engine_stopped and last, last)
+        if detok.finished:
+            break
+    return out
+
+
+def test_incremental_text_equals_a_full_decode(tokenizer):
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 25))]
+        skip = rng.random() < 0.5
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        text = run(detok, ids, chunk=rng.randint(1, 3))
+        assert text == detok.text == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_stop_strings_spanning_tokens_cut_the_text_and_are_never_streamed(tokenizer):
+    ids = tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, stop=["fox jumps", "zzz"])
+    pieces = [detok.update([t], False, False) for t in ids]
+    assert detok.finished and detok.stop_string == "fox jumps"
+    assert "".join(pieces) == "The quick brown "
+    assert not any("f" in p for p in pieces)
+    detok = IncrementalDetokenizer(tokenizer, stop=["fox jumps"], include_stop_str_in_output=True)
+    assert run(detok, ids) == "The quick brown fox jumps"
+
+
+def test_min_tokens_delays_stop_strings(tokenizer):
+    ids = tokenizer("ab ab ab ab")["input_ids"]
+    # As in vLLM, only text that arrives once min_tokens is reached is searched.
+    detok = IncrementalDetokenizer(tokenizer, stop=["ab"], min_tokens=len(ids))
+    assert run(detok, ids) == "ab ab ab " and detok.stop_string == "ab"
+    detok = IncrementalDetokenizer(tokenizer, stop=["zz"], min_tokens=len(ids))
+    assert run(detok, ids) == "ab ab ab ab"
+
+
+def test_the_engines_stop_token_is_counted_but_not_shown(tokenizer):
+    ids = tokenizer("Hello world")["input_ids"]
+    stop_id = tokenizer("!")["input_ids"][0]
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert run(detok, [*ids, stop_id], engine_stopped=True) == "Hello world"
+    assert detok.token_ids == [*ids, stop_id]
+
+
+# -- request parsing ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
+        (b'{"prompt": "x", "temperature": true}', "temperature"),
+        (b'{"prompt": ["x", 1]}', "prompt"),
+        (
+            b'{"prompt": "x", "stream_options": {"include_usage": 1}}',
+            "stream_options.include_usage",
+        ),
+        (b'{"max_tokens": 1}', "prompt"),
+        (b"[]", None),
+        (b"{", None),
+        (b"  ", None),
+    ],
+)
+def test_parse_errors_are_400s_naming_the_field(body, param):
+    with pytest.raises(APIError) as info:
+        parse_body(CompletionRequest, body)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_requests_accept_openai_and_vllm_fields():
+    req = parse_body(
+        ChatCompletionRequest,
+        b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],'
+        b' "max_completion_tokens": 5, "top_k": 3, "min_tokens": 1, "user": "ignored", "x": 1}',
+    )
+    assert req.max_completion_tokens == 5 and req.top_k == 3 and req.min_tokens == 1
+    req = parse_body(CompletionRequest, b'{"prompt": [[1, 2], [3]], "temperature": 0}')
+    assert req.prompt == [[1, 2], [3]] and req.temperature == 0.0
+
+
+# -- logprobs, metrics ----------------------------------------------------------------------------------
+
+
+def test_logprob_shapes(tokenizer):
+    fmt = LogprobFormatter(tokenizer)
+    a, b = tokenizer("Hi there")["input_ids"][:2]
+    entries = [[[a, b, a], [-0.5, -0.2, -0.5], 2], [[b, b, a], [-0.1, -0.1, -3.0], 1]]
+    comp = fmt.completion(entries)
+    assert comp["token_logprobs"] == [-0.5, -0.1]
+    assert comp["text_offset"] == [0, len(tokenizer.decode([a]))]
+    assert comp["top_logprobs"][0] == {tokenizer.decode([a]): -0.5, tokenizer.decode([b]): -0.2}
+    chat = fmt.chat(entries)["content"]
+    assert [len(t["top_logprobs"]) for t in chat] == [2, 2]
+    assert chat[0]["bytes"] == list(tokenizer.decode([a]).encode())
+    prompt = fmt.prompt([None, entries[0]])
+    assert prompt[0] is None and prompt[1][str(a)]["rank"] == 2 and prompt[1][str(b)]["rank"] == 1
+
+
+def test_engine_counters_advance_by_their_difference():
+    metrics = ServerMetrics("m")
+    metrics.set_engine_stats(EngineStats(1, 2, 0.5, 100, 30, 1))
+    metrics.set_engine_stats(EngineStats(0, 0, 0.0, 150, 30, 1))
+    value = metrics.registry.get_sample_value
+    labels = {"model_name": "m"}
+    assert value("vllm:prefix_cache_queries_total", labels) == 150
+    assert value("vllm:prefix_cache_hits_total", labels) == 30
+    assert value("vllm:num_preemptions_total", labels) == 1
+    assert value("vllm:num_requests_running", labels) == 0
+    assert value("vllm:kv_cache_usage_perc", labels) == 0

@@ -1,0 +1,252 @@
+"""The API process: FastAPI + uvicorn, started by rank 0 as `python -m tp_engine.server.api_server`.
+
+It holds no engine state: it tokenizes, sends requests to rank 0, detokenizes what comes back
+and applies stop strings, so that HTTP and text work never take the engine loop's interpreter
+lock. Start-up: connect to rank 0's two sockets (`--run-dir`), wait for Hello (the engine is
+loaded), load the tokenizer, bind the HTTP socket, then say Ready with the port. It exits when
+rank 0 sends Exit (with rank 0's exit code), or at once if rank 0 disappears.
+
+Routes (vLLM's): /v1/completions, /v1/chat/completions, /v1/models, /health, /version,
+/tokenize, /detokenize, /metrics. `--api-key` guards the /v1 routes, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from shm_ipc.liveness import ProcessWatch
+from tp_engine.server.engine_client import EngineClient
+from tp_engine.server.errors import APIError, install_handlers
+from tp_engine.server.ipc import ApiPipes
+from tp_engine.server.messages import Exit, Hello, Ready
+from tp_engine.server.metrics import ServerMetrics
+from tp_engine.server.prompts import PromptBuilder
+from tp_engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+)
+from tp_engine.server.serving import OpenAIServing
+
+logger = logging.getLogger("tp_engine.server.api")
+
+# Seconds uvicorn waits for open connections once told to exit (every stream has its last event
+# by then: rank 0 sends Exit only after every request has finished or been aborted).
+_GRACEFUL_EXIT_S = 5
+
+
+def version() -> str:
+    try:
+        return metadata.version("tp-engine")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on the /v1 routes (as vLLM guards them), compared in
+    constant time. Plain ASGI rather than `@app.middleware("http")`, which would copy every
+    streamed chunk through an extra task and memory stream."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                response = APIError(
+                    401,
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key",
+                ).response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    client: EngineClient,
+    tokenizer: Any,
+    on_startup: Callable[[], Awaitable[None]] | None = None,
+) -> FastAPI:
+    """The app; `on_startup` runs as a task once the event loop is up (Ready is sent there)."""
+    hello = client.hello
+    builder = PromptBuilder(tokenizer, hello)
+    serving = OpenAIServing(client, builder)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client.start()
+        announce = asyncio.create_task(on_startup()) if on_startup is not None else None
+        yield
+        if announce is not None:
+            announce.cancel()
+        await client.stop()
+
+    app = FastAPI(title="tp-engine", version=version(), lifespan=lifespan)
+    install_handlers(app)
+
+    if hello.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=hello.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.dead is not None:
+            return APIError(
+                503, f"the engine is dead: {client.dead}", code="engine_dead"
+            ).response()
+        if client.draining:
+            return APIError(503, "the server is shutting down").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": version()}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "tp-engine",
+                    "root": hello.model_dir,
+                    "parent": None,
+                    "max_model_len": hello.max_model_len,
+                    "permission": [],
+                }
+                for name in hello.served_model_names
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_body(CompletionRequest, await request.body())
+        return await serving.completion(req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse_body(ChatCompletionRequest, await request.body())
+        return await serving.chat(req, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = parse_body(TokenizeRequest, await request.body())
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            text = builder.render_chat(
+                req.messages, add_generation_prompt=req.add_generation_prompt
+            )
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return {"count": len(ids), "max_model_len": hello.max_model_len, "tokens": list(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = parse_body(DetokenizeRequest, await request.body())
+        serving.check_model(req.model)
+        ids = builder.check_token_ids(req.tokens, "tokens") if req.tokens else []
+        return {"prompt": tokenizer.decode(ids)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(client.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# -- the process -------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="tp-engine API process (started by rank 0)")
+    p.add_argument("--run-dir", required=True, help="rank 0's private socket directory")
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    return p.parse_args(argv)
+
+
+def _wait_for_hello(pipes: ApiPipes, parent: ProcessWatch) -> Hello | None:
+    """Block until rank 0 has loaded the engine (minutes for a big model); None if it died or
+    sent Exit instead."""
+    while True:
+        msg = pipes.recv(timeout_s=0.5)
+        if isinstance(msg, Hello):
+            return msg
+        if isinstance(msg, Exit) or (msg is None and not parent.alive()):
+            return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    parent = ProcessWatch(args.parent_pid)
+    pipes = ApiPipes(args.run_dir)
+    hello = _wait_for_hello(pipes, parent)
+    if hello is None:
+        return 1
+    tokenizer = AutoTokenizer.from_pretrained(hello.model_dir)
+    client = EngineClient(
+        pipes, hello, ServerMetrics(hello.served_model_names[0]), args.run_dir, args.parent_pid
+    )
+    server: uvicorn.Server | None = None
+    port = 0
+
+    async def announce() -> None:
+        while server is None or not server.started:
+            await asyncio.sleep(0.02)
+        pipes.send(Ready(port=port))
+
+    app = build_app(client, tokenizer, announce)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=_GRACEFUL_EXIT_S,
+    )
+    server = uvicorn.Server(config)
+    sock = config.bind_socket()  # a taken port ends the process here, with uvicorn's message
+    port = sock.getsockname()[1]
+
+    def on_exit(code: int) -> None:
+        server.should_exit = True
+
+    client.on_exit = on_exit
+    server.run(sockets=[sock])
+    return client.exit_code if client.exit_code is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

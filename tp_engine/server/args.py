@@ -1,0 +1,150 @@
+"""Command-line flags of `launch/serve.py`, named as vLLM names them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from tp_engine.config import EngineConfig
+from tp_engine.server.engine_loop import LoopOptions
+
+# The API key may come from the environment, so that it does not show in `ps`.
+API_KEY_ENV = "TP_ENGINE_API_KEY"
+DEMO_MODEL_NAME = "tp-engine-demo"
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str
+    port: int
+    api_key: str | None
+    served_model_names: list[str] | None
+    uvicorn_log_level: str
+    disable_uvicorn_access_log: bool
+    dist_backend: str | None
+    loop: LoopOptions
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="serve.py",
+        description="OpenAI-compatible server for Qwen3 on N tensor-parallel ranks.",
+    )
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names clients use in 'model' (default: --model as given); the first is reported",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="ranks; default torchrun's WORLD_SIZE, else 1 (N > 1 without torchrun starts N - 1 "
+        "worker processes)",
+    )
+    p.add_argument("--dist-backend", choices=["nccl", "gloo"], default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"]
+    )
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="fix the KV pool size (blocks per rank)"
+    )
+    p.add_argument(
+        "--kv-cache-memory-bytes", type=int, default=None, help="KV bytes per rank (CPU path)"
+    )
+    p.add_argument(
+        "--engine-iteration-timeout",
+        type=float,
+        default=120.0,
+        help="seconds without a completed step, while requests wait, before the engine is "
+        "declared dead (health 503, exit non-zero)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM before abort",
+    )
+    p.add_argument(
+        "--engine-dead-linger",
+        type=float,
+        default=2.0,
+        help="seconds a dead server keeps answering 503 before it exits",
+    )
+    p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    return p
+
+
+def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
+    """The engine's config; raises ValueError (before any process starts) on a bad value."""
+    return EngineConfig(
+        model=args.model,
+        tensor_parallel_size=tp_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        dtype=args.dtype,
+        seed=args.seed,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        attention_backend=args.attention_backend,
+    )
+
+
+def server_args(args: argparse.Namespace) -> ServerArgs:
+    for name in ("engine_iteration_timeout", "shutdown_timeout"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if args.engine_dead_linger < 0:
+        raise ValueError("--engine-dead-linger must be >= 0")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_key == "":
+        raise ValueError("--api-key must not be empty")
+    return ServerArgs(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_names=args.served_model_name,
+        uvicorn_log_level=args.uvicorn_log_level,
+        disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+        dist_backend=args.dist_backend,
+        loop=LoopOptions(
+            iteration_timeout_s=args.engine_iteration_timeout,
+            shutdown_timeout_s=args.shutdown_timeout,
+            dead_linger_s=args.engine_dead_linger,
+        ),
+    )
+
+
+def served_names(args: ServerArgs, model: str | None) -> list[str]:
+    if args.served_model_names:
+        return list(args.served_model_names)
+    return [model if model else DEMO_MODEL_NAME]

@@ -1,0 +1,104 @@
+"""Incremental detokenization and stop strings for one sequence, in the API process.
+
+Token ids arrive a few at a time; text leaves as deltas. Decoding token by token is wrong for
+byte-level BPE (a character may span tokens, and a lone token decodes to U+FFFD), and decoding
+everything each time is quadratic. The window method (vLLM's `detokenize_incrementally`)
+decodes only the tokens since the last emitted text, plus the few before them for context, and
+emits nothing while the window ends in an incomplete character. When the sequence ends, one
+full `decode` gives the authoritative text, so the final text equals
+`tokenizer.decode(output_ids, skip_special_tokens=...)` exactly as `LLM.generate` returns it.
+
+Stop strings are matched on the text, so they may span tokens; the returned text ends before
+the stop string (or after it with `include_stop_str_in_output`). While streaming, the last
+`len(longest stop) - 1` characters are held back, so a client never receives the first half of
+a stop string that the next token completes.
+
+When the engine ends a sequence on EOS or a stop token id, that last token is kept in the ids
+(and counted in usage) but not in the text, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tp_engine.stop_strings import find_stop_string
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._stop = list(stop or [])
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        # Characters never sent while streaming, in case they begin a stop string.
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self.token_ids: list[int] = []  # every output token, the engine's stop token included
+        self._text_ids: list[int] = []  # the tokens that make up the text
+        self._tokens: list[str] = []  # their token strings (special ones dropped if skipped)
+        self._prefix_offset = 0  # window start: context for the next decode
+        self._read_offset = 0  # tokens before this are already in `text`
+        self.text = ""  # decoded so far (may run past a stop string until it is checked)
+        self._num_sent = 0  # characters of `text` returned by `update`
+        self.finished = False
+        self.stop_string: str | None = None  # the stop string that ended the sequence
+
+    def update(self, new_token_ids: list[int], engine_stopped: bool, finished: bool) -> str:
+        """Add tokens; returns the text that may be sent now.
+
+        `engine_stopped`: the engine ended the sequence on EOS or a stop token id (the last new
+        token). `finished`: this is the sequence's last update from the engine. After the call,
+        `self.finished` is also True when a stop string ended the sequence here.
+        """
+        if self.finished:
+            return ""
+        self.token_ids += new_token_ids
+        text_ids = new_token_ids[:-1] if engine_stopped and new_token_ids else new_token_ids
+        searched_up_to = len(self.text)
+        for token_id in text_ids:
+            self._append(token_id)
+        if finished:
+            self.text = self._final_text()
+        if self._stop and len(self.token_ids) >= self._min_tokens:
+            longest = max(len(s) for s in self._stop)
+            start = max(0, searched_up_to - longest + 1)
+            hit = find_stop_string(self.text[start:], self._stop)
+            if hit is not None:
+                position, stop = hit
+                end = start + position + (len(stop) if self._include_stop else 0)
+                self.text = self.text[:end]
+                self.stop_string = stop
+                finished = True
+        self.finished = finished
+        limit = len(self.text) if finished else max(self._num_sent, len(self.text) - self._holdback)
+        delta = self.text[self._num_sent : limit]
+        self._num_sent = limit
+        return delta
+
+    def _append(self, token_id: int) -> None:
+        self._text_ids.append(token_id)
+        self._tokens += self._tokenizer.convert_ids_to_tokens(
+            [token_id], skip_special_tokens=self._skip_special
+        )
+        convert = self._tokenizer.convert_tokens_to_string
+        prefix_text = convert(self._tokens[self._prefix_offset : self._read_offset])
+        new_text = convert(self._tokens[self._prefix_offset :])
+        # A window ending in U+FFFD stops in the middle of a character: wait for the rest.
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._tokens)
+
+    def _final_text(self) -> str:
+        full = self._tokenizer.decode(self._text_ids, skip_special_tokens=self._skip_special)
+        # The window method always yields a prefix of the full decode; should a tokenizer ever
+        # disagree, what was already sent cannot be taken back, so keep it.
+        return full if full.startswith(self.text[: self._num_sent]) else self.text

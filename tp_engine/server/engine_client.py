@@ -1,0 +1,171 @@
+"""The API process's view of rank 0: send requests and aborts, route what comes back.
+
+Ownership: one `EngineClient` per API process, used only from the asyncio event loop. Each
+in-flight HTTP request registers its engine request ids (one per prompt) with one
+`asyncio.Queue`; the dispatcher task reads rank 0's messages and puts `(request_id, event)` on
+the owner's queue, where an event is `ACCEPTED`, a `Rejected`, a `Delta` (of one sample) or an
+`EngineDied`. Messages for ids no longer registered (the client left) are dropped. The owner
+releases its ids when it is done (`Generation.close`).
+
+Sending never blocks or awaits (see `ipc`), so an abort can be sent from the `finally` of a
+coroutine that is being cancelled because its client disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from shm_ipc.liveness import ProcessWatch
+from tp_engine.server.ipc import ApiPipes, RunDir
+from tp_engine.server.messages import (
+    AbortRequest,
+    AddRequest,
+    Dead,
+    Drain,
+    EngineOutputs,
+    Exit,
+    Hello,
+    decode,
+)
+from tp_engine.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+ACCEPTED = "accepted"
+_PARENT_CHECK_S = 1.0
+
+
+@dataclass(frozen=True)
+class EngineDied:
+    message: str
+
+
+class EngineClient:
+    def __init__(
+        self, pipes: ApiPipes, hello: Hello, metrics: ServerMetrics, run_dir: str, parent_pid: int
+    ) -> None:
+        self.pipes = pipes
+        self.hello = hello
+        self.metrics = metrics
+        self._run_dir = run_dir
+        self._parent = ProcessWatch(parent_pid)
+        self._owners: dict[str, asyncio.Queue] = {}
+        # Why the engine cannot serve any more; None while it can.
+        self.dead: str | None = None
+        self.draining = False
+        self.exit_code: int | None = None
+        self.on_exit: Callable[[int], None] = lambda code: None
+        self._tasks: list[asyncio.Task] = []
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def add(
+        self,
+        queue: asyncio.Queue,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: dict[str, Any],
+    ) -> None:
+        self._owners[request_id] = queue
+        self.pipes.send(AddRequest(request_id, prompt_token_ids, sampling_params))
+
+    def abort(
+        self, request_id: str, sample_indices: list[int] | None = None, *, stopped: bool = False
+    ) -> None:
+        """Stop a request's samples on rank 0 (all when `sample_indices` is None), freeing
+        their KV blocks. Aborting all of them also forgets the request here."""
+        if request_id not in self._owners:
+            return
+        if sample_indices is None:
+            del self._owners[request_id]
+        if self.exit_code is None:
+            self.pipes.send(AbortRequest(request_id, sample_indices, stopped))
+
+    def release(self, request_id: str) -> None:
+        """Forget a request that rank 0 has finished or rejected (nothing is sent)."""
+        self._owners.pop(request_id, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._owners)
+
+    # -- background tasks --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._dispatch(), name="engine-dispatcher"),
+            asyncio.create_task(self._watch_parent(), name="engine-parent-watch"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _dispatch(self) -> None:
+        inbox = self.pipes.async_inbox()
+        while True:
+            frame = await inbox.recv()
+            try:
+                done = self._handle(decode(frame))
+            except Exception as exc:
+                # A message this process cannot read would leave requests waiting forever:
+                # fail them all and exit, so that rank 0 notices and shuts the server down.
+                logger.exception("API process: cannot handle rank 0's message")
+                self._fail_all(f"the API process could not read rank 0's message: {exc}")
+                self.exit_code = 1
+                self.on_exit(1)
+                return
+            if done:
+                return
+
+    def _handle(self, msg: object) -> bool:
+        """Apply one message from rank 0; True once it said Exit."""
+        if isinstance(msg, EngineOutputs):
+            for rid in msg.accepted:
+                self._deliver(rid, ACCEPTED)
+            for rejected in msg.rejected:
+                self._deliver(rejected.request_id, rejected)
+                self._owners.pop(rejected.request_id, None)
+            for delta in msg.deltas:
+                self._deliver(delta.request_id, delta)
+            self.metrics.set_engine_stats(msg.stats)
+        elif isinstance(msg, Drain):
+            logger.info("shutting down: refusing new requests, %d in flight", len(self._owners))
+            self.draining = True
+        elif isinstance(msg, Dead):
+            logger.error("engine dead: %s", msg.message)
+            self._fail_all(msg.message)
+        elif isinstance(msg, Exit):
+            self.exit_code = msg.code
+            self.draining = True
+            self.on_exit(msg.code)
+            return True
+        else:
+            logger.warning("API process: ignoring unexpected %s", type(msg).__name__)
+        return False
+
+    def _fail_all(self, message: str) -> None:
+        self.dead = message
+        for rid in list(self._owners):
+            self._deliver(rid, EngineDied(message))
+        self._owners.clear()
+
+    def _deliver(self, request_id: str, event: Any) -> None:
+        queue = self._owners.get(request_id)
+        if queue is not None:
+            queue.put_nowait((request_id, event))
+
+    async def _watch_parent(self) -> None:
+        """Rank 0 killed outright cannot send Exit: notice, remove its leftovers, and go."""
+        while True:
+            await asyncio.sleep(_PARENT_CHECK_S)
+            if not self._parent.alive():
+                logger.error("rank 0 (pid %d) died; the API process exits", self._parent.pid)
+                RunDir(self._run_dir).remove()
+                os._exit(1)

@@ -1,0 +1,350 @@
+"""Rank 0's serving loop: requests in over ZeroMQ, one engine step at a time, token deltas out.
+
+Ownership: this loop is the only user of the `LLMEngine` (one thread; the engine is not
+thread-safe). Per iteration:
+
+    poll the inbox (no wait while work is queued) → apply every Add / Abort → step once →
+    send one EngineOutputs (acceptances, rejections, deltas, stats) if anything changed
+
+States and what ends them:
+
+    SERVING ──SIGINT/SIGTERM──► DRAINING ──no work left, or deadline──► EXIT (code 0)
+       │                           │          (at the deadline the rest are aborted)
+       ├──EngineDeadError / watchdog──► DEAD: Dead sent, linger, Exit → code 1
+       └──the API process died─────► code 1
+
+A hung step never returns to the loop, so `Watchdog` (a thread) watches it: when no step has
+completed for `iteration_timeout_s` while work is queued, `_on_stall` tells the API process the
+engine is dead (health turns 503), waits the linger, and ends the process through `on_fatal`
+(the other ranks notice rank 0 is gone and exit by themselves).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tp_engine.engine import EngineDeadError, LLMEngine
+from tp_engine.sampling_params import SamplingParams
+from tp_engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from tp_engine.server.ipc import EnginePipes
+from tp_engine.server.messages import (
+    AbortRequest,
+    AddRequest,
+    Dead,
+    Delta,
+    Drain,
+    EngineOutputs,
+    EngineStats,
+    Exit,
+    Rejected,
+)
+from tp_engine.server.watchdog import Watchdog
+
+logger = logging.getLogger(__name__)
+
+# How long an idle loop sleeps in poll: bounds how late a signal or a dead API is noticed.
+_IDLE_POLL_S = 0.05
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    # Watchdog: the engine is dead when no step completes for this long while work is queued.
+    # Generous, since a first step may compile kernels.
+    iteration_timeout_s: float = 120.0
+    # After SIGINT/SIGTERM, in-flight requests get this long to finish before they are aborted.
+    shutdown_timeout_s: float = 10.0
+    # Once dead, keep answering 503 this long before exiting (so health checks see it).
+    dead_linger_s: float = 2.0
+    # How long the API process gets to exit after Exit before it is killed.
+    api_exit_timeout_s: float = 10.0
+
+
+@dataclass
+class _Live:
+    """One sample (engine sequence) of an accepted request that has not finished."""
+
+    seq: Sequence
+    request_id: str  # the API's id; the sequence's own id differs when n > 1
+    arrival: float
+    num_sent: int = 0  # output tokens already sent in a Delta
+    queue_time_s: float | None = None  # set at the first step that schedules it
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        pipes: EnginePipes,
+        api_proc: subprocess.Popen,
+        options: LoopOptions,
+        on_fatal: Callable[[int], None],
+    ) -> None:
+        self.engine = engine
+        self.pipes = pipes
+        self.api_proc = api_proc
+        self.options = options
+        self._on_fatal = on_fatal
+        self._live: dict[str, _Live] = {}  # by sequence id
+        self._requests: dict[str, list[_Live]] = {}  # the API's request id -> its samples
+        self._queued: dict[str, _Live] = {}  # accepted, never scheduled yet (for queue time)
+        self._accepted: list[str] = []
+        self._rejected: list[Rejected] = []
+        self._deltas: list[Delta] = []
+        self._last_stats: EngineStats | None = None
+        self._stop_signal: int | None = None
+        self._drain_deadline: float | None = None
+        self._watchdog = Watchdog(options.iteration_timeout_s, self._on_stall)
+
+    def request_stop(self, signum: int) -> None:
+        """From a signal handler: begin a graceful shutdown at the next iteration."""
+        if self._stop_signal is None:
+            self._stop_signal = signum
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until shut down; returns the process exit code."""
+        self._watchdog.start()
+        try:
+            return self._serve()
+        finally:
+            self._watchdog.stop()
+
+    def _serve(self) -> int:
+        engine = self.engine
+        while True:
+            if self._watchdog.fired.is_set():
+                _park()  # the watchdog has taken over and ends the process
+            busy = engine.has_unfinished()
+            self._watchdog.busy(busy)
+            if self.pipes.poll(0 if busy else _IDLE_POLL_S):
+                self._read_inbox()
+            if self._stop_signal is not None and self._drain_deadline is None:
+                self._begin_drain()
+            if self.api_proc.poll() is not None:
+                logger.error(
+                    "the API process exited (code %s); shutting down", self.api_proc.returncode
+                )
+                return EXIT_FAILED
+            if self._drain_deadline is not None:
+                if not engine.has_unfinished():
+                    self._flush()
+                    return self._finish(EXIT_OK)
+                if time.monotonic() > self._drain_deadline:
+                    self._abort_everything()
+                    self._flush()
+                    return self._finish(EXIT_OK)
+            if engine.has_unfinished():
+                try:
+                    self._step()
+                except EngineDeadError as exc:
+                    return self._die(str(exc))
+                except Exception as exc:  # a bug on rank 0: fail every request, not just hang
+                    logger.exception("engine step failed")
+                    return self._die(f"rank 0 failed: {type(exc).__name__}: {exc}")
+            self._flush()
+
+    def _read_inbox(self) -> None:
+        while (msg := self.pipes.recv_nowait()) is not None:
+            if isinstance(msg, AddRequest):
+                self._add(msg)
+            elif isinstance(msg, AbortRequest):
+                self._abort(msg)
+            else:
+                logger.warning("engine loop: ignoring unexpected %s", type(msg).__name__)
+
+    def _add(self, msg: AddRequest) -> None:
+        if self._drain_deadline is not None:
+            self._rejected.append(
+                Rejected(msg.request_id, 503, "the server is shutting down; retry elsewhere")
+            )
+            return
+        try:
+            params = SamplingParams(**msg.sampling_params)
+            seqs = self.engine.add_request_group(msg.request_id, msg.prompt_token_ids, params)
+        except (ValueError, TypeError) as exc:
+            # The engine refuses what it cannot serve (too long, unsupported field): that
+            # request gets a 400, everything else keeps running.
+            self._rejected.append(Rejected(msg.request_id, 400, str(exc)))
+            return
+        now = time.monotonic()
+        samples = [_Live(seq, msg.request_id, arrival=now) for seq in seqs]
+        self._requests[msg.request_id] = samples
+        for live in samples:
+            self._live[live.seq.request_id] = live
+            self._queued[live.seq.request_id] = live
+        self._accepted.append(msg.request_id)
+
+    def _abort(self, msg: AbortRequest) -> None:
+        samples = self._requests.get(msg.request_id, [])
+        for index, live in enumerate(samples):
+            if msg.sample_indices is not None and index not in msg.sample_indices:
+                continue
+            seq_id = live.seq.request_id
+            if self._live.pop(seq_id, None) is None:
+                continue  # finished already
+            self._queued.pop(seq_id, None)
+            if msg.stopped and self.engine.scheduler.get(seq_id) is not None:
+                self.engine.scheduler.finish(seq_id, SequenceStatus.FINISHED_STOPPED)
+            else:
+                self.engine.abort_request(seq_id)
+        self._forget_if_done(msg.request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        samples = self._requests.get(request_id, [])
+        if all(live.seq.request_id not in self._live for live in samples):
+            self._requests.pop(request_id, None)
+
+    def _step(self) -> None:
+        step_start = time.monotonic()
+        result = self.engine.step()
+        if result.num_prefill_tokens or result.num_decode_tokens:
+            self._watchdog.progress()
+        for request_id, live in list(self._queued.items()):
+            if live.seq.status != SequenceStatus.WAITING or live.seq.num_computed_tokens:
+                live.queue_time_s = max(0.0, step_start - live.arrival)
+                del self._queued[request_id]
+        for seq in result.sampled:
+            live = self._live.get(seq.request_id)
+            if live is not None:
+                self._deltas.append(self._delta(live))
+
+    def _delta(self, live: _Live) -> Delta:
+        seq = live.seq
+        start = live.num_sent
+        new = seq.output_token_ids[start:]
+        first = start == 0
+        live.num_sent += len(new)
+        finished = seq.is_finished
+        if finished:
+            del self._live[seq.request_id]
+            self._queued.pop(seq.request_id, None)
+            self._forget_if_done(live.request_id)
+        params = seq.sampling_params
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [_wire(e) for e in seq.output_logprobs[start : start + len(new)]]
+        prompt_logprobs = None
+        if first and params.prompt_logprobs is not None:
+            prompt_logprobs = [None if e is None else _wire(e) for e in seq.prompt_logprobs]
+        return Delta(
+            request_id=live.request_id,
+            index=seq.sample_index,
+            new_token_ids=new,
+            finish_reason=seq.finish_reason if finished else None,
+            stop_reason=seq.stop_reason if finished and isinstance(seq.stop_reason, int) else None,
+            num_cached_tokens=seq.num_cached_tokens if first else None,
+            queue_time_s=live.queue_time_s if first else None,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _flush(self) -> None:
+        stats = self._stats()
+        if not (self._accepted or self._rejected or self._deltas) and stats == self._last_stats:
+            return
+        self.pipes.send(EngineOutputs(self._accepted, self._rejected, self._deltas, stats))
+        self._accepted, self._rejected, self._deltas = [], [], []
+        self._last_stats = stats
+
+    def _stats(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        bm = scheduler.block_manager
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions,
+        )
+
+    # -- endings -----------------------------------------------------------------------------------
+
+    def _begin_drain(self) -> None:
+        timeout = self.options.shutdown_timeout_s
+        logger.info(
+            "signal %s: no new requests; %d in flight get %.0f s to finish",
+            self._stop_signal,
+            len(self._live),
+            timeout,
+        )
+        self._drain_deadline = time.monotonic() + timeout
+        self.pipes.send(Drain(timeout))
+
+    def _abort_everything(self) -> None:
+        logger.warning("shutdown deadline passed: aborting %d sequences", len(self._live))
+        for seq_id, live in list(self._live.items()):
+            self.engine.abort_request(seq_id)
+            self._deltas.append(
+                Delta(
+                    live.request_id,
+                    live.seq.sample_index,
+                    [],
+                    "abort",
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                )
+            )
+        self._live.clear()
+        self._queued.clear()
+        self._requests.clear()
+
+    def _die(self, message: str) -> int:
+        logger.error("engine dead: %s", message)
+        self.pipes.send(Dead(message))
+        time.sleep(self.options.dead_linger_s)
+        return self._finish(EXIT_FAILED)
+
+    def _finish(self, code: int) -> int:
+        """Tell the API process to exit and wait for it (killing it if it lingers)."""
+        self.pipes.send(Exit(code))
+        stop_api_process(self.api_proc, self.options.api_exit_timeout_s)
+        return code
+
+    def _on_stall(self, stalled_for: float) -> None:
+        """From the watchdog thread, while the loop is stuck in a step: declare the engine
+        dead, let health checks see it, stop the API process and end this process."""
+        message = (
+            f"no engine step completed for {stalled_for:.1f} s while requests were queued "
+            f"(limit {self.options.iteration_timeout_s:g} s, rank 0 at step "
+            f"{self.engine.step_id}); a rank is hung"
+        )
+        logger.error("watchdog: %s", message)
+        self.pipes.send(Dead(message))
+        time.sleep(self.options.dead_linger_s)
+        self.pipes.send(Exit(EXIT_FAILED))
+        stop_api_process(self.api_proc, self.options.api_exit_timeout_s)
+        self._on_fatal(EXIT_FAILED)  # does not return
+
+
+def _park() -> None:
+    while True:
+        time.sleep(3600)
+
+
+def _wire(entry: TokenLogprobs) -> list[Any]:
+    return [entry.token_ids, entry.logprobs, entry.rank]
+
+
+def stop_api_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Wait for the API process to exit on its own; terminate, then kill it if it does not."""
+    for action in (None, proc.terminate, proc.kill):
+        if action is not None:
+            action()
+        try:
+            proc.wait(timeout=timeout_s if action is None else 5.0)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,241 @@
+"""One HTTP request's sequences on their way through the engine, in the API process.
+
+A request with P prompts and `n` choices per prompt becomes P engine requests (ids
+`<request id>-<prompt index>`), each with `n` samples that the engine runs as sequences sharing
+the prompt's KV blocks; choice `p * n + i` is sample i of prompt p, as OpenAI numbers them.
+Their life:
+
+    start(): Add each → wait until every one is accepted or one is rejected
+             (a rejection aborts the others and becomes this request's 400 / 503)
+    updates(): each Delta → detokenize, match stop strings, record metrics → ChoiceUpdate;
+             a stop string ends the choice here and tells rank 0 to stop that sample
+    close(): in a `finally`: aborts whatever has not finished (the client went away)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tp_engine.sampling_params import SamplingParams
+from tp_engine.server.detokenizer import IncrementalDetokenizer
+from tp_engine.server.engine_client import ACCEPTED, EngineClient, EngineDied
+from tp_engine.server.errors import APIError
+from tp_engine.server.messages import Delta, Rejected
+
+
+class EngineDiedError(RuntimeError):
+    """The engine died while this request was in flight."""
+
+
+@dataclass
+class PromptInput:
+    token_ids: list[int]
+    text: str | None = None  # the prompt's text, when echo needs it
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    sample_index: int
+    detok: IncrementalDetokenizer
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    queue_time_s: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    # Per output token, when logprobs were asked for: [token ids, logprobs, rank] (the sampled
+    # token first, then the top-k).
+    logprobs: list[list[Any]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class ChoiceUpdate:
+    choice: Choice
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[Any]] | None = None  # of `token_ids`, when asked for
+
+
+@dataclass(frozen=True)
+class StopOptions:
+    """What the API process does with the text (the engine never sees these)."""
+
+    stop: list[str]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    min_tokens: int
+
+
+class Generation:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: Any,
+        request_id: str,
+        prompts: list[PromptInput],
+        params_for: Callable[[int], SamplingParams],
+        n: int,
+        stop: StopOptions,
+    ) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.prompts = prompts
+        self.arrival = time.monotonic()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._params_for = params_for
+        self.engine_ids = [f"{request_id}-{p}" for p in range(len(prompts))]
+        self.choices: list[Choice] = []
+        for p in range(len(prompts)):
+            for i in range(n):
+                detok = IncrementalDetokenizer(
+                    tokenizer,
+                    skip_special_tokens=stop.skip_special_tokens,
+                    stop=stop.stop,
+                    include_stop_str_in_output=stop.include_stop_str_in_output,
+                    min_tokens=stop.min_tokens,
+                )
+                self.choices.append(Choice(p * n + i, p, i, detok))
+        self._n = n
+        self._prompt_of = {rid: p for p, rid in enumerate(self.engine_ids)}
+        # Per prompt, when prompt_logprobs were asked for (from sample 0's first Delta).
+        self.prompt_logprobs: list[list[Any] | None] = [None] * len(prompts)
+        self._early: list[tuple[str, Any]] = []
+
+    # -- life --------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Hand every prompt to rank 0 and wait for its verdict; raises APIError if refused."""
+        client = self.client
+        if client.dead is not None:
+            raise APIError(503, f"the engine is dead: {client.dead}", code="engine_dead")
+        if client.draining:
+            raise APIError(503, "the server is shutting down; retry elsewhere")
+        for p, engine_id in enumerate(self.engine_ids):
+            params = asdict(self._params_for(p))
+            client.add(self._queue, engine_id, self.prompts[p].token_ids, params)
+        pending = set(self.engine_ids)
+        rejection: Rejected | None = None
+        while pending:
+            engine_id, event = await self._queue.get()
+            if isinstance(event, EngineDied):
+                raise APIError(503, f"the engine is dead: {event.message}", code="engine_dead")
+            if event == ACCEPTED:
+                pending.discard(engine_id)
+            elif isinstance(event, Rejected):
+                pending.discard(engine_id)
+                rejection = rejection or event
+                for c in self._choices_of(engine_id):
+                    c.finish_reason = "rejected"
+            else:
+                self._early.append((engine_id, event))
+        if rejection is not None:
+            self.close()
+            raise APIError(rejection.status, rejection.message)
+
+    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+        """Updates of every choice, in arrival order, until all have finished."""
+        while not all(c.finished for c in self.choices):
+            if self._early:
+                engine_id, event = self._early.pop(0)
+            else:
+                engine_id, event = await self._queue.get()
+            if isinstance(event, EngineDied):
+                raise EngineDiedError(event.message)
+            if isinstance(event, Delta) and 0 <= event.index < self._n:
+                choice = self.choices[self._prompt_of[engine_id] * self._n + event.index]
+                update = self._apply(choice, event)
+                if update is not None:
+                    yield update
+
+    def close(self) -> None:
+        """Abort every unfinished choice on rank 0. Synchronous: safe in a cancelled `finally`."""
+        for engine_id in self.engine_ids:
+            if all(c.finished for c in self._choices_of(engine_id)):
+                self.client.release(engine_id)
+            else:
+                self.client.abort(engine_id)
+
+    def _choices_of(self, engine_id: str) -> list[Choice]:
+        p = self._prompt_of[engine_id]
+        return self.choices[p * self._n : (p + 1) * self._n]
+
+    # -- one delta ---------------------------------------------------------------------------------
+
+    def _apply(self, choice: Choice, delta: Delta) -> ChoiceUpdate | None:
+        if choice.finished:
+            return None  # ended by a stop string; rank 0 had already sent more
+        now = time.monotonic()
+        metrics = self.client.metrics
+        if delta.num_cached_tokens is not None:
+            choice.num_cached_tokens = delta.num_cached_tokens
+        if delta.queue_time_s is not None:
+            choice.queue_time_s = delta.queue_time_s
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[choice.prompt_index] = delta.prompt_logprobs
+        if delta.logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + delta.logprobs
+        if delta.new_token_ids:
+            if choice.first_token_at is None:
+                choice.first_token_at = now
+                metrics.ttft.observe(now - self.arrival)
+                metrics.prompt_tokens.inc(len(self.prompts[choice.prompt_index].token_ids))
+            else:
+                metrics.itl.observe(now - (choice.last_token_at or now))
+            choice.last_token_at = now
+            metrics.generation_tokens.inc(len(delta.new_token_ids))
+        engine_done = delta.finish_reason is not None
+        text = choice.detok.update(
+            delta.new_token_ids,
+            engine_stopped=delta.finish_reason == "stop",
+            finished=engine_done,
+        )
+        if choice.detok.stop_string is not None:
+            choice.finish_reason, choice.stop_reason = "stop", choice.detok.stop_string
+            if not engine_done:
+                engine_id = self.engine_ids[choice.prompt_index]
+                self.client.abort(engine_id, [choice.sample_index], stopped=True)
+        elif engine_done:
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        if choice.finished:
+            self._record_finish(choice, now)
+        return ChoiceUpdate(choice, text, list(delta.new_token_ids), delta.logprobs)
+
+    def _record_finish(self, choice: Choice, now: float) -> None:
+        num_generated = len(choice.detok.token_ids)
+        decode_s = None
+        if choice.first_token_at is not None and choice.last_token_at is not None:
+            decode_s = choice.last_token_at - choice.first_token_at
+        self.client.metrics.request_finished(
+            choice.finish_reason or "abort",
+            num_prompt_tokens=len(self.prompts[choice.prompt_index].token_ids),
+            num_generated_tokens=num_generated,
+            e2e_s=now - self.arrival,
+            decode_s=decode_s,
+            queue_time_s=choice.queue_time_s,
+        )
+
+    # -- totals ------------------------------------------------------------------------------------
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage: each prompt counted once, every choice's tokens counted."""
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        completion_tokens = sum(len(c.detok.token_ids) for c in self.choices)
+        cached: dict[int, int] = {}
+        for c in self.choices:
+            cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.num_cached_tokens)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+        }

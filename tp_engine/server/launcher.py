@@ -1,0 +1,266 @@
+"""What each process of `launch/serve.py` does, and rank 0's start-up and clean-up.
+
+    torchrun --nproc-per-node N launch/serve.py ...   every rank runs `main`:
+        rank 0      → `Rank0Server`: engine + API process + engine loop
+        rank 1..N-1 → `rank_worker.worker.run_worker` until rank 0 sends EXIT
+    python launch/serve.py [--tensor-parallel-size N]   this process is rank 0 (and starts
+                                                        ranks 1..N-1 itself when N > 1)
+
+Signals: only rank 0 acts on SIGINT/SIGTERM (a graceful drain, see `engine_loop`). Workers
+ignore both, because torchrun and a terminal's Ctrl-C signal every rank at once, and a worker
+that died first would turn a graceful shutdown into a failed step; they exit when rank 0 tells
+them to or, if rank 0 dies, through their owner watchdog. The API process runs in its own
+session for the same reason and exits when rank 0 says so or disappears.
+
+Rank 0's start-up order: socket directory and the API process first (its imports overlap the
+weight loading), then the engine, Hello, and Ready; socket files are removed once both sides
+are connected. Whatever happens, the workers are told to exit (or killed), the API process is
+stopped and nothing named is left in the file system or /dev/shm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rank_worker.launcher import LocalGroup, spawn_local_group
+from rank_worker.tp import TPInfo, destroy_process_group, init_process_group
+from tp_engine.config import EngineConfig
+from tp_engine.server.args import (
+    ServerArgs,
+    build_parser,
+    engine_config,
+    served_names,
+    server_args,
+)
+from tp_engine.server.engine_loop import EXIT_FAILED, EngineLoop, stop_api_process
+from tp_engine.server.ipc import EnginePipes, RunDir
+from tp_engine.server.messages import Exit, Hello, Ready
+
+if TYPE_CHECKING:
+    from tp_engine.engine import LLMEngine
+
+logger = logging.getLogger("tp_engine.server")
+
+# How long rank 0 waits for the API process to import, load the tokenizer and listen.
+_API_READY_TIMEOUT_S = 300.0
+_WORKER_EXIT_TIMEOUT_S = 10.0
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Torchrun's variables make no sense in the API process, which is no rank.
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else None
+    if world_size is not None and args.tensor_parallel_size not in (None, world_size):
+        parser.error(
+            f"--tensor-parallel-size {args.tensor_parallel_size} but torchrun started "
+            f"{world_size} ranks; they must match"
+        )
+    tp_size = world_size or args.tensor_parallel_size or 1
+    try:  # every argument is checked before any process starts
+        config = engine_config(args, tp_size)
+        sargs = server_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    group: LocalGroup | None = None
+    if under_torchrun and int(os.environ["RANK"]) != 0:
+        return _serve_worker(sargs.dist_backend)
+    if under_torchrun:
+        tp = init_process_group(sargs.dist_backend)
+    elif tp_size > 1:
+        with _signals_ignored():  # the children inherit SIG_IGN across exec; see the docstring
+            tp, group = spawn_local_group(tp_size, sargs.dist_backend)
+    else:
+        tp = init_process_group(sargs.dist_backend, rank=0, world_size=1)
+    return Rank0Server(config, sargs, tp, group).run()
+
+
+def _serve_worker(backend: str | None) -> int:
+    from rank_worker.worker import run_worker
+
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    tp = init_process_group(backend)
+    try:
+        return run_worker(tp)
+    finally:
+        destroy_process_group()
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class Rank0Server:
+    def __init__(
+        self, config: EngineConfig, args: ServerArgs, tp: TPInfo, group: LocalGroup | None
+    ) -> None:
+        self.config = config
+        self.args = args
+        self.tp = tp
+        self.group = group
+        self.loop: EngineLoop | None = None
+        self._stop_signal: int | None = None
+        # Made by `_serve` in this order; `_clean_up` releases whatever exists.
+        self.run_dir: RunDir | None = None
+        self.pipes: EnginePipes | None = None
+        self.api: subprocess.Popen | None = None
+        self.engine: LLMEngine | None = None
+
+    def run(self) -> int:
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+        code = EXIT_FAILED
+        try:
+            code = self._serve()
+            return code
+        finally:
+            self._clean_up(dead=code != 0)
+
+    def _serve(self) -> int:
+        self.run_dir = RunDir.create()
+        self.pipes = pipes = EnginePipes(self.run_dir)
+        self.api = api = self._start_api_process(self.run_dir)
+        from tp_engine.engine import LLMEngine  # deferred: pulls in the model code
+
+        self.engine = engine = LLMEngine(self.config, self.tp)
+        if self._stop_signal is not None:
+            logger.info("signal %s during start-up: exiting", self._stop_signal)
+            pipes.send(Exit(0))
+            return 0
+        names = served_names(self.args, self.config.model)
+        hello_sent = pipes.send_once_connected(
+            Hello(
+                model_dir=str(engine.model_dir),
+                served_model_names=names,
+                max_model_len=int(engine.config.max_model_len or 0),
+                vocab_size=int(engine.vocab_size),
+                generation_defaults=dict(engine.generation_defaults),
+                api_key=self.args.api_key,
+                tensor_parallel_size=self.tp.size,
+            ),
+            api_alive=lambda: api.poll() is None,
+            timeout_s=_API_READY_TIMEOUT_S,
+        )
+        if not hello_sent:
+            logger.error("the API process never connected (exit code %s)", api.poll())
+            return EXIT_FAILED
+        port = self._wait_for_ready(pipes, api)
+        if port is None:
+            return EXIT_FAILED if self._stop_signal is None else 0
+        self.run_dir.remove()  # both sides are connected; the names are no longer needed
+        logger.info(
+            "serving %s (tensor parallel %d) on http://%s:%d",
+            names[0],
+            self.tp.size,
+            _url_host(self.args.host),
+            port,
+        )
+        self.loop = EngineLoop(engine, pipes, api, self.args.loop, self._fatal)
+        if self._stop_signal is not None:
+            self.loop.request_stop(self._stop_signal)
+        return self.loop.run()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self._stop_signal is not None:
+            logger.info("signal %d: already shutting down", signum)
+            return
+        self._stop_signal = signum
+        if self.loop is not None:
+            self.loop.request_stop(signum)
+
+    def _start_api_process(self, run_dir: RunDir) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+        repo_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        cmd = [
+            sys.executable,
+            "-m",
+            "tp_engine.server.api_server",
+            "--run-dir",
+            run_dir.path,
+            "--parent-pid",
+            str(os.getpid()),
+            "--host",
+            self.args.host,
+            "--port",
+            str(self.args.port),
+            "--uvicorn-log-level",
+            self.args.uvicorn_log_level,
+        ]
+        if self.args.disable_uvicorn_access_log:
+            cmd.append("--disable-uvicorn-access-log")
+        # Its own session: a terminal's Ctrl-C reaches rank 0, which then drains and stops it.
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _wait_for_ready(self, pipes: EnginePipes, api: subprocess.Popen) -> int | None:
+        deadline = time.monotonic() + _API_READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._stop_signal is not None:
+                pipes.send(Exit(0))
+                return None
+            if api.poll() is not None:
+                logger.error(
+                    "the API process exited with code %s before serving (its log says why)",
+                    api.returncode,
+                )
+                return None
+            if pipes.poll(0.1):
+                msg = pipes.recv_nowait()
+                if isinstance(msg, Ready):
+                    return msg.port
+        logger.error("the API process did not start listening in %.0f s", _API_READY_TIMEOUT_S)
+        return None
+
+    def _clean_up(self, dead: bool) -> None:
+        engine, api, pipes = self.engine, self.api, self.pipes
+        if api is not None and api.poll() is None:
+            if pipes is not None:
+                pipes.send(Exit(1 if dead else 0))
+            stop_api_process(api, timeout_s=5.0)
+        if engine is not None:
+            engine.shutdown()  # workers exit (told EXIT, or the channel closes under them)
+        if self.group is not None:
+            if dead or engine is None:
+                self.group.kill()
+            else:
+                self.group.wait(_WORKER_EXIT_TIMEOUT_S)
+        if pipes is not None:
+            pipes.close()
+        if self.run_dir is not None:
+            self.run_dir.remove()
+        destroy_process_group()
+
+    def _fatal(self, code: int) -> None:
+        """From the watchdog thread, with rank 0's main thread stuck in a step: leave now."""
+        if self.group is not None:
+            self.group.kill()
+        if self.run_dir is not None:
+            self.run_dir.remove()
+        logging.shutdown()
+        os._exit(code)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,242 @@
+"""The messages between the API process and rank 0's engine loop: msgpack, never pickle.
+
+Two ZeroMQ PUSH → PULL pipes, both bound by rank 0 in the run's private 0700 directory
+(`tp_engine.server.ipc`), so that the API process, started later, only ever connects:
+
+    to_engine.sock   API process ──► rank 0     Ready, AddRequest, AbortRequest
+    to_api.sock      rank 0 ──► API process     Hello, EngineOutputs, Drain, Dead, Exit
+
+One frame per message: a msgpack array `[kind, field, field, ...]` with the fields in the order
+the dataclass declares them (nested records are arrays too). `decode` checks the kind and the
+number of fields, so a peer of another version fails loudly instead of misreading.
+
+A request's life, seen from the API process:
+
+    AddRequest ──► accepted ──► deltas of each sample … its delta(finish_reason) ──► done
+               └─► rejected(status, message)                    (nothing else follows)
+    AbortRequest (client gone, or a stop string matched) ends samples early; rank 0 sends
+    nothing more for them. Dead ends every request at once.
+
+The engine's gauges travel in every EngineOutputs (`EngineStats`), sent after each loop
+iteration that changed anything, so /metrics reads rank 0's numbers without asking.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import astuple, dataclass, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1  # rank 0 → API: the engine is up; what the API needs to know about it
+    READY = 2  # API → rank 0: the HTTP socket is listening
+    ADD = 3  # API → rank 0: a new request (one per prompt; its n samples come back by index)
+    ABORT = 4  # API → rank 0: stop a request (or some of its samples), free their KV blocks
+    OUTPUTS = 5  # rank 0 → API: acceptances, rejections, new tokens and stats of one iteration
+    DRAIN = 6  # rank 0 → API: shutting down: refuse new requests, let in-flight ones finish
+    DEAD = 7  # rank 0 → API: the engine cannot step any more; fail everything, answer 503
+    EXIT = 8  # rank 0 → API: every request is over; stop the HTTP server and exit
+
+
+class MessageError(ValueError):
+    """A frame that is not a message of this protocol version."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    KIND: ClassVar[Kind] = Kind.HELLO
+    # Checkpoint directory: the API process loads the tokenizer and chat template from it.
+    model_dir: str
+    # The names clients may put in "model"; the first is the one responses carry.
+    served_model_names: list[str]
+    # Prompt + completion limit: the API refuses longer requests before they reach rank 0.
+    max_model_len: int
+    # Rows of the embedding: prompt token ids must be below this.
+    vocab_size: int
+    # SamplingParams defaults from the checkpoint's generation_config.json, for the fields a
+    # request leaves unset (`SamplingParams.from_optional`).
+    generation_defaults: dict[str, Any]
+    # Bearer token clients must send on /v1 routes; None = no authentication. Travels here
+    # (not on the command line) so that `ps` does not show it.
+    api_key: str | None
+    tensor_parallel_size: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    KIND: ClassVar[Kind] = Kind.READY
+    # The port the HTTP server listens on (the real one when --port 0 asked for any).
+    port: int
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    KIND: ClassVar[Kind] = Kind.ADD
+    # Unique among live requests; the API makes it from the HTTP request id and prompt index.
+    request_id: str
+    prompt_token_ids: list[int]
+    # `SamplingParams` fields by name (validated by the API, checked again by the engine).
+    # `n` > 1 makes n samples, reported by their index (the engine shares the prompt's blocks).
+    sampling_params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    KIND: ClassVar[Kind] = Kind.ABORT
+    request_id: str
+    # The samples to stop; None = every sample of the request.
+    sample_indices: list[int] | None
+    # True: a stop string ended them (finished "stop"); False: the client went away.
+    stopped: bool
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """`add_request` refused the request; no other message about it follows."""
+
+    request_id: str
+    # HTTP status for the client: 400 for an invalid request, 503 while shutting down.
+    status: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New tokens of one sample since its last Delta, and how it ended if it did."""
+
+    request_id: str
+    # Which of the request's n samples (0 when n == 1).
+    index: int
+    new_token_ids: list[int]
+    # "stop" (EOS or a stop token id), "length" or "abort"; None while it runs. Stop strings
+    # are the API's business: rank 0 never reports them.
+    finish_reason: str | None
+    # The stop token id that ended it, if one did.
+    stop_reason: int | None
+    # Prompt tokens served from the prefix cache; in the first Delta only.
+    num_cached_tokens: int | None
+    # Seconds from arrival on rank 0 to the first step that scheduled it; first Delta only.
+    queue_time_s: float | None
+    # Per new token when logprobs were asked for: [token ids, logprobs, rank], the sampled
+    # token first, then the top-k (`tp_engine.sequence.TokenLogprobs`); else None.
+    logprobs: list[list[Any]] | None
+    # Per prompt token (None for the first) when prompt_logprobs were asked for; in sample 0's
+    # first Delta only.
+    prompt_logprobs: list[list[Any] | None] | None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Rank 0's gauges and cumulative counters, as vLLM exports them."""
+
+    num_running: int
+    num_waiting: int
+    # Fraction of KV blocks referenced by a sequence (cached but unreferenced ones are free).
+    kv_cache_usage: float
+    # Prefix-cache lookups and hits since start, in tokens.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class EngineOutputs:
+    KIND: ClassVar[Kind] = Kind.OUTPUTS
+    accepted: list[str]
+    rejected: list[Rejected]
+    deltas: list[Delta]
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class Drain:
+    KIND: ClassVar[Kind] = Kind.DRAIN
+    # Seconds rank 0 gives in-flight requests before it aborts them.
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Dead:
+    KIND: ClassVar[Kind] = Kind.DEAD
+    # What failed, naming the rank and step when known.
+    message: str
+
+
+@dataclass(frozen=True)
+class Exit:
+    KIND: ClassVar[Kind] = Kind.EXIT
+    # The exit code rank 0 will return (the API process exits with it too).
+    code: int = 0
+
+
+Message = Hello | Ready | AddRequest | AbortRequest | EngineOutputs | Drain | Dead | Exit
+_BY_KIND: dict[int, type] = {
+    cls.KIND: cls
+    for cls in (Hello, Ready, AddRequest, AbortRequest, EngineOutputs, Drain, Dead, Exit)
+}
+
+
+def encode(msg: Message) -> bytes:
+    if isinstance(msg, EngineOutputs):
+        body = [
+            msg.accepted,
+            [list(astuple(r)) for r in msg.rejected],
+            [list(astuple(d)) for d in msg.deltas],
+            list(astuple(msg.stats)),
+        ]
+    else:
+        body = [getattr(msg, f.name) for f in fields(msg)]
+    return msgpack.packb([int(msg.KIND), *body], use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    """The message in `frame`; raises MessageError on anything else."""
+    try:
+        items = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise MessageError(f"not a msgpack frame: {exc}") from None
+    if not isinstance(items, list) or not items or items[0] not in _BY_KIND:
+        raise MessageError(f"unknown message: {items!r:.200}")
+    cls = _BY_KIND[items[0]]
+    values = items[1:]
+    names = [f.name for f in fields(cls)]
+    if len(values) != len(names):
+        raise MessageError(f"{cls.__name__} needs {len(names)} fields, got {len(values)}")
+    if cls is EngineOutputs:
+        accepted, rejected, deltas, stats = values
+        return EngineOutputs(
+            accepted=list(accepted),
+            rejected=[_record(Rejected, r) for r in rejected],
+            deltas=[_record(Delta, d) for d in deltas],
+            stats=_record(EngineStats, stats),
+        )
+    return cls(*values)
+
+
+def _record(cls: type, values: list[Any]) -> Any:
+    if not isinstance(values, list) or len(values) != len(fields(cls)):
+        raise MessageError(f"malformed {cls.__name__}: {values!r:.200}")
+    return cls(*values)
+
+
+__all__ = [
+    "AbortRequest",
+    "AddRequest",
+    "Dead",
+    "Delta",
+    "Drain",
+    "EngineOutputs",
+    "EngineStats",
+    "Exit",
+    "Hello",
+    "Kind",
+    "Message",
+    "MessageError",
+    "Ready",
+    "Rejected",
+    "decode",
+    "encode",
+]

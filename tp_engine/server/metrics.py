@@ -1,0 +1,128 @@
+"""Prometheus metrics at /metrics, with vLLM's names and labels, so its dashboards work as-is.
+
+Two sources, one registry in the API process:
+
+- rank 0's gauges and cumulative counters (running / waiting requests, KV-cache usage, prefix
+  cache queries and hits, preemptions) arrive in every `EngineOutputs` as `EngineStats`; the
+  counters are advanced by the difference to the previous totals;
+- per-request latencies and token counts are measured here, where the tokens reach the client.
+
+Every series carries `model_name` (the served model name), as vLLM's do.
+"""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tp_engine.server.messages import EngineStats
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        # vLLM exports no `*_created` series either (they double the output for no use).
+        prometheus_client.disable_created_metrics()
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use.")
+        # The pre-v1 name of the same gauge, still read by many dashboards.
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "Same as kv_cache_usage_perc.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.preemptions = counter("vllm:num_preemptions", "Sequences preempted for KV space.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS
+        )
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            _ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time waiting on rank 0 before first scheduled.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+        )
+        self._model_name = model_name
+        self._last: EngineStats | None = None
+
+    def set_engine_stats(self, stats: EngineStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.gpu_cache_usage.set(stats.kv_cache_usage)
+        last = self._last
+        for counter, now, before in (
+            (self.prefix_queries, stats.prefix_cache_queries, last and last.prefix_cache_queries),
+            (self.prefix_hits, stats.prefix_cache_hits, last and last.prefix_cache_hits),
+            (self.preemptions, stats.num_preemptions, last and last.num_preemptions),
+        ):
+            if now > (before or 0):
+                counter.inc(now - (before or 0))
+        self._last = stats
+
+    def request_finished(
+        self,
+        finish_reason: str,
+        *,
+        num_prompt_tokens: int,
+        num_generated_tokens: int,
+        e2e_s: float,
+        decode_s: float | None,
+        queue_time_s: float | None,
+    ) -> None:
+        """One sequence is over. `decode_s`: first to last token (None without tokens)."""
+        self._success.labels(self._model_name, finish_reason).inc()
+        self.e2e.observe(e2e_s)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generated_tokens)
+        if queue_time_s is not None:
+            self.queue_time.observe(queue_time_s)
+        if decode_s is not None and num_generated_tokens > 1:
+            self.tpot.observe(decode_s / (num_generated_tokens - 1))

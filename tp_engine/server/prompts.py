@@ -1,0 +1,235 @@
+"""From a request body to what the engine runs: prompt token ids and `SamplingParams`.
+
+Everything a request can get wrong is found here, before anything reaches rank 0, and becomes
+a 400 naming the field: empty prompts, token ids outside the vocabulary, a prompt plus
+completion longer than the context, out-of-range sampling values, features this server does not
+implement. The engine checks again (what it refuses it answers with a 400 too).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tp_engine.sampling_params import SamplingParams
+from tp_engine.server.errors import APIError, bad_request
+from tp_engine.server.generation import PromptInput, StopOptions
+from tp_engine.server.messages import Hello
+from tp_engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+# Most choices one request may ask for (prompts × n), so that one request cannot fill the queue.
+MAX_CHOICES = 128
+_FIELD = re.compile(r"^SamplingParams\.(\w+) ")
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer: Any, hello: Hello) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = hello.max_model_len
+        self.vocab_size = hello.vocab_size
+        self.generation_defaults = dict(hello.generation_defaults)
+
+    # -- prompts -----------------------------------------------------------------------------------
+
+    def completion_prompts(self, req: CompletionRequest) -> list[PromptInput]:
+        raw = req.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]  # one prompt: text or token ids
+        if not raw:
+            raise bad_request("prompt must not be empty", "prompt")
+        prompts = []
+        for item in raw:
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request("prompt must not be empty", "prompt")
+                ids = self.tokenizer(item, add_special_tokens=req.add_special_tokens)["input_ids"]
+                prompts.append(PromptInput(list(ids), item))
+            else:
+                prompts.append(PromptInput(self.check_token_ids(item, "prompt")))
+        for prompt in prompts:
+            if not prompt.token_ids:
+                raise bad_request("the prompt encodes to no tokens", "prompt")
+        return prompts
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> PromptInput:
+        text = self.render_chat(
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=req.continue_final_message,
+            kwargs=req.chat_template_kwargs,
+        )
+        ids = self.tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]
+        if not ids:
+            raise bad_request("the messages encode to no tokens", "messages")
+        return PromptInput(list(ids), text)
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        conversation = [{"role": m.role, "content": _text_of(m)} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(kwargs or {}),
+            )
+        except Exception as exc:  # jinja2 raises its own types for a bad template input
+            raise bad_request(f"the chat template failed: {exc}", "messages") from None
+
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise bad_request(f"{param} must not be empty", param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})", param
+            )
+        return list(ids)
+
+    # -- limits ------------------------------------------------------------------------------------
+
+    def check_fits(self, prompt_len: int, max_tokens: int | None, what: str) -> None:
+        """OpenAI's context-length error, before the engine would refuse the same request.
+
+        `max_tokens` None: the completion may use whatever room the prompt leaves.
+        """
+        limit = self.max_model_len
+        param = "messages" if what == "messages" else "prompt"
+        if max_tokens is None:
+            if prompt_len < limit:
+                return
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, your {what} "
+                f"has {prompt_len} tokens, leaving no room for the completion. Please reduce "
+                f"the length of the {what}."
+            )
+        elif prompt_len + max_tokens <= limit:
+            return
+        else:
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} for "
+                f"the completion). Please reduce the length of the {what} or completion."
+            )
+        raise APIError(400, message, param=param, code="context_length_exceeded")
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """Chat's max_tokens when the request gives none (vLLM's rule): the room the prompt
+        leaves, capped by the checkpoint's max_new_tokens."""
+        room = self.max_model_len - prompt_len
+        default = self.generation_defaults.get("max_tokens")
+        return min(room, default) if default else room
+
+    # -- sampling ----------------------------------------------------------------------------------
+
+    def sampling_params(
+        self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
+    ) -> SamplingParams:
+        """The engine's parameters for one choice (a new object on every call)."""
+        if isinstance(req, ChatCompletionRequest):
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs
+        fields: dict[str, Any] = {
+            "n": req.n,
+            "max_tokens": max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "min_p": req.min_p,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": req.repetition_penalty,
+            "seed": req.seed,
+            "logprobs": logprobs,
+            "prompt_logprobs": req.prompt_logprobs,
+            "stop": _stop_list(req.stop),
+            "stop_token_ids": req.stop_token_ids,
+            "ignore_eos": req.ignore_eos,
+            "min_tokens": req.min_tokens,
+            "skip_special_tokens": req.skip_special_tokens,
+        }
+        try:
+            # Unset (None) fields take the checkpoint's generation-config defaults, as in vLLM.
+            params = SamplingParams.from_optional(self.generation_defaults, **fields)
+        except ValueError as exc:
+            raise _sampling_error(exc) from None
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
+            raise bad_request(
+                f"stop_token_ids must be below the vocabulary size {self.vocab_size}",
+                "stop_token_ids",
+            )
+        return params
+
+    def stop_options(self, req: CompletionRequest | ChatCompletionRequest) -> StopOptions:
+        return StopOptions(
+            stop=_stop_list(req.stop),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            min_tokens=req.min_tokens,
+        )
+
+
+def check_choices(num_prompts: int, n: int) -> None:
+    if n < 1:
+        raise bad_request(f"n must be an integer >= 1, got {n}", "n")
+    if num_prompts * n > MAX_CHOICES:
+        raise bad_request(
+            f"{num_prompts} prompts x n={n} = {num_prompts * n} choices; at most {MAX_CHOICES} "
+            "per request",
+            "n",
+        )
+
+
+def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Features clients may ask for that this server does not implement: say so, never ignore."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be given with stream=true", "stream_options")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        if req.echo and (req.logprobs is not None or req.prompt_logprobs is not None):
+            raise bad_request("echo together with logprobs is not supported", "echo")
+    else:
+        if req.tools:
+            raise bad_request("tool calling is not supported", "tools")
+        if req.tool_choice not in (None, "none"):
+            raise bad_request("tool calling is not supported", "tool_choice")
+        if req.response_format and req.response_format.get("type") != "text":
+            raise bad_request("only response_format type 'text' is supported", "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _text_of(message: ChatMessage) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(part.text for part in message.content)
+
+
+def _sampling_error(exc: ValueError) -> APIError:
+    message = str(exc)
+    match = _FIELD.match(message)
+    param = match.group(1) if match else None
+    return bad_request(message.removeprefix("SamplingParams."), param)

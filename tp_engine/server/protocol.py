@@ -1,0 +1,135 @@
+"""Request bodies of the HTTP API: OpenAI's fields plus vLLM's extras, validated by pydantic.
+
+Strict types: a string where a number belongs, a float where an integer belongs or a boolean
+where a number belongs is a 400, as OpenAI answers, not silently coerced. Unknown fields are
+ignored (OpenAI clients send fields this server has no use for, such as `user`). Ranges are not
+checked here but by `SamplingParams`, so the HTTP API and `LLM.generate` refuse the same values
+with the same messages. Responses are built as plain dicts in `tp_engine.server.responses`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tp_engine.server.errors import APIError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    # vLLM: usage in every chunk, not only the last.
+    continuous_usage_stats: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Refused unless empty: biasing logits is not implemented.
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras, passed to SamplingParams.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    # vLLM: also return the prompt's and each choice's token ids.
+    return_token_ids: bool = False
+
+
+class CompletionRequest(_GenerationRequest):
+    # Text, token ids, or a batch of either: each prompt gets `n` choices.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # OpenAI's newer name for max_tokens; wins when both are given.
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # Refused unless absent or trivial: tool calling and structured output are not implemented.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's chat extras.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# Union members' names that pydantic puts into error locations ("prompt.list[int].0").
+_UNION_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "json-or-python")
+
+
+def parse_body(model: type[_Strict], body: bytes) -> Any:
+    """Validate a raw request body; every problem is a 400 naming the field."""
+    if not body.strip():
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            raise APIError(400, f"the request body is not valid JSON: {first['msg']}") from None
+        loc = [
+            str(part)
+            for part in first["loc"]
+            if not (isinstance(part, str) and (part in _UNION_TAGS or "[" in part))
+        ]
+        param = ".".join(loc) or None
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+        if first["type"] == "model_type" and not loc:
+            message = "the request body must be a JSON object"
+        raise APIError(400, message, param=param) from None

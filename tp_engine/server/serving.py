@@ -1,0 +1,182 @@
+"""/v1/completions and /v1/chat/completions: validate, generate, shape OpenAI's responses.
+
+Both run the same way: build prompts and parameters (`prompts.py`; any problem is a 400 before
+rank 0 sees the request), start a `Generation` (rank 0 may still refuse: a 400 or 503 for this
+request only), then either collect every choice into one response or stream chunks as tokens
+arrive (`streaming.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tp_engine.server.engine_client import EngineClient
+from tp_engine.server.errors import APIError
+from tp_engine.server.generation import EngineDiedError, Generation, PromptInput
+from tp_engine.server.logprobs import LogprobFormatter
+from tp_engine.server.prompts import PromptBuilder, check_choices, refuse_unsupported
+from tp_engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from tp_engine.server.responses import (
+    CancellableStream,
+    ClientGone,
+    chat_choice,
+    completion_choice,
+    envelope,
+    new_request_id,
+    now_s,
+    until_disconnect,
+)
+from tp_engine.server.streaming import SSEStream
+
+logger = logging.getLogger(__name__)
+
+# A client that has gone away never reads this status; it only shows in the access log.
+_CLIENT_CLOSED = 499
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, builder: PromptBuilder) -> None:
+        self.client = client
+        self.builder = builder
+        self.model_name = client.hello.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.client.hello.served_model_names:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. This server serves "
+                f"{self.client.hello.served_model_names}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    # -- completions -------------------------------------------------------------------------------
+
+    async def completion(self, req: CompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        refuse_unsupported(req)
+        prompts = self.builder.completion_prompts(req)
+        check_choices(len(prompts), req.n)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
+        self.builder.sampling_params(req, max_tokens)  # validate once, before any length check
+        for prompt in prompts:
+            self.builder.check_fits(len(prompt.token_ids), max_tokens, "prompt")
+        gen = self._generation(
+            "cmpl", req, prompts, lambda p: self.builder.sampling_params(req, max_tokens)
+        )
+        return await self._respond(gen, req, request, chat=False)
+
+    # -- chat --------------------------------------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        refuse_unsupported(req)
+        check_choices(1, req.n)
+        prompt = self.builder.chat_prompt(req)
+        requested = req.max_completion_tokens
+        if requested is None:
+            requested = req.max_tokens
+        # Validate before any length check (1 stands in for "whatever room is left").
+        self.builder.sampling_params(req, 1 if requested is None else requested)
+        self.builder.check_fits(len(prompt.token_ids), requested, "messages")
+        max_tokens = requested
+        if max_tokens is None:
+            max_tokens = self.builder.default_max_tokens(len(prompt.token_ids))
+        gen = self._generation(
+            "chatcmpl", req, [prompt], lambda p: self.builder.sampling_params(req, max_tokens)
+        )
+        return await self._respond(gen, req, request, chat=True)
+
+    # -- shared ------------------------------------------------------------------------------------
+
+    def _generation(
+        self, prefix: str, req: Any, prompts: list[PromptInput], params_for
+    ) -> Generation:
+        return Generation(
+            self.client,
+            self.builder.tokenizer,
+            new_request_id(prefix),
+            prompts,
+            params_for,
+            req.n,
+            self.builder.stop_options(req),
+        )
+
+    async def _respond(self, gen: Generation, req: Any, request: Request, chat: bool) -> Response:
+        request_id = gen.request_id
+        created = now_s()
+        if req.stream:
+            try:
+                await until_disconnect(request, gen.start())
+            except ClientGone:
+                gen.close()
+                return Response(status_code=_CLIENT_CLOSED)
+            except BaseException:
+                gen.close()
+                raise
+            stream = SSEStream(
+                gen,
+                req,
+                envelope_fields=(request_id, created, self.model_name),
+                chat=chat,
+                prompt_text=self._prompt_text,
+                formatter=LogprobFormatter(self.builder.tokenizer),
+            )
+            return CancellableStream(stream.events(), media_type="text/event-stream")
+        try:
+            body = await until_disconnect(
+                request, self._collect(gen, req, request_id, created, chat)
+            )
+        except ClientGone:
+            return Response(status_code=_CLIENT_CLOSED)
+        except EngineDiedError as exc:
+            raise APIError(500, f"the engine died: {exc}", code="engine_dead") from None
+        return JSONResponse(body)
+
+    async def _collect(
+        self, gen: Generation, req: Any, request_id: str, created: int, chat: bool
+    ) -> dict[str, Any]:
+        try:
+            await gen.start()
+            async for _ in gen.updates():
+                pass
+        finally:
+            gen.close()
+        fmt = LogprobFormatter(self.builder.tokenizer)
+        choices = []
+        for c in gen.choices:
+            text = c.detok.text
+            prompt = gen.prompts[c.prompt_index]
+            if chat:
+                choice = chat_choice(c.index, text, c.finish_reason, c.stop_reason)
+                if req.logprobs:
+                    choice["logprobs"] = fmt.chat(c.logprobs or [])
+            else:
+                if req.echo:
+                    text = self._prompt_text(prompt) + text
+                choice = completion_choice(c.index, text, c.finish_reason, c.stop_reason)
+                if req.logprobs is not None:
+                    choice["logprobs"] = fmt.completion(c.logprobs or [])
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = fmt.prompt(
+                        gen.prompt_logprobs[c.prompt_index] or []
+                    )
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = prompt.token_ids
+                choice["token_ids"] = c.detok.token_ids
+            choices.append(choice)
+        obj = "chat.completion" if chat else "text_completion"
+        body = envelope(obj, request_id, created, self.model_name, choices)
+        body["usage"] = gen.usage()
+        if chat and req.prompt_logprobs is not None:  # vLLM puts chat's at the top level
+            body["prompt_logprobs"] = fmt.prompt(gen.prompt_logprobs[0] or [])
+        return body
+
+    def _prompt_text(self, prompt: PromptInput) -> str:
+        if prompt.text is None:
+            prompt.text = self.builder.tokenizer.decode(prompt.token_ids)
+        return prompt.text

@@ -43,6 +43,8 @@ def test_sampling_defaults_follow_vllm():
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"seed": 1.5}, "seed"),
+        ({"seed": 2**70}, "seed"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids"),
         ({"logprobs": -1}, "logprobs"),
         ({"max_tokens": True}, "max_tokens"),
     ],

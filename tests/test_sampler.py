@@ -300,3 +300,13 @@ def test_temperature_follows_the_distribution() -> None:
     p = torch.tensor([0.36, 0.09, 0.01]) / 0.46
     torch.testing.assert_close(freq, p, atol=0.02, rtol=0)
     assert math.isclose(float(freq.sum()), 1.0)
+
+
+def test_logprob_rank_counts_ties_ahead_like_vllm() -> None:
+    from rank_worker.sampling.logprobs import gather_logprobs
+
+    logprobs = torch.log_softmax(torch.tensor([[2.0, 2.0, 1.0, 0.0]]), dim=-1)
+    # Token 0 is tied with token 1 for first place: vLLM ranks it 2 (tokens at least as likely).
+    out = gather_logprobs(logprobs, torch.tensor([0]), num_top=0)
+    assert out.ranks.tolist() == [2]
+    assert gather_logprobs(logprobs, torch.tensor([2]), num_top=0).ranks.tolist() == [3]

@@ -146,18 +146,26 @@ class SamplingParams:
             "must be a list of non-empty strings",
         )
         _require(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and 0 <= t < _INT64_LIMIT for t in self.stop_token_ids),
             "stop_token_ids",
             "must be a list of non-negative integers",
         )
         if self.seed is not None:
-            _require(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+            _require(
+                _is_int(self.seed) and -_INT64_LIMIT <= self.seed < _INT64_LIMIT,
+                "seed",
+                f"must be a 64-bit integer, got {self.seed!r}",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _require(
                     _is_int(value) and value >= 0, name, f"must be an integer >= 0, got {value!r}"
                 )
+
+
+# Seeds and token ids cross process boundaries as msgpack / int64 tensors.
+_INT64_LIMIT = 2**63
 
 
 def _is_int(value: object) -> bool:

@@ -17,8 +17,9 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: int) 
     """`logprobs [L, V]` (log_softmax), `chosen [L]` token ids -> chosen + top-`num_top`."""
     chosen = chosen.to(torch.int64).unsqueeze(1)  # [L, 1]
     chosen_lp = logprobs.gather(1, chosen)  # [L, 1]
-    # Rank 1 = most likely; ties share the better rank.
-    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1  # [L]
+    # Rank 1 = most likely. Tokens tied with the chosen one count ahead of it (vLLM's rule:
+    # the number of tokens at least as likely as the chosen one, itself included).
+    ranks = (logprobs >= chosen_lp).sum(dim=-1)  # [L]
     if num_top > 0:
         top_lp, top_ids = logprobs.topk(num_top, dim=-1)  # [L, K] each, descending
         token_ids = torch.cat([chosen, top_ids], dim=1)  # [L, K+1]

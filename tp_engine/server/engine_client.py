@@ -142,6 +142,8 @@ class EngineClient:
             logger.error("engine dead: %s", msg.message)
             self._fail_all(msg.message)
         elif isinstance(msg, Exit):
+            if self._owners:  # rank 0 left with requests in flight: end them with an error
+                self._fail_all(f"the server is exiting (code {msg.code})")
             self.exit_code = msg.code
             self.draining = True
             self.on_exit(msg.code)

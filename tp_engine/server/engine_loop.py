@@ -126,7 +126,11 @@ class EngineLoop:
             busy = engine.has_unfinished()
             self._watchdog.busy(busy)
             if self.pipes.poll(0 if busy else _IDLE_POLL_S):
-                self._read_inbox()
+                try:
+                    self._read_inbox()
+                except Exception as exc:  # a malformed frame or a bug: fail loudly, never hang
+                    logger.exception("engine loop: reading the API's messages failed")
+                    return self._die(f"rank 0 failed: {type(exc).__name__}: {exc}")
             if self._stop_signal is not None and self._drain_deadline is None:
                 self._begin_drain()
             if self.api_proc.poll() is not None:

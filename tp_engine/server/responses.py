@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -87,7 +87,16 @@ def envelope(
 
 class CancellableStream(StreamingResponse):
     """A StreamingResponse that stops generating (and closes its iterator, running its
-    `finally`) the moment the client disconnects, not at the next write."""
+    `finally`) the moment the client disconnects, not at the next write.
+
+    `on_close` runs last whatever happened: closing an async generator that never started does
+    not run its `finally`, so a client gone before the first chunk would otherwise leave its
+    request running on rank 0.
+    """
+
+    def __init__(self, *args: Any, on_close: Callable[[], None] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def disconnected() -> None:
@@ -104,7 +113,11 @@ class CancellableStream(StreamingResponse):
             # A send to a closed connection raises OSError in the stream task: the same
             # disconnect, already handled by closing the iterator below.
             await asyncio.gather(stream, watcher, return_exceptions=True)
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
 
 
 class ClientGone(Exception):

@@ -126,7 +126,9 @@ class OpenAIServing:
                 prompt_text=self._prompt_text,
                 formatter=LogprobFormatter(self.builder.tokenizer),
             )
-            return CancellableStream(stream.events(), media_type="text/event-stream")
+            return CancellableStream(
+                stream.events(), media_type="text/event-stream", on_close=gen.close
+            )
         try:
             body = await until_disconnect(
                 request, self._collect(gen, req, request_id, created, chat)

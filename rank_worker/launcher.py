@@ -126,6 +126,11 @@ def _wait_for_children(store: dist.FileStore, procs: list[subprocess.Popen]) -> 
             time.sleep(_POLL_S)
 
 
+def remove_group_dir() -> None:
+    """In a spawned child whose rank 0 died: remove the rendezvous directory rank 0 made."""
+    shutil.rmtree(os.path.dirname(os.environ[ENV_STORE]), ignore_errors=True)
+
+
 def join_local_group() -> TPInfo:
     """In a spawned child: announce this rank to rank 0, then join the process group."""
     rank = int(os.environ["RANK"])

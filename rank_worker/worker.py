@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -80,8 +81,16 @@ def default_device(tp: TPInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def run_worker(tp: TPInfo, device: torch.device | None = None) -> int:
-    """Serve rank 0 until it sends EXIT; returns the process exit code."""
+def run_worker(
+    tp: TPInfo,
+    device: torch.device | None = None,
+    on_owner_death: Callable[[], None] | None = None,
+) -> int:
+    """Serve rank 0 until it sends EXIT; returns the process exit code.
+
+    `on_owner_death` runs if rank 0 dies first (e.g. to remove rendezvous files that only rank 0
+    would otherwise clean up).
+    """
     from rank_worker.model_runner import ModelRunner  # deferred: pulls in the model code
 
     if tp.is_first:
@@ -89,7 +98,8 @@ def run_worker(tp: TPInfo, device: torch.device | None = None) -> int:
     boot = Bootstrap.from_bytes(broadcast_bytes(None, tp))
     device = device or default_device(tp)
     receiver = PlanReceiver(boot.channel, tp.rank)
-    _start_owner_watchdog(boot.channel.owner_pid, tp.rank)
+    owner = ProcessWatch(boot.channel.owner_pid)
+    _start_owner_watchdog(boot.channel.owner_pid, tp.rank, on_owner_death)
     step_id: int | None = None
     try:
         runner = ModelRunner(boot.model_dir, boot.runner_config, tp, device)
@@ -111,9 +121,14 @@ def run_worker(tp: TPInfo, device: torch.device | None = None) -> int:
         return EXIT_FAILED
     finally:
         receiver.close()
+        # Whichever way this rank noticed (recv, or a collective that broke mid-step).
+        if on_owner_death is not None and not owner.alive():
+            on_owner_death()
 
 
-def _start_owner_watchdog(owner_pid: int, rank: int) -> None:
+def _start_owner_watchdog(
+    owner_pid: int, rank: int, on_owner_death: Callable[[], None] | None
+) -> None:
     """Exit this process if rank 0 dies while this rank is blocked somewhere other than `recv`.
 
     `recv` notices a dead rank 0 by itself; a rank blocked inside a collective would otherwise
@@ -129,6 +144,8 @@ def _start_owner_watchdog(owner_pid: int, rank: int) -> None:
             time.sleep(1.0)
             dead_checks = dead_checks + 1 if not owner.alive() else 0
         logger.error("rank %d: rank 0 (pid %d) died; exiting", rank, owner_pid)
+        if on_owner_death is not None:
+            on_owner_death()
         os._exit(EXIT_OWNER_DIED)
 
     threading.Thread(target=watch, name=f"rank{rank}-owner-watchdog", daemon=True).start()
@@ -136,12 +153,12 @@ def _start_owner_watchdog(owner_pid: int, rank: int) -> None:
 
 def main() -> int:
     """Entry point of a worker process started by `rank_worker.launcher.spawn_local_group`."""
-    from rank_worker.launcher import join_local_group
+    from rank_worker.launcher import join_local_group, remove_group_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tp = join_local_group()
     try:
-        return run_worker(tp)
+        return run_worker(tp, on_owner_death=remove_group_dir)
     finally:
         destroy_process_group()
 

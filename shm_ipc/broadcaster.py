@@ -195,6 +195,10 @@ class PlanBroadcaster:
         errors, self._errors = self._errors, []
         return errors
 
+    def dead_readers(self) -> list[int]:
+        """Ranks whose process is gone, in rank order; never blocks, reads no reports."""
+        return [rank for rank, watch in sorted(self._watches.items()) if not watch.alive()]
+
     def check_readers(self) -> None:
         """Raise `WorkerError` if a worker has reported an exception, `ReaderDiedError` if a
         reader's process is gone; never blocks (except briefly to collect a dead reader's last

@@ -38,7 +38,7 @@ from rank_worker.sampler import MAX_NUM_LOGPROBS
 from rank_worker.sampling import sample_batch
 from rank_worker.tp import TPInfo, broadcast_bytes
 from rank_worker.worker import Bootstrap, default_device
-from shm_ipc import ChannelError, PlanBroadcaster, StepPlan
+from shm_ipc import ChannelError, PlanBroadcaster, StepPlan, WorkerError, WorkerErrorReport
 from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
 from tp_engine.generation_config import eos_token_ids, sampling_defaults
@@ -395,20 +395,61 @@ class _FailureGuard:
             return EngineDeadError(str(exc), rank=exc.rank, step_id=exc.step_id)
         channel = self.engine.channel
         if channel is not None:
-            # Another rank probably failed first and rank 0 only saw its collective break: wait
-            # a little for that rank's own report, which says what really happened.
+            # Another rank probably failed first and rank 0 only saw its collective break. Wait
+            # (briefly) until every worker has either reported or died, then blame the root
+            # cause: a real exception, else a rank that died without a word (SIGKILL, OOM),
+            # and only last a rank whose own collective merely broke because of the others.
+            reports: list[WorkerErrorReport] = []
+            dead: list[int] = []
             deadline = time.monotonic() + _ERROR_REPORT_WAIT_S
             while time.monotonic() < deadline:
-                try:
-                    channel.check_readers()
-                except ChannelError as reported:
-                    return EngineDeadError(
-                        str(reported), rank=reported.rank, step_id=reported.step_id
-                    )
+                reports += channel.poll_errors()
+                dead = channel.dead_readers()
+                if len({r.rank for r in reports} | set(dead)) == channel.handle.num_readers:
+                    break
                 time.sleep(0.05)
+            reports += channel.poll_errors()
+            culprit = self._root_cause(reports, dead)
+            if culprit is not None:
+                return culprit
         return EngineDeadError(
             f"rank 0 failed during {self.what}: {type(exc).__name__}: {exc}", rank=0
         )
+
+    def _root_cause(
+        self, reports: list[WorkerErrorReport], dead: list[int]
+    ) -> EngineDeadError | None:
+        primary = [r for r in reports if not _is_peer_loss(r)]
+        if primary:
+            return _from_report(primary[0])
+        reported = {r.rank for r in reports}
+        silent = [rank for rank in dead if rank not in reported]
+        if silent:
+            return EngineDeadError(
+                f"rank {silent[0]} died during {self.what} without reporting an error "
+                "(killed, or out of memory?)",
+                rank=silent[0],
+            )
+        return _from_report(reports[0]) if reports else None
+
+
+# Messages of a rank whose collective broke because a peer vanished: a consequence, not a cause.
+_PEER_LOSS_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote process exited",
+)
+
+
+def _is_peer_loss(report: WorkerErrorReport) -> bool:
+    message = report.message.lower()
+    return any(marker in message for marker in _PEER_LOSS_MARKERS)
+
+
+def _from_report(report: WorkerErrorReport) -> EngineDeadError:
+    error = WorkerError(report)
+    return EngineDeadError(str(error), rank=error.rank, step_id=error.step_id)
 
 
 def _demo_model_dir() -> Path:

@@ -1,0 +1,206 @@
+"""Offline throughput against the physical limit, on nano-vllm's workload by default.
+
+    python launch/bench.py --model 0.6B                        # random-weight Qwen3-0.6B shape
+    python launch/bench.py --model /path/to/Qwen3-8B --tensor-parallel-size 2
+    torchrun --nproc-per-node 4 launch/bench.py --model 32B    # the multi-GPU benchmark
+    python launch/bench.py --num-seqs 8 --max-input-len 64 --max-output-len 32   # demo model, CPU
+
+Default workload (nano-vllm's `bench.py`): 256 sequences, `random.seed(0)`, prompt and output
+lengths uniform in [100, 1024], token ids uniform in [0, 10000], ignore_eos: 133,966 output
+tokens. One short untimed warm-up request runs first. The limit model is
+`tp_engine.bench.limits`; the peaks are the GPU's data-sheet figures (H200: 989 TFLOP/s bf16,
+4.8 TB/s) or `--peak-tflops` / `--peak-bandwidth-gbs`; on a CPU, without those flags, nominal
+placeholders are used and the result file says so. Under torchrun only rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from tp_engine import LLM, SamplingParams
+from tp_engine.bench.limits import ModelShape, Peaks, offline_limit, peaks_for
+from tp_engine.bench.models import read_hf_config, resolve_model
+from tp_engine.bench.results import environment, write_json
+from tp_engine.bench.workload import NANO_VLLM_OUTPUT_TOKENS, random_workload
+
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default=None, help="checkpoint dir or Qwen3 size (0.6B .. 32B); default demo"
+    )
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    p.add_argument("--dist-backend", choices=["nccl", "gloo"], default=None)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-input-len", type=int, default=100)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--min-output-len", type=int, default=100)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (nano-vllm: 0)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="peak dense FLOP/s per device, in TFLOP/s"
+    )
+    p.add_argument(
+        "--peak-bandwidth-gbs", type=float, default=None, help="peak memory B/s per device, in GB/s"
+    )
+    p.add_argument(
+        "--output-json",
+        default=None,
+        help="default benchmarks/results/bench-<model>-tp<N>-<time>.json",
+    )
+    return p.parse_args(argv)
+
+
+def _bytes_per_value(dtype: str, hf_config: dict) -> int:
+    if dtype == "auto":
+        import torch
+
+        # The engine's "auto": the checkpoint's dtype on GPU, float32 on CPU.
+        dtype = (
+            str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+            if torch.cuda.is_available()
+            else "float32"
+        )
+    return _BYTES[dtype.removeprefix("torch.")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = resolve_model(args.model)
+    hf_config = read_hf_config(model_dir)
+    workload = random_workload(
+        args.num_seqs,
+        args.min_input_len,
+        args.max_input_len,
+        args.min_output_len,
+        args.max_output_len,
+        vocab_size=hf_config["vocab_size"],
+        seed=args.seed,
+    )
+    llm = LLM(
+        str(model_dir),
+        tensor_parallel_size=args.tensor_parallel_size,
+        dist_backend=args.dist_backend,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )  # ranks other than 0 serve inside this call and exit
+    env = environment()
+    tp_size = llm.engine.tp.size
+    is_default = (args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len,
+                  args.max_output_len, args.seed) == (256, 100, 1024, 100, 1024, 0)  # fmt: skip
+    if is_default and workload.num_output_tokens != NANO_VLLM_OUTPUT_TOKENS:
+        raise RuntimeError(f"workload drifted: {workload.num_output_tokens} output tokens")
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in workload.output_lens
+    ]
+    try:
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in workload.prompt_token_ids],
+            params,
+            use_tqdm=sys.stderr.isatty(),
+        )
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if generated != workload.num_output_tokens:
+        raise RuntimeError(
+            f"generated {generated} tokens, the workload asks {workload.num_output_tokens}"
+        )
+
+    if args.peak_tflops is not None or args.peak_bandwidth_gbs is not None:
+        default = peaks_for(env["device"])
+        peaks = Peaks(
+            args.peak_tflops * 1e12 if args.peak_tflops else default.flops_per_s,
+            args.peak_bandwidth_gbs * 1e9 if args.peak_bandwidth_gbs else default.bytes_per_s,
+            "command-line flags",
+        )
+    else:
+        peaks = peaks_for(env["device"])
+    limit = offline_limit(
+        ModelShape.from_hf_config(hf_config),
+        workload.prompt_lens,
+        workload.output_lens,
+        max_num_seqs=args.max_num_seqs,
+        bytes_per_value=_bytes_per_value(args.dtype, hf_config),
+        peaks=peaks,
+        tp_size=tp_size,
+    )
+    throughput = generated / elapsed
+    fraction = limit.time_s / elapsed
+    result = {
+        "benchmark": "offline",
+        **env,
+        "model": args.model or "demo",
+        "model_dir": str(model_dir),
+        "tensor_parallel_size": tp_size,
+        "workload": {
+            "num_seqs": workload.num_seqs,
+            "input_len": [args.min_input_len, args.max_input_len],
+            "output_len": [args.min_output_len, args.max_output_len],
+            "seed": args.seed,
+            "nano_vllm_default": is_default,
+            "prompt_tokens": workload.num_prompt_tokens,
+            "output_tokens": workload.num_output_tokens,
+        },
+        "engine_args": {k: v for k, v in vars(args).items() if k not in ("model", "output_json")},
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": throughput,
+        "total_tokens_per_s": (generated + workload.num_prompt_tokens) / elapsed,
+        "peaks": {
+            "flops_per_s": peaks.flops_per_s,
+            "bytes_per_s": peaks.bytes_per_s,
+            "source": peaks.source,
+        },
+        "limit": limit.as_dict(),
+        "limit_output_tokens_per_s": generated / limit.time_s,
+        "fraction_of_limit": fraction,
+    }
+    name = (args.model or "demo").rstrip("/").rsplit("/", 1)[-1]
+    path = args.output_json or (
+        Path("benchmarks/results")
+        / f"bench-{name}-tp{tp_size}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
+    write_json(path, result)
+    print(
+        f"Total: {generated} output tokens ({workload.num_prompt_tokens} prompt) in {elapsed:.2f} s, "
+        f"{throughput:.2f} tok/s\n"
+        f"Limit: {limit.time_s:.4f} s ({generated / limit.time_s:.2f} tok/s; prefill "
+        f"{limit.prefill_time_s:.4f} s + {limit.num_decode_steps} decode steps "
+        f"{limit.decode_time_s:.4f} s) at {peaks.flops_per_s / 1e12:g} TFLOP/s, "
+        f"{peaks.bytes_per_s / 1e9:g} GB/s per device [{peaks.source}]\n"
+        f"Fraction of limit: {fraction:.4f}\n"
+        f"Result: {path}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

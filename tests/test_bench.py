@@ -1,0 +1,205 @@
+"""The benchmark library (workload, limit model, serving metrics, control-plane timing) and the
+`launch/bench*.py` entry points end to end on the demo model, on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.server_harness import REPO_ROOT, Server
+from tp_engine.bench.control_plane import time_decode_steps
+from tp_engine.bench.limits import ModelShape, Peaks, decode_steps, offline_limit, peaks_for
+from tp_engine.bench.serving import (
+    RequestResult,
+    compute_metrics,
+    format_result_block,
+    random_requests,
+)
+from tp_engine.bench.workload import NANO_VLLM_OUTPUT_TOKENS, random_workload
+
+# -- workload -----------------------------------------------------------------------------------
+
+
+def test_default_workload_is_nano_vllms():
+    w = random_workload()
+    assert w.num_seqs == 256
+    assert w.num_output_tokens == NANO_VLLM_OUTPUT_TOKENS == 133_966
+    assert all(100 <= n <= 1024 for n in w.prompt_lens + w.output_lens)
+    assert all(0 <= t <= 10_000 for p in w.prompt_token_ids for t in p)
+
+
+def test_small_vocab_folds_ids_but_keeps_lengths():
+    w, folded = random_workload(num_seqs=8), random_workload(num_seqs=8, vocab_size=640)
+    assert folded.output_lens == w.output_lens and folded.prompt_lens == w.prompt_lens
+    assert max(t for p in folded.prompt_token_ids for t in p) < 640
+
+
+# -- limit model ----------------------------------------------------------------------------------
+
+# hidden 8, 2 layers, 2 query heads and 1 KV head of 4, MLP 16, vocab 32, untied head.
+TINY = ModelShape(8, 2, 2, 1, 4, 16, 32, False)
+
+
+def test_tiny_shape_counts_by_hand():
+    # qkv 8*(2+2)*4 = 128, o 2*4*8 = 64, gate/up/down 3*8*16 = 384.
+    assert TINY.linear_params_per_layer == 576
+    # 2 layers of 576, norms 2*(8+8+4+4) + 8 = 56, head 256, embedding 256.
+    assert TINY.weight_params == 1152 + 56 + 256 + 256
+    tied = ModelShape(8, 2, 2, 1, 4, 16, 32, True)
+    assert tied.weight_params == 1152 + 56 + 256
+    assert TINY.kv_values_per_token == 2 * 2 * 1 * 4
+    # P = 3: linear 2*3*2*576 = 6912; 6 causal pairs * 4*2 layers*2 heads*4 = 384; head 2*256.
+    assert TINY.prefill_flops(3) == 6912 + 384 + 512
+    # context 4: 2*(1152 + 256) + 4*2*2*4*4.
+    assert TINY.decode_flops(4) == 2816 + 256
+
+
+def test_decode_steps_follow_continuous_batching():
+    # One slot: A (P=3, O=3) decodes tokens 2 and 3 over KV 4 then 5; then B (P=2, O=2) over 3.
+    assert decode_steps([3, 2], [3, 2], max_num_seqs=1) == [(1, 4), (1, 5), (1, 3)]
+    # Two slots: both at once, B finishes after one step.
+    assert decode_steps([3, 2], [3, 2], max_num_seqs=2) == [(2, 7), (1, 5)]
+    # One output token comes from the prefill alone.
+    assert decode_steps([3, 2], [3, 1], max_num_seqs=1) == [(1, 4), (1, 5)]
+
+
+def test_offline_limit_by_hand():
+    limit = offline_limit(
+        TINY, [3, 2], [3, 2], max_num_seqs=2, bytes_per_value=2,
+        peaks=Peaks(1000.0, 100.0, "test"), tp_size=2,
+    )  # fmt: skip
+    assert limit.prefill_flops == 7808 + 5312
+    assert limit.decode_flops == 3072 + 3136 + 3008
+    assert limit.num_decode_steps == 2
+    assert limit.decode_weight_bytes == 2 * 1720 * 2
+    assert limit.decode_kv_bytes == (7 + 5) * 16 * 2
+    assert limit.prefill_time_s == pytest.approx(13120 / 2000)
+    assert limit.decode_time_s == pytest.approx((6880 + 384) / 200)
+    assert limit.time_s == pytest.approx(6.56 + 36.32)
+
+
+def test_peaks():
+    assert peaks_for("NVIDIA H200").flops_per_s == 989e12
+    assert peaks_for("NVIDIA H200").bytes_per_s == 4.8e12
+    assert "nominal" in peaks_for("cpu (x86_64)").source
+
+
+# -- serving metrics ----------------------------------------------------------------------------
+
+
+def test_serving_metrics_and_block():
+    results = [
+        RequestResult(True, 10, 3, ttft_s=0.1, latency_s=0.3, itl_s=[0.1, 0.1]),
+        RequestResult(True, 20, 1, ttft_s=0.2, latency_s=0.2, itl_s=[]),
+        RequestResult(False, error="boom"),
+    ]
+    m = compute_metrics(results, duration_s=2.0)
+    assert (m.completed, m.failed, m.total_input, m.total_output) == (2, 1, 30, 4)
+    assert m.request_throughput == 1.0 and m.output_throughput == 2.0
+    assert m.total_token_throughput == 17.0
+    assert m.ttft_ms["mean"] == pytest.approx(150.0)
+    assert m.tpot_ms["mean"] == pytest.approx(100.0)  # only the request with > 1 token
+    assert m.itl_ms["median"] == pytest.approx(100.0)
+    block = format_result_block(m, max_concurrency=4, request_rate=float("inf"))
+    for line in ("Serving Benchmark Result", "Successful requests:", "Benchmark duration (s):",
+                 "Total generated tokens:", "Output token throughput (tok/s):",
+                 "Total Token throughput (tok/s):", "P99 TTFT (ms):", "Median TPOT (ms):",
+                 "Mean ITL (ms):"):  # fmt: skip
+        assert line in block
+
+
+def test_random_requests_are_reproducible():
+    a = random_requests(5, 32, 8, range_ratio=0.5, vocab_size=100, seed=1)
+    assert a == random_requests(5, 32, 8, range_ratio=0.5, vocab_size=100, seed=1)
+    assert all(16 <= r.prompt_len <= 48 and 4 <= r.output_len <= 12 for r in a)
+    assert all(max(r.prompt) < 100 for r in a)
+
+
+# -- control plane ------------------------------------------------------------------------------
+
+
+def test_control_plane_timing_small():
+    t = time_decode_steps(8, prompt_len=20, num_steps=3, block_size=4)
+    assert t.num_seqs == 8 and t.num_steps == 3
+    assert t.total_us["median"] > 0
+
+
+# -- entry points end to end ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench_env(tmp_path_factory):
+    env = dict(os.environ, TP_ENGINE_CACHE=str(tmp_path_factory.mktemp("cache")))
+    env.pop("TP_ENGINE_FAULT", None)
+    return env
+
+
+def _run(args: list[str], env: dict[str, str]) -> str:
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_py_end_to_end(bench_env, tmp_path):
+    out = tmp_path / "bench.json"
+    stdout = _run(
+        ["launch/bench.py", "--num-seqs", "4", "--min-input-len", "8", "--max-input-len", "16",
+         "--min-output-len", "4", "--max-output-len", "8", "--peak-tflops", "1",
+         "--peak-bandwidth-gbs", "50", "--output-json", str(out)],
+        bench_env,
+    )  # fmt: skip
+    assert "Fraction of limit:" in stdout
+    r = json.loads(out.read_text())
+    assert r["workload"]["output_tokens"] == sum(random_workload(4, 8, 16, 4, 8).output_lens)
+    assert r["output_tokens_per_s"] > 0 and r["fraction_of_limit"] > 0
+    assert r["peaks"] == {"flops_per_s": 1e12, "bytes_per_s": 50e9, "source": "command-line flags"}
+    assert r["device_kind"] in ("cpu", "cuda") and r["torch"] and "commit" in r
+
+
+@pytest.mark.slow
+def test_bench_control_plane_script(bench_env, tmp_path):
+    out = tmp_path / "cp.json"
+    stdout = _run(
+        ["launch/bench_control_plane.py", "--num-seqs", "4", "8", "--num-steps", "3",
+         "--prompt-len", "16", "--output-json", str(out)],
+        bench_env,
+    )  # fmt: skip
+    assert "total us" in stdout
+    assert [row["num_seqs"] for row in json.loads(out.read_text())["results"]] == [4, 8]
+
+
+@pytest.mark.slow
+def test_bench_serving_against_demo_server(bench_env, tmp_path):
+    srv = Server(
+        [sys.executable, "launch/serve.py", "--port", "0", "--max-model-len", "256",
+         "--num-kv-blocks", "64"],
+        bench_env,
+        tmp_path / "server.log",
+    )  # fmt: skip
+    try:
+        srv.wait_ready()
+        out = tmp_path / "serving.json"
+        stdout = _run(
+            ["launch/bench_serving.py", "--base-url", f"http://{srv.host}:{srv.port}",
+             "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "8",
+             "--random-vocab-size", "600", "--request-rate", "50", "--max-concurrency", "4",
+             "--output-json", str(out)],
+            bench_env,
+        )  # fmt: skip
+    finally:
+        srv.stop()
+    assert "Serving Benchmark Result" in stdout and "Mean TTFT (ms):" in stdout
+    r = json.loads(out.read_text())
+    assert r["completed"] == 6 and r["failed"] == 0
+    assert r["total_output"] == 6 * 8 and r["total_input"] == 6 * 16
+    assert r["ttft_ms"]["mean"] > 0 and len(r["ttfts_s"]) == 6
+    png = tmp_path / "latency.png"  # matplotlib comes with the dev extra
+    _run(["launch/plot.py", "latency", str(out), "-o", str(png)], bench_env)
+    assert png.stat().st_size > 0

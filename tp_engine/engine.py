@@ -38,7 +38,14 @@ from rank_worker.sampler import MAX_NUM_LOGPROBS
 from rank_worker.sampling import sample_batch
 from rank_worker.tp import TPInfo, broadcast_bytes
 from rank_worker.worker import Bootstrap, default_device
-from shm_ipc import ChannelError, PlanBroadcaster, StepPlan, WorkerError, WorkerErrorReport
+from shm_ipc import (
+    ChannelError,
+    PlanBroadcaster,
+    ReaderDiedError,
+    StepPlan,
+    WorkerError,
+    WorkerErrorReport,
+)
 from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
 from tp_engine.generation_config import eos_token_ids, sampling_defaults
@@ -391,7 +398,11 @@ class _FailureGuard:
         raise error from exc
 
     def _diagnose(self, exc: Exception) -> EngineDeadError:
-        if isinstance(exc, ChannelError):
+        # A report or a death seen by the channel may itself be a consequence (a survivor whose
+        # collective broke): it joins the evidence below. Other channel errors (a timeout, a
+        # corrupt slot) are the diagnosis.
+        worker_failed = isinstance(exc, (WorkerError, ReaderDiedError))
+        if isinstance(exc, ChannelError) and not worker_failed:
             return EngineDeadError(str(exc), rank=exc.rank, step_id=exc.step_id)
         channel = self.engine.channel
         if channel is not None:
@@ -399,7 +410,7 @@ class _FailureGuard:
             # (briefly) until every worker has either reported or died, then blame the root
             # cause: a real exception, else a rank that died without a word (SIGKILL, OOM),
             # and only last a rank whose own collective merely broke because of the others.
-            reports: list[WorkerErrorReport] = []
+            reports: list[WorkerErrorReport] = [exc.report] if isinstance(exc, WorkerError) else []
             dead: list[int] = []
             deadline = time.monotonic() + _ERROR_REPORT_WAIT_S
             while time.monotonic() < deadline:
@@ -412,6 +423,8 @@ class _FailureGuard:
             culprit = self._root_cause(reports, dead)
             if culprit is not None:
                 return culprit
+        if isinstance(exc, ChannelError):
+            return EngineDeadError(str(exc), rank=exc.rank, step_id=exc.step_id)
         return EngineDeadError(
             f"rank 0 failed during {self.what}: {type(exc).__name__}: {exc}", rank=0
         )

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,13 +40,11 @@ from rank_worker.worker import Bootstrap, default_device
 from shm_ipc import (
     ChannelError,
     PlanBroadcaster,
-    ReaderDiedError,
     StepPlan,
-    WorkerError,
-    WorkerErrorReport,
 )
 from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
+from tp_engine.failures import EngineDeadError, FailureGuard
 from tp_engine.generation_config import eos_token_ids, sampling_defaults
 from tp_engine.logprobs import prompt_logprob_rows, record_prompt_logprobs, record_sample_logprobs
 from tp_engine.plan_builder import build_step_plan
@@ -57,18 +54,6 @@ from tp_engine.scheduler import RequestRejectedError, Scheduler
 from tp_engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-# How long rank 0 keeps listening for a worker's error report after a step failed.
-_ERROR_REPORT_WAIT_S = 5.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot step any more: a rank failed or died. `rank` names it when known."""
-
-    def __init__(self, message: str, rank: int | None = None, step_id: int | None = None):
-        super().__init__(message)
-        self.rank = rank
-        self.step_id = step_id
 
 
 @dataclass
@@ -310,8 +295,8 @@ class LLMEngine:
             record_sample_logprobs([seqs[i] for i in batch.logprob_rows], result.logprobs)
         return result.token_ids.tolist()
 
-    def _failures_named(self, what: str) -> _FailureGuard:
-        return _FailureGuard(self, what)
+    def _failures_named(self, what: str) -> FailureGuard:
+        return FailureGuard(self, what)
 
     # -- configuration of rank-0-only knobs --------------------------------------------------------
 
@@ -373,96 +358,6 @@ class LLMEngine:
             logger.warning("workers could not be told to exit: %s", exc)
         finally:
             channel.close()
-
-
-class _FailureGuard:
-    """Turns a failed step (or start-up) into EngineDeadError naming the rank at fault."""
-
-    def __init__(self, engine: LLMEngine, what: str) -> None:
-        self.engine = engine
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
-        if exc is None or not isinstance(exc, Exception):
-            return False
-        if isinstance(exc, ValueError) and self.what == "start-up":
-            # A configuration rank 0 refuses (every rank refuses the same): the caller's error,
-            # not a broken rank, so it keeps its type and message.
-            self.engine._dead = EngineDeadError(f"start-up failed: {exc}", rank=0)
-            return False
-        error = self._diagnose(exc)
-        self.engine._dead = error
-        raise error from exc
-
-    def _diagnose(self, exc: Exception) -> EngineDeadError:
-        # A report or a death seen by the channel may itself be a consequence (a survivor whose
-        # collective broke): it joins the evidence below. Other channel errors (a timeout, a
-        # corrupt slot) are the diagnosis.
-        worker_failed = isinstance(exc, (WorkerError, ReaderDiedError))
-        if isinstance(exc, ChannelError) and not worker_failed:
-            return EngineDeadError(str(exc), rank=exc.rank, step_id=exc.step_id)
-        channel = self.engine.channel
-        if channel is not None:
-            # Another rank probably failed first and rank 0 only saw its collective break. Wait
-            # (briefly) until every worker has either reported or died, then blame the root
-            # cause: a real exception, else a rank that died without a word (SIGKILL, OOM),
-            # and only last a rank whose own collective merely broke because of the others.
-            reports: list[WorkerErrorReport] = [exc.report] if isinstance(exc, WorkerError) else []
-            dead: list[int] = []
-            deadline = time.monotonic() + _ERROR_REPORT_WAIT_S
-            while time.monotonic() < deadline:
-                reports += channel.poll_errors()
-                dead = channel.dead_readers()
-                if len({r.rank for r in reports} | set(dead)) == channel.handle.num_readers:
-                    break
-                time.sleep(0.05)
-            reports += channel.poll_errors()
-            culprit = self._root_cause(reports, dead)
-            if culprit is not None:
-                return culprit
-        if isinstance(exc, ChannelError):
-            return EngineDeadError(str(exc), rank=exc.rank, step_id=exc.step_id)
-        return EngineDeadError(
-            f"rank 0 failed during {self.what}: {type(exc).__name__}: {exc}", rank=0
-        )
-
-    def _root_cause(
-        self, reports: list[WorkerErrorReport], dead: list[int]
-    ) -> EngineDeadError | None:
-        primary = [r for r in reports if not _is_peer_loss(r)]
-        if primary:
-            return _from_report(primary[0])
-        reported = {r.rank for r in reports}
-        silent = [rank for rank in dead if rank not in reported]
-        if silent:
-            return EngineDeadError(
-                f"rank {silent[0]} died during {self.what} without reporting an error "
-                "(killed, or out of memory?)",
-                rank=silent[0],
-            )
-        return _from_report(reports[0]) if reports else None
-
-
-# Messages of a rank whose collective broke because a peer vanished: a consequence, not a cause.
-_PEER_LOSS_MARKERS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "remote process exited",
-)
-
-
-def _is_peer_loss(report: WorkerErrorReport) -> bool:
-    message = report.message.lower()
-    return any(marker in message for marker in _PEER_LOSS_MARKERS)
-
-
-def _from_report(report: WorkerErrorReport) -> EngineDeadError:
-    error = WorkerError(report)
-    return EngineDeadError(str(error), rank=error.rank, step_id=error.step_id)
 
 
 def _demo_model_dir() -> Path:

@@ -1,0 +1,119 @@
+"""Turning a failed step into one error that names the rank at fault.
+
+When a worker fails, rank 0 usually sees only a broken collective; the failed rank's own report
+(on the channel's back channel) or its death says what happened. Survivors' collectives break
+too and they report that, so the evidence is weighed: a real exception first, then a rank that
+died without a word (SIGKILL, OOM), and only last a "connection closed by peer" report.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from shm_ipc import ChannelError, ReaderDiedError, WorkerError, WorkerErrorReport
+
+if TYPE_CHECKING:
+    from tp_engine.engine import LLMEngine
+
+# How long rank 0 keeps listening for a worker's error report after a step failed.
+_ERROR_REPORT_WAIT_S = 5.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot step any more: a rank failed or died. `rank` names it when known."""
+
+    def __init__(self, message: str, rank: int | None = None, step_id: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.step_id = step_id
+
+
+class FailureGuard:
+    """Turns a failed step (or start-up) into EngineDeadError naming the rank at fault."""
+
+    def __init__(self, engine: LLMEngine, what: str) -> None:
+        self.engine = engine
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        if isinstance(exc, ValueError) and self.what == "start-up":
+            # A configuration rank 0 refuses (every rank refuses the same): the caller's error,
+            # not a broken rank, so it keeps its type and message.
+            self.engine._dead = EngineDeadError(f"start-up failed: {exc}", rank=0)
+            return False
+        error = self._diagnose(exc)
+        self.engine._dead = error
+        raise error from exc
+
+    def _diagnose(self, exc: Exception) -> EngineDeadError:
+        # A report or a death seen by the channel may itself be a consequence (a survivor whose
+        # collective broke): it joins the evidence below. Other channel errors (a timeout, a
+        # corrupt slot) are the diagnosis.
+        worker_failed = isinstance(exc, (WorkerError, ReaderDiedError))
+        if isinstance(exc, ChannelError) and not worker_failed:
+            return EngineDeadError(str(exc), rank=exc.rank, step_id=exc.step_id)
+        channel = self.engine.channel
+        if channel is not None:
+            # Another rank probably failed first and rank 0 only saw its collective break. Wait
+            # (briefly) until every worker has either reported or died, then blame the root
+            # cause: a real exception, else a rank that died without a word (SIGKILL, OOM),
+            # and only last a rank whose own collective merely broke because of the others.
+            reports: list[WorkerErrorReport] = [exc.report] if isinstance(exc, WorkerError) else []
+            dead: list[int] = []
+            deadline = time.monotonic() + _ERROR_REPORT_WAIT_S
+            while time.monotonic() < deadline:
+                reports += channel.poll_errors()
+                dead = channel.dead_readers()
+                if len({r.rank for r in reports} | set(dead)) == channel.handle.num_readers:
+                    break
+                time.sleep(0.05)
+            reports += channel.poll_errors()
+            culprit = self._root_cause(reports, dead)
+            if culprit is not None:
+                return culprit
+        if isinstance(exc, ChannelError):
+            return EngineDeadError(str(exc), rank=exc.rank, step_id=exc.step_id)
+        return EngineDeadError(
+            f"rank 0 failed during {self.what}: {type(exc).__name__}: {exc}", rank=0
+        )
+
+    def _root_cause(
+        self, reports: list[WorkerErrorReport], dead: list[int]
+    ) -> EngineDeadError | None:
+        primary = [r for r in reports if not _is_peer_loss(r)]
+        if primary:
+            return _from_report(primary[0])
+        reported = {r.rank for r in reports}
+        silent = [rank for rank in dead if rank not in reported]
+        if silent:
+            return EngineDeadError(
+                f"rank {silent[0]} died during {self.what} without reporting an error "
+                "(killed, or out of memory?)",
+                rank=silent[0],
+            )
+        return _from_report(reports[0]) if reports else None
+
+
+# Messages of a rank whose collective broke because a peer vanished: a consequence, not a cause.
+_PEER_LOSS_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote process exited",
+)
+
+
+def _is_peer_loss(report: WorkerErrorReport) -> bool:
+    message = report.message.lower()
+    return any(marker in message for marker in _PEER_LOSS_MARKERS)
+
+
+def _from_report(report: WorkerErrorReport) -> EngineDeadError:
+    error = WorkerError(report)
+    return EngineDeadError(str(error), rank=error.rank, step_id=error.step_id)

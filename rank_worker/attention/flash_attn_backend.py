@@ -20,12 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.store_kv import store_kv
-from rank_worker.attention.backend import AttentionBackend
 from rank_worker.attention.metadata import AttentionMetadata
+from rank_worker.attention.triton_backend import KernelStoreBackend
 
 
-class FlashAttnBackend(AttentionBackend):
+class FlashAttnBackend(KernelStoreBackend):
     """Attend with flash-attn 2's paged kernels (see the module docstring)."""
 
     name = "flash_attn"
@@ -36,16 +35,6 @@ class FlashAttnBackend(AttentionBackend):
 
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
-
-    def store_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(
         self,

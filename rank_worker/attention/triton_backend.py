@@ -26,11 +26,8 @@ from rank_worker.attention.backend import AttentionBackend
 from rank_worker.attention.metadata import AttentionMetadata
 
 
-class TritonAttentionBackend(AttentionBackend):
-    """Store with the store_kv kernel; attend with the decode or the prefill kernel."""
-
-    name = "triton"
-    supports_cuda_graphs = True
+class KernelStoreBackend(AttentionBackend):
+    """Backends that store K/V with the project's `store_kv` kernel (triton, flash_attn)."""
 
     def store_kv(
         self,
@@ -42,6 +39,13 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         # The kernel skips negative slots on the device, so padding rows cost no host sync.
         store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+class TritonAttentionBackend(KernelStoreBackend):
+    """Store with the store_kv kernel; attend with the decode or the prefill kernel."""
+
+    name = "triton"
+    supports_cuda_graphs = True
 
     def attend(
         self,

@@ -11,6 +11,10 @@ tokens. One short untimed warm-up request runs first. The limit model is
 `tp_engine.bench.limits`; the peaks are the GPU's data-sheet figures (H200: 989 TFLOP/s bf16,
 4.8 TB/s) or `--peak-tflops` / `--peak-bandwidth-gbs`; on a CPU, without those flags, nominal
 placeholders are used and the result file says so. Under torchrun only rank 0 reports.
+
+`--step-timeline PATH` records rank 0's per-step phases (`tp_engine.step_timeline`) during the
+timed run and writes them, with their per-phase summary and this run's metadata, to PATH; the
+summary also goes into the result file. Draw it with `python launch/plot.py timeline PATH`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from tp_engine.bench.limits import ModelShape, Peaks, offline_limit, peaks_for
 from tp_engine.bench.models import read_hf_config, resolve_model
 from tp_engine.bench.results import environment, write_json
 from tp_engine.bench.workload import NANO_VLLM_OUTPUT_TOKENS, random_workload
+from tp_engine.step_timeline import StepTimeline
 
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -53,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step t+1 while step t runs (default: on with a GPU, off on CPU)",
+    )
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument(
         "--peak-tflops", type=float, default=None, help="peak dense FLOP/s per device, in TFLOP/s"
@@ -64,6 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--output-json",
         default=None,
         help="default benchmarks/results/bench-<model>-tp<N>-<time>.json",
+    )
+    p.add_argument(
+        "--step-timeline",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="record rank 0's step phases during the timed run and write them to PATH (JSON)",
     )
     return p.parse_args(argv)
 
@@ -107,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
     )  # ranks other than 0 serve inside this call and exit
     env = environment()
@@ -118,8 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in workload.output_lens
     ]
+    timeline: StepTimeline | None = None
+    timeline_dict: dict | None = None
+    timeline_summary: dict | None = None
     try:
         llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        if args.step_timeline:
+            # After the warm-up, so that it holds the timed run's steps only. Only rank 0 gets
+            # here (the other ranks served inside LLM()), so only rank 0 records.
+            timeline = llm.engine.timeline = StepTimeline()
         start = time.perf_counter()
         outputs = llm.generate(
             [{"prompt_token_ids": p} for p in workload.prompt_token_ids],
@@ -127,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             use_tqdm=sys.stderr.isatty(),
         )
         elapsed = time.perf_counter() - start
+        if timeline is not None:
+            llm.engine.timeline = None
+            # Before shutdown: resolving device phases needs the CUDA context and streams.
+            timeline_dict, timeline_summary = timeline.to_dict(), timeline.summary()
     finally:
         llm.shutdown()
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -155,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     throughput = generated / elapsed
     fraction = limit.time_s / elapsed
-    result = {
-        "benchmark": "offline",
+    metadata = {
         **env,
         "model": args.model or "demo",
         "model_dir": str(model_dir),
@@ -170,8 +199,18 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": workload.num_prompt_tokens,
             "output_tokens": workload.num_output_tokens,
         },
-        "engine_args": {k: v for k, v in vars(args).items() if k not in ("model", "output_json")},
+        "engine_args": {
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("model", "output_json", "step_timeline")
+        },
         "elapsed_s": elapsed,
+        # What the engine resolved "auto" knobs to.
+        "async_scheduling": llm.engine.async_scheduling,
+    }
+    result = {
+        "benchmark": "offline",
+        **metadata,
         "output_tokens_per_s": throughput,
         "total_tokens_per_s": (generated + workload.num_prompt_tokens) / elapsed,
         "peaks": {
@@ -188,6 +227,20 @@ def main(argv: list[str] | None = None) -> int:
         Path("benchmarks/results")
         / f"bench-{name}-tp{tp_size}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     )
+    if timeline_dict is not None:
+        result["step_timeline"] = str(args.step_timeline)
+        result["step_timeline_summary"] = timeline_summary
+        write_json(
+            args.step_timeline,
+            {
+                "benchmark": "step_timeline",
+                "result_json": str(path),
+                **metadata,
+                "clock": "rank 0 time.perf_counter() seconds since the timeline was attached",
+                "summary": timeline_summary,
+                **timeline_dict,
+            },
+        )
     write_json(path, result)
     print(
         f"Total: {generated} output tokens ({workload.num_prompt_tokens} prompt) in {elapsed:.2f} s, "
@@ -198,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{peaks.bytes_per_s / 1e9:g} GB/s per device [{peaks.source}]\n"
         f"Fraction of limit: {fraction:.4f}\n"
         f"Result: {path}"
+        + (f"\nStep timeline: {args.step_timeline}" if timeline_dict is not None else "")
     )
     return 0
 

@@ -48,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "triton on GPU, torch on CPU",
     )
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step t+1 while step t runs (default: on with a GPU, off on CPU)",
+    )
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     return p.parse_args(argv)
@@ -67,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
     prompts = args.prompt or DEFAULT_PROMPTS
     if args.chat:

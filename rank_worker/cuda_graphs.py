@@ -11,9 +11,9 @@ addresses, so:
   input_ids, positions, slot_mapping, seq_lens and a block table as wide as the longest
   sequence can need (`ceil(max_model_len / block_size)`). `query_start_loc` is always
   `0..size` (one token per sequence) and is written once;
-- the `size - b` padding rows (`pad_decode_plan`) write nowhere (slot -1: store_kv skips it)
-  and read a valid dummy context (seq_len 1 against block 0), so they compute finite garbage
-  that is sliced off; they never touch a block a real sequence owns;
+- the `size - b` padding rows (filled by `StaticDecodeBuffers.load`) write nowhere (slot -1:
+  store_kv skips it) and read a valid dummy context (seq_len 1 against block 0), so they
+  compute finite garbage that is sliced off; they never touch a block a real sequence owns;
 - the attention metadata is still an argument of the model's forward: the graph is captured
   with metadata over views of the static buffers, whose host fields hold upper bounds
   (`max_model_len`), see `AttentionBackend`.
@@ -24,9 +24,11 @@ captured size, and everything when graphs are off (`disabled_reason`): on CPU, w
 gloo, which stages each all-reduce through host memory (a graph cannot capture that; NCCL
 collectives it can).
 
-Ownership: the plan (host numpy) is padded here and copied into the runner's static buffers;
-the graphs, their memory pool and their output tensors belong to one `DecodeGraphRunner`, which
-belongs to one ModelRunner and its KV cache (a graph holds the cache's addresses).
+Ownership: a step's inputs arrive already on the device (`input_prep`: one host-to-device copy
+per step, placeholder ids resolved) and are copied device-to-device into the static buffers,
+padding rows filled on the device; the graphs, their memory pool and their output tensors
+belong to one `DecodeGraphRunner`, which belongs to one ModelRunner and its KV cache (a graph
+holds the cache's addresses).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ import torch
 
 from rank_worker.attention.backend import AttentionBackend
 from rank_worker.attention.metadata import AttentionMetadata
+from rank_worker.input_prep import StepInputs
 from rank_worker.tp import TPInfo
 from shm_ipc.step_plan import StepPlan
 
@@ -52,6 +54,8 @@ _SMALL_SIZES = (1, 2, 4)
 _SIZE_STEP = 8
 # The block every padding row reads: any allocated block will do, and block 0 always exists.
 _DUMMY_BLOCK = 0
+# The slot every padding row stores its K/V to: negative means nowhere (store_kv skips it).
+_PAD_SLOT = -1
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -96,47 +100,6 @@ def disabled_reason(
     return None
 
 
-@dataclass(frozen=True)
-class PaddedDecodeBatch:
-    """A decode-only plan padded to a captured size; host arrays, `size` rows each."""
-
-    num_seqs: int  # real rows, first in every array
-    input_ids: np.ndarray  # [size] int64; padding 0 (any valid token id)
-    positions: np.ndarray  # [size] int64; padding 0 (a valid rotary row)
-    slot_mapping: np.ndarray  # [size] int64; padding -1: store nothing
-    seq_lens: np.ndarray  # [size] int32; padding 1: attend to one key
-    block_table: np.ndarray  # [size, W_plan] int32; padding rows all _DUMMY_BLOCK
-
-    @property
-    def size(self) -> int:
-        return int(self.seq_lens.shape[0])
-
-
-def pad_decode_plan(plan: StepPlan, size: int) -> PaddedDecodeBatch:
-    """Pad a decode-only plan of b <= size sequences to `size` rows (see the module docstring)."""
-    b = plan.num_seqs
-    if not is_decode_only(plan):
-        raise ValueError(f"step {plan.step_id}: not a decode-only batch")
-    if b > size:
-        raise ValueError(f"step {plan.step_id}: {b} sequences do not fit a batch of {size}")
-
-    def padded(arr: np.ndarray, fill: int, dtype: type) -> np.ndarray:
-        out = np.full(size, fill, dtype=dtype)
-        out[:b] = arr
-        return out
-
-    table = np.full((size, plan.block_table.shape[1]), _DUMMY_BLOCK, dtype=np.int32)
-    table[:b] = plan.block_table
-    return PaddedDecodeBatch(
-        num_seqs=b,
-        input_ids=padded(plan.input_ids, 0, np.int64),
-        positions=padded(plan.positions, 0, np.int64),
-        slot_mapping=padded(plan.slot_mapping, -1, np.int64),
-        seq_lens=padded(plan.seq_lens, 1, np.int32),
-        block_table=table,
-    )
-
-
 class StaticDecodeBuffers:
     """Device buffers for the largest captured batch; batch `size` uses the first `size` rows.
 
@@ -147,12 +110,13 @@ class StaticDecodeBuffers:
     def __init__(
         self, max_size: int, max_model_len: int, block_size: int, device: torch.device
     ) -> None:
+        self.max_size = max_size
         self.max_model_len = max_model_len
         width = math.ceil(max_model_len / block_size)
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(max_size, **i64)  # [N]
         self.positions = torch.zeros(max_size, **i64)  # [N]
-        self.slot_mapping = torch.full((max_size,), -1, **i64)  # [N]
+        self.slot_mapping = torch.full((max_size,), _PAD_SLOT, **i64)  # [N]
         self.seq_lens = torch.ones(max_size, **i32)  # [N]
         self.block_table = torch.full((max_size, width), _DUMMY_BLOCK, **i32)  # [N, W]
         self.query_start_loc = torch.arange(max_size + 1, **i32)  # [N+1], never changes
@@ -161,16 +125,38 @@ class StaticDecodeBuffers:
     def width(self) -> int:
         return int(self.block_table.shape[1])
 
-    def load(self, batch: PaddedDecodeBatch) -> None:
-        """Copy a padded batch into the first `batch.size` rows."""
-        n, w = batch.size, batch.block_table.shape[1]
+    def load(self, inputs: StepInputs, size: int) -> None:
+        """Copy a decode-only step's prepared inputs into the first `size` rows, padded.
+
+        Device-to-device copies from the step's one host-to-device copy (`input_prep`), with
+        its placeholder ids already resolved; padding rows are filled on the device. Stream
+        order puts these writes after the previous replay's reads and before the next replay.
+        """
+        meta = inputs.meta
+        b, w = meta.num_seqs, meta.block_table.shape[1]
+        if b == 0 or meta.num_tokens != b:
+            raise ValueError(f"step {inputs.step_id}: not a decode-only batch")
+        if b > size or size > self.max_size:
+            raise ValueError(
+                f"step {inputs.step_id}: {b} sequences do not fit a batch of {size} "
+                f"(static buffers hold {self.max_size})"
+            )
         if w > self.width:
-            raise ValueError(f"block table of width {w} exceeds the static width {self.width}")
-        self.input_ids[:n].copy_(torch.from_numpy(batch.input_ids))
-        self.positions[:n].copy_(torch.from_numpy(batch.positions))
-        self.slot_mapping[:n].copy_(torch.from_numpy(batch.slot_mapping))
-        self.seq_lens[:n].copy_(torch.from_numpy(batch.seq_lens))
-        self.block_table[:n, :w].copy_(torch.from_numpy(batch.block_table))
+            raise ValueError(
+                f"step {inputs.step_id}: block table of width {w} exceeds the static width "
+                f"{self.width}"
+            )
+        self.input_ids[:b].copy_(inputs.input_ids)
+        self.positions[:b].copy_(inputs.positions)
+        self.slot_mapping[:b].copy_(meta.slot_mapping)
+        self.seq_lens[:b].copy_(meta.seq_lens)
+        self.block_table[:b, :w].copy_(meta.block_table)
+        if b < size:
+            self.input_ids[b:size].fill_(0)  # any valid token id
+            self.positions[b:size].fill_(0)  # a valid rotary row
+            self.slot_mapping[b:size].fill_(_PAD_SLOT)  # store nothing
+            self.seq_lens[b:size].fill_(1)  # attend to one key...
+            self.block_table[b:size, :w].fill_(_DUMMY_BLOCK)  # ...of the dummy block
 
     def forward_args(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """`(input_ids, positions, metadata)` over the first `size` rows.
@@ -249,15 +235,17 @@ class DecodeGraphRunner:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Hidden states `[b, hidden]` of a decode-only plan that `can_run`."""
-        size = graph_size_for(plan.num_seqs, self.sizes)
-        if size is None or not is_decode_only(plan):
-            raise ValueError(f"step {plan.step_id}: no captured graph fits this batch")
-        self.buffers.load(pad_decode_plan(plan, size))
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states `[b, hidden]` of a decode-only step that `can_run`, from its prepared
+        inputs (`input_prep.prepare_inputs`)."""
+        b = inputs.meta.num_seqs
+        size = graph_size_for(b, self.sizes)
+        if size is None:
+            raise ValueError(f"step {inputs.step_id}: no captured graph fits {b} sequences")
+        self.buffers.load(inputs, size)
         graph = self.graphs.get(size)
         if graph is None:
-            return self._forward(size)[: plan.num_seqs]
+            return self._forward(size)[:b]
         graph.replay()
         self.num_replays += 1
-        return self.outputs[size][: plan.num_seqs]
+        return self.outputs[size][:b]

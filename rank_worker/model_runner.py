@@ -7,8 +7,10 @@ leaves behind is K/V in cache slots that rank 0's block manager accounts for.
 
 Life cycle: construct (load weights) → `determine_num_kv_blocks()` (every rank, collective) →
 `init_kv_cache(n)` with the agreed n (on GPU this also captures the decode CUDA graphs, a
-collective too) → `execute(plan)` per step. Decode-only steps replay a graph when one fits
-(`rank_worker.cuda_graphs`); every other step runs eagerly.
+collective too) → `execute(plan, last_sampled)` per step. Each step's inputs reach the device
+in one copy through buffers the runner keeps for its life (`rank_worker.input_prep`).
+Decode-only steps replay a graph when one fits (`rank_worker.cuda_graphs`); every other step
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from rank_worker.attention.backend import get_backend
 from rank_worker.attention.selection import select_backend
 from rank_worker.cuda_graphs import DecodeGraphRunner, disabled_reason
-from rank_worker.input_prep import prepare_inputs, to_device
+from rank_worker.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
@@ -109,6 +111,8 @@ class ModelRunner:
         load_weights(self.model, model_dir)
         self.model.eval()
         self.kv_spec = KVCacheSpec.for_model(self.hf_config, tp, config.block_size, self.dtype)
+        # Staging for every step's inputs, sized for the largest step (`input_prep`).
+        self.input_buffers = StepInputBuffers.for_config(config, self.device)
         self.kv_caches: list[KVCachePair] | None = None
         self.num_kv_blocks: int | None = None
         self.graph_runner: DecodeGraphRunner | None = None
@@ -156,21 +160,34 @@ class ModelRunner:
         self.graph_runner.capture()
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """One forward pass. Logits `[B', vocab]` fp32 on rank 0, None on the other ranks."""
+    def execute(
+        self, plan: StepPlan, last_sampled: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """One forward pass. Logits `[B', vocab]` fp32 on rank 0, None on the other ranks.
+
+        `last_sampled`: `[B'_prev]` int64 on this runner's device, the token ids sampled from
+        the previous RUN step's logits rows. Required when the plan holds placeholder ids
+        (`input_ids[i] < 0` stands for `last_sampled[-input_ids[i] - 1]`, see `input_prep`);
+        ValueError naming the step when it is missing or too short.
+        """
         if plan.command != Command.RUN:
             raise ValueError(f"step {plan.step_id}: execute takes RUN plans, got {plan.command!r}")
         if self.kv_caches is None:
             raise RuntimeError("execute before init_kv_cache")
+        inputs = self._prepare(plan, last_sampled)
         if self.graph_runner is not None and self.graph_runner.can_run(plan):
-            hidden = self.graph_runner.run(plan)  # [B, hidden], one row per sequence
-            return self._logits(hidden, to_device(plan.logits_indices, self.device, torch.int64))
-        return self._forward(plan, self.kv_caches)
+            hidden = self.graph_runner.run(inputs)  # [B, hidden], one row per sequence
+            return self._logits(hidden, inputs.logits_indices)
+        return self._forward(inputs, self.kv_caches)
 
-    def _forward(self, plan: StepPlan, kv_caches: list[KVCachePair]) -> torch.Tensor | None:
-        input_ids, positions, meta, logits_indices = prepare_inputs(plan, self.device)
-        hidden = self.model(input_ids, positions, meta, kv_caches)  # [T, hidden]
-        return self._logits(hidden, logits_indices)
+    def _prepare(self, plan: StepPlan, last_sampled: torch.Tensor | None = None) -> StepInputs:
+        return prepare_inputs(
+            plan, self.device, buffers=self.input_buffers, last_sampled=last_sampled
+        )
+
+    def _forward(self, inputs: StepInputs, kv_caches: list[KVCachePair]) -> torch.Tensor | None:
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches)
+        return self._logits(hidden, inputs.logits_indices)  # hidden: [T, hidden]
 
     def _logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:
         if logits_indices.numel() == 0:
@@ -224,7 +241,7 @@ class ModelRunner:
         the sizing subtracts from the peak (the real cache replaces it)."""
         plan, num_blocks = self._warmup_plan()
         scratch = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
-        logits = self._forward(plan, scratch)
+        logits = self._forward(self._prepare(plan), scratch)
         if logits is not None:
             # The sampler's worst case (a sort over the vocabulary, logprobs) for every row.
             sample_for_profiling(logits)

@@ -167,6 +167,20 @@ def gather_to_first(x: torch.Tensor, tp: TPInfo, dim: int = -1) -> torch.Tensor 
     return torch.cat(parts, dim=dim).to(x.device)
 
 
+def broadcast_tensor(x: torch.Tensor, tp: TPInfo, src: int = 0) -> torch.Tensor:
+    """Send rank `src`'s `x` to every rank, in place (same shape and dtype everywhere)."""
+    if tp.is_single:
+        return x
+    if _needs_host_staging(x):
+        host = x.cpu()
+        dist.broadcast(host, src=src)
+        if tp.rank != src:
+            x.copy_(host)
+    else:
+        dist.broadcast(x, src=src)
+    return x
+
+
 def broadcast_bytes(data: bytes | None, tp: TPInfo, src: int = 0) -> bytes:
     """Send `data` from rank `src` to every rank (others pass None); returns it everywhere.
 

@@ -6,7 +6,9 @@ Start-up, in the same order on every rank (rank 0's side is `tp_engine.engine.LL
 2. rank 0 broadcasts a `Bootstrap` (checkpoint, `RunnerConfig`, channel handle) as bytes;
 3. each worker attaches a `PlanReceiver`, which says hello to rank 0;
 4. every rank loads its weight shard and agrees on the number of KV blocks (a collective);
-5. workers loop: receive a plan, run the forward pass, repeat. EXIT ends the loop.
+5. workers loop: receive a plan, run the forward pass, repeat. EXIT ends the loop. A plan
+   whose decodes read the previous step's sampled tokens (placeholder input ids, asynchronous
+   scheduling) is preceded by a broadcast of those tokens from rank 0.
 
 A worker that fails reports the exception on the channel's back channel (rank 0 turns it into an
 error naming this rank) and exits non-zero; a worker whose rank 0 died exits non-zero too.
@@ -26,8 +28,8 @@ import torch
 
 from rank_worker.faults import maybe_inject
 from rank_worker.runner_config import RunnerConfig
-from rank_worker.tp import TPInfo, broadcast_bytes, destroy_process_group
-from shm_ipc import ChannelHandle, Command, OwnerDiedError, PlanReceiver
+from rank_worker.tp import TPInfo, broadcast_bytes, broadcast_tensor, destroy_process_group
+from shm_ipc import ChannelHandle, Command, OwnerDiedError, PlanReceiver, StepPlan
 from shm_ipc.errors import ChannelClosed
 from shm_ipc.liveness import ProcessWatch
 
@@ -110,7 +112,13 @@ def run_worker(
             if plan.command == Command.EXIT:
                 return EXIT_OK
             maybe_inject(tp.rank, plan.step_id)
-            runner.execute(plan)
+            last_sampled = None
+            num_rows = placeholder_rows(plan)
+            if num_rows:
+                # Rank 0's tokens of the previous step, which this plan's decodes read.
+                last_sampled = torch.empty(num_rows, dtype=torch.int64, device=runner.device)
+                broadcast_tensor(last_sampled, tp)
+            runner.execute(plan, last_sampled=last_sampled)
     except (OwnerDiedError, ChannelClosed) as exc:
         logger.error("rank %d: %s", tp.rank, exc)
         return EXIT_OWNER_DIED
@@ -124,6 +132,15 @@ def run_worker(
         # Whichever way this rank noticed (recv, or a collective that broke mid-step).
         if on_owner_death is not None and not owner.alive():
             on_owner_death()
+
+
+def placeholder_rows(plan: StepPlan) -> int:
+    """How many of the previous step's sampled tokens `plan` reads through placeholder input
+    ids (`-1 - row`, asynchronous scheduling); 0 when every input id is known. Every rank
+    derives the same number from the same plan, so they agree on the broadcast's size."""
+    if plan.input_ids.size == 0:
+        return 0
+    return max(0, -int(plan.input_ids.min()))
 
 
 def _start_owner_watchdog(

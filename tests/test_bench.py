@@ -20,6 +20,7 @@ from tp_engine.bench.serving import (
     random_requests,
 )
 from tp_engine.bench.workload import NANO_VLLM_OUTPUT_TOKENS, random_workload
+from tp_engine.step_timeline import StepTimeline
 
 # -- workload -----------------------------------------------------------------------------------
 
@@ -148,19 +149,56 @@ def _run(args: list[str], env: dict[str, str]) -> str:
 
 @pytest.mark.slow
 def test_bench_py_end_to_end(bench_env, tmp_path):
-    out = tmp_path / "bench.json"
+    out, timeline_json = tmp_path / "bench.json", tmp_path / "timeline.json"
     stdout = _run(
         ["launch/bench.py", "--num-seqs", "4", "--min-input-len", "8", "--max-input-len", "16",
          "--min-output-len", "4", "--max-output-len", "8", "--peak-tflops", "1",
-         "--peak-bandwidth-gbs", "50", "--output-json", str(out)],
+         "--peak-bandwidth-gbs", "50", "--output-json", str(out),
+         "--step-timeline", str(timeline_json)],
         bench_env,
     )  # fmt: skip
     assert "Fraction of limit:" in stdout
     r = json.loads(out.read_text())
-    assert r["workload"]["output_tokens"] == sum(random_workload(4, 8, 16, 4, 8).output_lens)
+    workload = random_workload(4, 8, 16, 4, 8)
+    assert r["workload"]["output_tokens"] == sum(workload.output_lens)
     assert r["output_tokens_per_s"] > 0 and r["fraction_of_limit"] > 0
     assert r["peaks"] == {"flops_per_s": 1e12, "bytes_per_s": 50e9, "source": "command-line flags"}
     assert r["device_kind"] in ("cpu", "cuda") and r["torch"] and "commit" in r
+
+    # The step timeline: its own file (metadata, summary, records) and the summary in the result.
+    t = json.loads(timeline_json.read_text())
+    assert t["benchmark"] == "step_timeline" and t["result_json"] == str(out)
+    assert t["workload"] == r["workload"] and t["elapsed_s"] == r["elapsed_s"]
+    assert r["step_timeline"] == str(timeline_json)
+    assert r["step_timeline_summary"] == t["summary"]
+    phases_by_step: dict[int, dict[str, float]] = {}
+    for step_id, phase, start_s, end_s in t["records"]:
+        assert 0 <= start_s <= end_s <= r["elapsed_s"] + 1.0
+        phases_by_step.setdefault(step_id, {}).setdefault(phase, start_s)
+    # Every token of the longest request comes from its own step (needs the engine's hook).
+    assert len(phases_by_step) >= max(workload.output_lens), "the engine recorded no steps"
+    for step_id, first_start in phases_by_step.items():
+        assert {"schedule", "forward", "sample"} <= first_start.keys(), (step_id, first_start)
+        assert first_start["schedule"] <= first_start["forward"] <= first_start["sample"]
+    assert t["summary"]["forward"]["count"] == len(phases_by_step)
+    png = tmp_path / "timeline.png"
+    _run(["launch/plot.py", "timeline", str(out), "-o", str(png)], bench_env)  # via the result
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_plot_timeline_of_a_hand_made_timeline(bench_env, tmp_path):
+    tl = StepTimeline()
+    for step in range(5, 45):  # a bench's timed run starts after the warm-up's steps
+        t = step * 1e-3
+        for i, phase in enumerate(("schedule", "build_plan", "forward", "sample", "update")):
+            tl.record(step, phase, t + i * 1e-4, t + (i + 1) * 1e-4)
+    path = tmp_path / "timeline.json"
+    path.write_text(json.dumps({"benchmark": "step_timeline", **tl.to_dict()}))
+    for i, steps in enumerate(([], ["--steps", "10:15"], ["--steps", ":8"])):
+        png = tmp_path / f"timeline{i}.png"
+        _run(["launch/plot.py", "timeline", str(path), "-o", str(png), *steps], bench_env)
+        assert png.stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ against eager execution.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -27,8 +28,8 @@ from rank_worker.cuda_graphs import (
     disabled_reason,
     graph_size_for,
     is_decode_only,
-    pad_decode_plan,
 )
+from rank_worker.input_prep import prepare_inputs
 from rank_worker.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
@@ -94,25 +95,28 @@ def make_plan(step_id: int, work: list[tuple[list[int], list[int], int, int]]) -
     return plan
 
 
-def test_pad_decode_plan():
+def test_static_buffers_load_pads_on_the_device():
+    # The graph's inputs come from the step's prepared device tensors (one H2D copy per step),
+    # copied device-to-device; padding rows are filled in place.
+    buffers = StaticDecodeBuffers(8, MAX_MODEL_LEN, BLOCK_SIZE, torch.device("cpu"))
     plan = make_plan(0, [([5, 6, 7], [3], 2, 1), (list(range(9)), [8, 2, 6], 8, 1)])
     assert is_decode_only(plan)
-    padded = pad_decode_plan(plan, 4)
-    assert (padded.size, padded.num_seqs) == (4, 2)
-    assert padded.input_ids.tolist() == [7, 8, 0, 0]
-    assert padded.positions.tolist() == [2, 8, 0, 0]
+    buffers.load(prepare_inputs(plan, "cpu"), 4)
+    input_ids, positions, meta = buffers.forward_args(4)
+    assert input_ids.tolist() == [7, 8, 0, 0]
+    assert positions.tolist() == [2, 8, 0, 0]
     # Padding rows store nothing and attend to one key of block 0.
-    assert padded.slot_mapping.tolist() == [3 * 4 + 2, 6 * 4 + 0, -1, -1]
-    assert padded.seq_lens.tolist() == [3, 9, 1, 1]
-    assert padded.block_table.tolist() == [[3, 0, 0], [8, 2, 6], [0, 0, 0], [0, 0, 0]]
-    assert padded.input_ids.dtype == padded.slot_mapping.dtype == np.int64
-    assert padded.seq_lens.dtype == padded.block_table.dtype == np.int32
+    assert meta.slot_mapping.tolist() == [3 * 4 + 2, 6 * 4 + 0, -1, -1]
+    assert meta.seq_lens.tolist() == [3, 9, 1, 1]
+    assert meta.block_table[:, :3].tolist() == [[3, 0, 0], [8, 2, 6], [0, 0, 0], [0, 0, 0]]
+    assert input_ids.dtype == meta.slot_mapping.dtype == torch.int64
+    assert meta.seq_lens.dtype == meta.block_table.dtype == torch.int32
     with pytest.raises(ValueError, match="do not fit"):
-        pad_decode_plan(plan, 1)
+        buffers.load(prepare_inputs(plan, "cpu"), 1)
     prefill = make_plan(1, [([5, 6, 7], [3], 0, 3)])
     assert not is_decode_only(prefill)
-    with pytest.raises(ValueError, match="not a decode-only batch"):
-        pad_decode_plan(prefill, 4)
+    with pytest.raises(ValueError, match="step 1: not a decode-only batch"):
+        buffers.load(prepare_inputs(prefill, "cpu"), 4)
 
 
 def test_static_buffers_load_and_metadata():
@@ -120,8 +124,8 @@ def test_static_buffers_load_and_metadata():
     assert buffers.width == MAX_MODEL_LEN // BLOCK_SIZE
     wide = make_plan(0, [(list(range(13)), [1, 2, 3, 4], 12, 1)] * 3)
     narrow = make_plan(1, [([1, 2], [9], 1, 1)])
-    buffers.load(pad_decode_plan(wide, 4))
-    buffers.load(pad_decode_plan(narrow, 2))
+    buffers.load(prepare_inputs(wide, "cpu"), 4)
+    buffers.load(prepare_inputs(narrow, "cpu"), 2)
     input_ids, positions, meta = buffers.forward_args(2)
     assert input_ids.tolist() == [2, 0] and positions.tolist() == [1, 0]
     assert meta.slot_mapping.tolist() == [9 * 4 + 1, -1]
@@ -131,8 +135,19 @@ def test_static_buffers_load_and_metadata():
     assert meta.query_start_loc.tolist() == [0, 1, 2]
     assert (meta.max_query_len, meta.max_seq_len) == (1, MAX_MODEL_LEN)
     assert meta.seq_lens_host.tolist() == [MAX_MODEL_LEN] * 2  # bounds, not values
+    too_wide = make_plan(2, [([0] * 80, list(range(20)), 79, 1)])
     with pytest.raises(ValueError, match="exceeds the static width"):
-        buffers.load(pad_decode_plan(make_plan(2, [([0] * 80, list(range(20)), 79, 1)]), 1))
+        buffers.load(prepare_inputs(too_wide, "cpu"), 1)
+
+
+def test_static_buffers_take_resolved_placeholders():
+    # Placeholder ids are resolved before the graph's static input buffer is written.
+    buffers = StaticDecodeBuffers(4, MAX_MODEL_LEN, BLOCK_SIZE, torch.device("cpu"))
+    plan = make_plan(0, [([5, 6, 7], [3], 2, 1), (list(range(9)), [8, 2, 6], 8, 1)])
+    plan = dataclasses.replace(plan, input_ids=np.array([-2, 8], dtype=np.int32))
+    last_sampled = torch.tensor([40, 41, 42])
+    buffers.load(prepare_inputs(plan, "cpu", last_sampled=last_sampled), 2)
+    assert buffers.forward_args(2)[0].tolist() == [41, 8]
 
 
 # -- when graphs are off ---------------------------------------------------------------------
@@ -213,11 +228,31 @@ def scenario(vocab: int) -> list[StepPlan]:
     ]
 
 
+def with_placeholders(plan: StepPlan, device: torch.device) -> tuple[StepPlan, torch.Tensor]:
+    """The plan as asynchronous scheduling sends it: each decode token is a placeholder for a
+    row of the previous step's samples (`last_sampled`, returned: rows reversed, one spare)."""
+    decodes = np.flatnonzero(np.diff(plan.query_start_loc) == 1)
+    tokens = plan.query_start_loc[decodes]
+    rows = np.arange(decodes.size)[::-1]
+    last_sampled = torch.full((decodes.size + 1,), 3, dtype=torch.int64)
+    last_sampled[torch.from_numpy(rows.copy())] = torch.from_numpy(
+        plan.input_ids[tokens].astype(np.int64)
+    )
+    ids = plan.input_ids.copy()
+    ids[tokens] = -rows - 1
+    return dataclasses.replace(plan, input_ids=ids), last_sampled.to(device)
+
+
 def run_steps(
-    model_dir: Path, backend: str, device: str, graphs: str, dtype: str = "float32"
+    model_dir: Path,
+    backend: str,
+    device: str,
+    graphs: str,
+    dtype: str = "float32",
+    placeholders: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], ModelRunner]:
     """Execute the scenario; `graphs`: "off", "padded" (uncaptured runner: padded but eager)
-    or "captured" (the real thing, GPU)."""
+    or "captured" (the real thing, GPU); `placeholders`: decode tokens as placeholder ids."""
     config = RunnerConfig(
         max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=24, max_num_seqs=8,
         attention_backend=backend, dtype=dtype, enforce_eager=graphs != "captured",
@@ -229,15 +264,26 @@ def run_steps(
             runner.model, runner.kv_caches, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
             block_size=BLOCK_SIZE, device=runner.device,
         )  # fmt: skip
-    logits = [runner.execute(plan) for plan in scenario(runner.vocab_size)]
+    logits = []
+    for plan in scenario(runner.vocab_size):
+        if placeholders:
+            logits.append(runner.execute(*with_placeholders(plan, runner.device)))
+        else:
+            logits.append(runner.execute(plan))
     caches = [c for pair in runner.kv_caches for c in pair]
     return logits, caches, runner
 
 
-@pytest.mark.parametrize(("backend", "device"), [("torch", "cpu"), ("triton", KERNEL_DEVICE)])
-def test_padded_decode_matches_eager(model_dir, backend, device):
+@pytest.mark.parametrize(
+    ("backend", "device", "placeholders"),
+    [("torch", "cpu", False), ("torch", "cpu", True), ("triton", KERNEL_DEVICE, False)],
+)
+def test_padded_decode_matches_eager(model_dir, backend, device, placeholders):
+    # With placeholders the padded path must resolve them before its static input buffer.
     eager, eager_caches, _ = run_steps(model_dir, backend, device, "off")
-    padded, padded_caches, runner = run_steps(model_dir, backend, device, "padded")
+    padded, padded_caches, runner = run_steps(
+        model_dir, backend, device, "padded", placeholders=placeholders
+    )
     assert runner.graph_runner.num_replays == 0  # nothing captured on CPU
     assert eager[1].shape == padded[1].shape == (3, runner.vocab_size)
     for step, (got, ref) in enumerate(zip(padded, eager, strict=True)):
@@ -249,10 +295,14 @@ def test_padded_decode_matches_eager(model_dir, backend, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_captured_graphs_match_eager_gpu(model_dir, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "placeholders"), [("float32", False), ("bfloat16", False), ("float32", True)]
+)
+def test_captured_graphs_match_eager_gpu(model_dir, dtype, placeholders):
     eager, eager_caches, _ = run_steps(model_dir, "triton", "cuda", "off", dtype)
-    captured, captured_caches, runner = run_steps(model_dir, "triton", "cuda", "captured", dtype)
+    captured, captured_caches, runner = run_steps(
+        model_dir, "triton", "cuda", "captured", dtype, placeholders
+    )
     assert sorted(runner.graph_runner.graphs) == [1, 2, 4, 8]
     assert runner.graph_runner.num_replays == 3  # steps 1, 2 and 4; step 3 is mixed
     # fp32: summation order only. bf16: a different row count may pick another GEMM kernel,

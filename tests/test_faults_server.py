@@ -4,6 +4,8 @@ raising rank and a stalled one):
 - a worker killed with SIGKILL mid-stream: the in-flight stream ends with an error naming the
   rank, /health turns 503, the server exits non-zero within a bounded time;
 - a worker that exits (`kind=exit`, exit code 17) mid-stream: the same;
+- a worker that raises (`kind=raise`) mid-stream with 4 ranks: the same, and the exception's
+  message reaches the client (`test_server_faults.py` covers a raising rank with 2 ranks);
 - rank 0 killed with SIGKILL (plain-Python launch, so no torchrun agent cleans up for the
   runtime): every worker and the API process exit on their own within a bounded time;
 - after each: no process, /dev/shm `tpe-*` segment or socket/run-directory file is left.
@@ -110,7 +112,11 @@ def read_one_event(resp) -> None:
 def wait_health_not_ok(server: Server, t0: float) -> float:
     deadline = t0 + DETECT_BOUND_S
     while time.monotonic() < deadline:
-        if server.get("/health")[0] != 200:
+        status = server.get("/health")[0]
+        if status != 200:
+            # The engine lingers as dead (503) before exiting; 0 (no answer) here would mean the
+            # API process went away without ever telling a health check why.
+            assert status == 503, f"/health answered {status}\n{server.log_tail()}"
             return time.monotonic() - t0
         time.sleep(0.02)
     raise AssertionError(
@@ -137,6 +143,11 @@ WORKER_DEATHS = [
     pytest.param("plain", 2, 1, "sigkill", id="plain-tp2-rank1-sigkill"),
     pytest.param("torchrun", 4, 2, "sigkill", id="torchrun-tp4-rank2-sigkill"),
     pytest.param("plain", 4, 3, "exit", id="plain-tp4-rank3-exit"),
+    pytest.param("plain", 4, 2, "raise", id="plain-tp4-rank2-raise"),
+    # Under torchrun this fault sometimes leaves rank 0 and rank 3 blocked in step 8's
+    # all-reduce (only rank 1's breaks): then the watchdog fires and must still name rank 2
+    # from its report on the back channel (`failures.diagnose_stall`).
+    pytest.param("torchrun", 4, 2, "raise", id="torchrun-tp4-rank2-raise"),
 ]
 
 
@@ -144,8 +155,9 @@ WORKER_DEATHS = [
 def test_a_dead_worker_fails_the_stream_and_the_server(cache, tmp_path, launch, nproc, rank, how):
     shm_before = shm_entries()
     cmd = plain_cmd(nproc) if launch == "plain" else torchrun_cmd(nproc)
-    # `exit` kind: the rank calls os._exit(17) before its forward at step 8 (mid-stream).
-    fault = f"rank={rank},step=8,kind=exit" if how == "exit" else None
+    # Injected faults fire before the rank's forward at step 8 (mid-stream): `exit` calls
+    # os._exit(17), `raise` throws InjectedFault, which the worker reports to rank 0.
+    fault = None if how == "sigkill" else f"rank={rank},step=8,kind={how}"
     server, tmpdir = start(cmd, cache, tmp_path, fault)
     try:
         conn, resp = open_stream(server, max_tokens=400)
@@ -163,6 +175,8 @@ def test_a_dead_worker_fails_the_stream_and_the_server(cache, tmp_path, launch, 
         message = events[-2]["error"]["message"]
         # The dead rank itself is named, not a survivor whose collective broke because of it.
         assert f"rank {rank} " in message, message
+        if how == "raise":  # the exception itself reaches the client, not just "rank 2 died"
+            assert f"injected fault on rank {rank} at step 8" in message, message
         assert events[-2]["error"]["code"] == "engine_dead"
         status, data = server.get("/health")
         assert status in (0, 503), (status, data)  # 0: it already exited after the linger

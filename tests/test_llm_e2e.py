@@ -3,7 +3,8 @@
 For TP = 1, 2 and 4 (ranks 1..N-1 are real processes over gloo) and two checkpoints (tied
 embeddings with a vocabulary TP does not divide; untied, sharded, one KV head so every rank
 replicates it), greedy token ids must equal transformers' for every prompt: with prefix caching
-on and off, chunked prefill on and off, and a KV pool small enough to force preemption. The
+on and off, chunked prefill on and off, a KV pool small enough to force preemption, and
+asynchronous scheduling. The
 process group of each (checkpoint, TP) pair is started once and serves every scenario; the
 scenarios change rank-0-only knobs with `LLMEngine.reconfigure`.
 """
@@ -115,6 +116,20 @@ def test_small_kv_pool_forces_preemption(llm, references):
     # 16 blocks of 4 = 64 slots for 11 prompts of up to 45 + 10 tokens.
     check_matches_hf(llm, references, num_kv_blocks=16)
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"max_num_batched_tokens": 8, "max_num_seqs": 4}, {"num_kv_blocks": 16}],
+    ids=["default", "small_budget", "small_pool"],
+)
+def test_async_scheduling(llm, references, knobs):
+    # Step t+1 scheduled before step t is applied; decodes read step t's tokens on the device
+    # (broadcast from rank 0 to the other ranks).
+    check_matches_hf(llm, references, async_scheduling=True, **knobs)
+    assert llm.engine.async_scheduling
+    if "num_kv_blocks" in knobs:
+        assert llm.engine.scheduler.num_preemptions > 0
 
 
 def test_prompt_forms_and_text(llm):

@@ -1,6 +1,7 @@
 """Load and bad input against the real server (`torchrun --nproc-per-node 2`, gloo, CPU, demo
 model), started once for the module with the configuration `test_server_api.py` uses, so its
-invalid-input table applies unchanged.
+invalid-input table applies unchanged, plus asynchronous scheduling (the GPU default; the API
+tests cover the synchronous loop).
 
 - Rounds of many concurrent streaming requests of random lengths, a fifth of whose clients hang
   up at a random point: every request ends (finished, or aborted by its client), the KV pool is
@@ -80,6 +81,8 @@ def server(tmp_path_factory):
         "--num-kv-blocks", str(NUM_KV_BLOCKS),
         "--block-size", str(BLOCK_SIZE),
         "--disable-uvicorn-access-log",
+        # As on a GPU (where it is the default): clients hang up while their step is in flight.
+        "--async-scheduling",
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("log") / "server.log"
     srv = Server([*torchrun_cmd(2), *args], env, log).wait_ready()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from rank_worker.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 from shm_ipc.step_plan import Command, StepPlan
+from tests.tp_cases import BLOCK_SIZE, MAX_MODEL_LEN, make_scenario
 from tp_engine.checkpoints import build_random_qwen3
 
 
@@ -55,3 +57,36 @@ def test_warmup_step_runs(model_dir: Path) -> None:
     assert plan.num_tokens == 100 and plan.num_seqs == 5
     assert int(plan.seq_lens.max()) <= 40 and num_blocks == 5
     assert runner._warmup() == num_blocks * runner.kv_spec.bytes_per_block
+
+
+def decode_placeholders(plan: StepPlan, rng: np.random.Generator) -> tuple[StepPlan, torch.Tensor]:
+    """The plan as asynchronous scheduling sends it: every decode token (a sequence with one
+    new token) is a placeholder for a row of the previous step's samples, which `last_sampled`
+    (returned, with rows in shuffled order and spare rows) holds."""
+    decodes = np.flatnonzero(np.diff(plan.query_start_loc) == 1)
+    tokens = plan.query_start_loc[decodes]
+    num_rows = decodes.size + 2
+    rows = rng.permutation(num_rows)[: decodes.size]
+    last_sampled = torch.from_numpy(rng.integers(0, 100, num_rows))
+    last_sampled[torch.from_numpy(rows)] = torch.from_numpy(plan.input_ids[tokens].astype(np.int64))
+    ids = plan.input_ids.copy()
+    ids[tokens] = -rows - 1
+    return dataclasses.replace(plan, input_ids=ids), last_sampled
+
+
+def test_placeholder_ids_give_the_same_logits(model_dir: Path) -> None:
+    config = RunnerConfig(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=48)
+    runners = [ModelRunner(model_dir, config, TPInfo(0, 1), "cpu") for _ in range(2)]
+    for runner in runners:
+        runner.init_kv_cache(runner.determine_num_kv_blocks())
+    real, held = runners
+    rng = np.random.default_rng(0)
+    # Steps 3 and 4 are decodes only, step 2 mixes a decode with prefills.
+    for plan in make_scenario(real.vocab_size).plans:
+        placeholder_plan, last_sampled = decode_placeholders(plan, rng)
+        want = real.execute(plan)
+        got = held.execute(placeholder_plan, last_sampled)
+        assert torch.equal(got, want), f"step {plan.step_id}"
+    plan, _ = decode_placeholders(make_scenario(real.vocab_size).plans[3], rng)
+    with pytest.raises(ValueError, match=r"step 3: .*no last_sampled"):
+        held.execute(plan)

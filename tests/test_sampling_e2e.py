@@ -3,7 +3,8 @@
 Logprobs and prompt logprobs against Hugging Face's logits, greedy decoding with penalties
 against a hand-applied reference on Hugging Face's logits, seeded requests that do not depend
 on their batch, `n > 1` sharing the prompt's KV blocks, stop strings spanning tokens,
-min_tokens, generation-config defaults and `LLM.chat`. One engine serves the whole module.
+min_tokens, generation-config defaults and `LLM.chat`. One engine serves the whole module, once
+with synchronous and once with asynchronous scheduling.
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ def model_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(model_dir, request):
     engine = LLM(
         str(model_dir),
         block_size=4,
         num_kv_blocks=128,
         max_num_seqs=8,
         max_num_batched_tokens=MAX_MODEL_LEN,
+        async_scheduling=request.param,
     )
     yield engine
     engine.shutdown()

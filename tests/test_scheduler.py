@@ -269,3 +269,102 @@ def test_fake_model_outputs_do_not_depend_on_scheduling():
         results.append({s.request_id: s.output_token_ids for s in done})
     expected = {rid: expected_output(p, 9, 64) for rid, p in prompts.items()}
     assert all(r == expected for r in results)
+
+
+# -- asynchronous scheduling: step t+1 is scheduled before step t is applied ---------------------
+
+
+def test_async_decode_reads_the_in_flight_sample_as_a_placeholder():
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    a = make_seq("a", [5, 6, 7], max_tokens=3)
+    b = make_seq("b", [8, 9], max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    st = Stepper(sched, async_scheduling=True)
+
+    first, _ = st.step()  # both prefills launched; nothing applied yet
+    assert first.samples == [True, True] and a.num_output_tokens == 0
+    assert (a.num_inflight_tokens, a.num_placeholders) == (3, 1)
+
+    second, finished = st.step()  # decodes of the tokens still being sampled; step 1 applied
+    assert batch(second) == [("a", 1), ("b", 1)] and finished == []
+    assert second.input_rows == [0, 1] and second.starts == [3, 2]
+    assert a.num_output_tokens == 1 and a.num_computed_tokens == 3
+    assert (a.num_inflight_tokens, a.num_placeholders) == (1, 1)
+
+    done = st.run_to_completion()
+    assert sorted(s.request_id for s in done) == ["a", "b"]
+    assert a.output_token_ids == expected_output([5, 6, 7], 3, 64)
+    assert b.output_token_ids == expected_output([8, 9], 3, 64)
+    assert sched.block_manager.usage == 0.0
+
+
+def test_async_a_token_known_to_be_the_last_is_not_decoded_again():
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    a = make_seq("a", [5, 6, 7], max_tokens=1)
+    sched.add(a)
+    st = Stepper(sched, async_scheduling=True)
+    st.step()
+    out, finished = st.step()  # a's one token is in flight: nothing to schedule
+    assert out.is_empty and finished == [a] and a.finish_reason == "length"
+    assert a.output_token_ids == expected_output([5, 6, 7], 1, 64)
+
+
+def test_async_eos_discards_the_row_scheduled_behind_it():
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    a = make_seq("a", [5, 6, 7], max_tokens=8)
+    keep = make_seq("keep", [1, 2], max_tokens=4)
+    sched.add(a)
+    sched.add(keep)
+    # "a" samples EOS as its second token; "keep" runs the fake model.
+    st = Stepper(
+        sched,
+        sample=lambda s: EOS if s is a and s.num_output_tokens == 1 else next_token(s),
+        async_scheduling=True,
+    )
+    st.step()  # prefills
+    st.step()  # decode 1 of both; prefill tokens applied
+    out, finished = st.step()  # decode 2 launched; decode 1 (EOS for a) applied
+    assert [s.request_id for s in out.scheduled] == ["a", "keep"]
+    assert finished == [a] and a.output_token_ids[-1] == EOS and a.block_table == []
+    _, finished = st.step()  # a's extra row is discarded
+    assert a.num_output_tokens == 2 and a.finish_reason == "stop"
+    st.run_to_completion()
+    assert keep.output_token_ids == expected_output([1, 2], 4, 64)
+    assert sched.block_manager.usage == 0.0
+
+
+def test_async_preempting_a_sequence_in_flight_discards_its_sample():
+    # 4 blocks of 2: "old" and "new" grow until one must go; "new" is preempted while its
+    # decode is in flight, loses that sample and recomputes to the same output.
+    sched = make_scheduler(num_blocks=4, block_size=2, max_model_len=8)
+    old = make_seq("old", [1, 2, 3], max_tokens=4)
+    new = make_seq("new", [4, 5, 6], max_tokens=4)
+    sched.add(old)
+    sched.add(new)
+    st = Stepper(sched, async_scheduling=True)
+    preempted_in_flight = False
+    for _ in range(40):
+        if not st.has_work():
+            break
+        in_flight = st.in_flight[0].scheduled if st.in_flight else []
+        out, _ = st.step()
+        for victim in out.preempted:
+            assert victim.num_placeholders == victim.num_inflight_tokens == 0
+            preempted_in_flight |= any(s is victim for s in in_flight)
+    assert preempted_in_flight and new.num_preemptions >= 1
+    assert old.output_token_ids == expected_output([1, 2, 3], 4, 8)
+    assert new.output_token_ids == expected_output([4, 5, 6], 4, 8)
+    assert sched.block_manager.usage == 0.0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_and_sync_scheduling_give_the_same_outputs(async_scheduling):
+    sched = make_scheduler(num_blocks=12, block_size=2, max_num_batched_tokens=5, max_num_seqs=3)
+    prompts = [[1 + (i * 7 + j) % 5 for j in range(3 + i % 4)] for i in range(8)]
+    seqs = [make_seq(f"r{i}", p, max_tokens=5) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        sched.add(seq)
+    Stepper(sched, async_scheduling=async_scheduling).run_to_completion()
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.output_token_ids == expected_output(prompt, 5, 64)

@@ -193,10 +193,15 @@ class BlockManager:
         record the query.
         """
         admitting = cached_prefix is not None
+        if not admitting:
+            # The common case, a running sequence: often its last block has room already.
+            num_needed = -(-(seq.num_scheduled_end + num_new_tokens) // self.block_size)
+            if num_needed <= len(seq.block_table):
+                return True
         cached_prefix = cached_prefix or []
         if admitting and seq.block_table:
             raise ValueError(f"{seq.request_id}: admission needs an empty block table")
-        num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
+        num_computed = seq.num_scheduled_end + len(cached_prefix) * self.block_size
         num_needed = self.blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = max(0, num_needed - len(seq.block_table) - len(cached_prefix))
         # Unreferenced hits sit in the free queue; taking them shrinks what is left to allocate.

@@ -56,6 +56,10 @@ class EngineConfig:
     # Paged-attention implementation: "torch", "triton", "flash_attn" (needs block_size a
     # multiple of 256), or "auto" = flash_attn where it can run, else triton on GPU, torch on CPU.
     attention_backend: str = "auto"
+    # Schedule step t+1 while step t runs (vLLM's --async-scheduling): step t+1's decodes feed
+    # the tokens step t samples straight from the device. None = on with a GPU, off on CPU,
+    # where the forward pass runs on the calling thread and nothing can overlap.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")

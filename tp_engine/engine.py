@@ -6,6 +6,15 @@ channel to the other ranks and the sampler. One `step()`:
     schedule → build StepPlan → publish to ranks 1..N-1 → forward on rank 0 (the collectives
     keep every rank in lock-step) → sample from the gathered logits → Scheduler.update
 
+With asynchronous scheduling (`EngineConfig.async_scheduling`, on with a GPU) the step is
+pipelined one deep, as in vLLM's async scheduling and SGLang's overlap scheduler: `step()`
+schedules and launches step t while step t-1 is still in flight, then waits for step t-1's
+tokens, applies them (Scheduler.update) and returns them, and finally queues step t's sampling.
+The GPU never waits for rank 0's Python: while it runs step t, rank 0 applies step t-1 and
+schedules step t+1. Step t's decodes read step t-1's tokens on the device (placeholder input
+ids, see `plan_builder`); with more than one rank, rank 0 broadcasts those tokens to the others
+just before the step that needs them.
+
 Sampling stays on rank 0: `SamplingBatchBuilder` turns the sampling sequences' parameters into
 one step's tensors and `rank_worker.sampling` draws from the gathered logits. Logprobs (raw:
 log_softmax of the model's logits) are recorded on the sequences; prompt logprobs ask the
@@ -35,8 +44,8 @@ from rank_worker.model_runner import ModelRunner, load_hf_config
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.sampler import MAX_NUM_LOGPROBS
 from rank_worker.sampling import sample_batch
-from rank_worker.tp import TPInfo, broadcast_bytes
-from rank_worker.worker import Bootstrap, default_device
+from rank_worker.tp import TPInfo, broadcast_bytes, broadcast_tensor
+from rank_worker.worker import Bootstrap, default_device, placeholder_rows
 from shm_ipc import (
     ChannelError,
     PlanBroadcaster,
@@ -46,12 +55,18 @@ from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
 from tp_engine.failures import EngineDeadError, FailureGuard
 from tp_engine.generation_config import eos_token_ids, sampling_defaults
-from tp_engine.logprobs import prompt_logprob_rows, record_prompt_logprobs, record_sample_logprobs
+from tp_engine.logprobs import (
+    PromptLogprobRows,
+    prompt_logprob_rows,
+    record_prompt_logprobs,
+    record_sample_logprobs,
+)
 from tp_engine.plan_builder import build_step_plan
 from tp_engine.sampling_batch import SamplingBatchBuilder
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.scheduler import RequestRejectedError, Scheduler
+from tp_engine.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from tp_engine.sequence import Sequence, SequenceStatus
+from tp_engine.step_timeline import StepTimeline, gpu_phase_or_null, phase_or_null
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +85,24 @@ class StepResult:
     sampled: list[Sequence]
     num_prefill_tokens: int
     num_decode_tokens: int
+
+
+@dataclass
+class _LaunchedStep:
+    """A step whose forward pass is launched and whose tokens are not applied yet."""
+
+    step_id: int
+    out: SchedulerOutput
+    logits: torch.Tensor  # [B' + prompt-logprob rows, V] on rank 0's device
+    prompt_rows: list[PromptLogprobRows]
+    # The sequences it samples, in row order, and what sampling queued for them on the device.
+    sampling: list[Sequence] = dataclasses.field(default_factory=list)
+    token_ids: torch.Tensor | None = None  # [B'] int64
+    logprobs: Any = None  # LogprobsTensors of the rows in `logprob_seqs`
+    logprob_seqs: list[Sequence] = dataclasses.field(default_factory=list)
+
+
+_EMPTY = StepResult([], [], 0, 0)
 
 
 def runner_config_for(config: EngineConfig) -> RunnerConfig:
@@ -139,6 +172,11 @@ class LLMEngine:
                 self.channel.close()  # the workers see CLOSE and exit non-zero
             raise
         self.scheduler = self._build_scheduler(self.config)
+        self.async_scheduling = self._resolve_async(self.config)
+        # The step launched by the last `step()` call while scheduling is asynchronous.
+        self._in_flight: _LaunchedStep | None = None
+        # Set to a StepTimeline to record where each step's time goes (launch/bench.py).
+        self.timeline: StepTimeline | None = None
         self.sampling = SamplingBatchBuilder(
             self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed
         )
@@ -234,6 +272,8 @@ class LLMEngine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
+        """Whether any request is unfinished. (A step still in flight once every request has
+        finished carries nothing anyone waits for; the next step or `reconfigure` retires it.)"""
         return self.scheduler.has_unfinished() or any(held for _, held in self._held.values())
 
     def _release_held(self) -> None:
@@ -248,52 +288,110 @@ class LLMEngine:
     # -- stepping --------------------------------------------------------------------------------
 
     def step(self) -> StepResult:
+        """Run one step; returns the tokens it produced.
+
+        With asynchronous scheduling the tokens returned are those of the step launched by the
+        previous call (see the module docstring); a call that launches nothing completes the
+        step in flight, so stepping while `has_unfinished()` finishes every request.
+        """
         if self._dead is not None:
             raise self._dead
         if self._held:
             self._release_held()
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return StepResult([], [], 0, 0)
-        plan = build_step_plan(out, self.config.block_size, self.step_id)
-        prompt_rows = prompt_logprob_rows(out, plan.query_start_loc)
-        if prompt_rows:
-            # After the sampled rows, so that logits[:B'] stays what the sampler takes.
-            extra = np.concatenate([p.rows for p in prompt_rows]).astype(np.int32)
-            plan = dataclasses.replace(
-                plan, logits_indices=np.concatenate([plan.logits_indices, extra])
-            )
-        self.step_id += 1
-        with self._failures_named(f"step {plan.step_id}"):
-            if self.channel is not None:
-                self.channel.publish(plan)
-                # A worker that died since the last step would leave rank 0 waiting in the
-                # forward's first collective; find out now, with its rank and report.
-                self.channel.check_readers()
-            maybe_inject(0, plan.step_id)
-            logits = self.runner.execute(plan)
-        assert logits is not None  # rank 0 always gets the gathered logits
-        sampling = [seq for seq, s in zip(out.scheduled, out.samples, strict=True) if s]
-        # Before update: a decode is a sequence with output whose one uncomputed token runs now.
-        num_decode = sum(
-            1 for seq in out.scheduled if seq.num_output_tokens and seq.num_uncomputed_tokens == 1
-        )
-        num_sampled = len(sampling)
-        tokens = self._sample(logits[:num_sampled], sampling)
-        if prompt_rows:
-            record_prompt_logprobs(logits[num_sampled:], prompt_rows)
-        finished = self.scheduler.update(out, tokens)
-        return StepResult(finished, sampling, out.num_batched_tokens - num_decode, num_decode)
+        launched = self._launch()
+        if not self.async_scheduling:
+            if launched is None:
+                return _EMPTY
+            self._sample(launched)
+            return self._complete(launched)
+        previous, self._in_flight = self._in_flight, launched
+        result = self._complete(previous) if previous is not None else _EMPTY
+        if launched is not None:
+            # After `_complete`: penalties and min_tokens see the tokens it appended.
+            self._sample(launched)
+        return result
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Sample one token per sequence from `logits [B', V]`; records requested logprobs."""
-        if not seqs:
-            return []
-        batch = self.sampling.build(seqs)
-        result = sample_batch(logits, batch.metadata, self.sampling.generator)
-        if result.logprobs is not None:
-            record_sample_logprobs([seqs[i] for i in batch.logprob_rows], result.logprobs)
-        return result.token_ids.tolist()
+    def _launch(self) -> _LaunchedStep | None:
+        """Schedule a step, send its plan to every rank and start the forward pass."""
+        step_id = self.step_id
+        with self._phase("schedule", step_id):
+            out = self.scheduler.schedule()
+        if out.is_empty:
+            return None
+        with self._phase("build_plan", step_id):
+            plan = build_step_plan(out, self.config.block_size, step_id)
+            prompt_rows = prompt_logprob_rows(out, plan.query_start_loc)
+            if prompt_rows:
+                # After the sampled rows, so that logits[:B'] stays what the sampler takes.
+                extra = np.concatenate([p.rows for p in prompt_rows]).astype(np.int32)
+                plan = dataclasses.replace(
+                    plan, logits_indices=np.concatenate([plan.logits_indices, extra])
+                )
+        self.step_id += 1
+        with self._failures_named(f"step {step_id}"):
+            last_sampled = self._placeholder_tokens(plan)
+            if self.channel is not None:
+                with self._phase("broadcast", step_id):
+                    self.channel.publish(plan)
+                    # A worker that died since the last step would leave rank 0 waiting in the
+                    # forward's first collective; find out now, with its rank and report.
+                    self.channel.check_readers()
+                    if last_sampled is not None:
+                        broadcast_tensor(last_sampled, self.tp)
+            maybe_inject(0, step_id)
+            with self._phase("forward", step_id), self._gpu_phase("gpu_forward", step_id):
+                logits = self.runner.execute(plan, last_sampled=last_sampled)
+        assert logits is not None  # rank 0 always gets the gathered logits
+        return _LaunchedStep(step_id, out, logits, prompt_rows)
+
+    def _placeholder_tokens(self, plan: StepPlan) -> torch.Tensor | None:
+        """The in-flight step's sampled ids that `plan`'s placeholder inputs read, or None."""
+        num_rows = placeholder_rows(plan)
+        if num_rows == 0:
+            return None
+        in_flight = self._in_flight
+        assert in_flight is not None and in_flight.token_ids is not None
+        return in_flight.token_ids[:num_rows]
+
+    def _sample(self, step: _LaunchedStep) -> None:
+        """Queue sampling of one token per sampling sequence of `step` (no host sync)."""
+        out = step.out
+        step.sampling = [seq for seq, s in zip(out.scheduled, out.samples, strict=True) if s]
+        if not step.sampling:
+            return
+        with self._phase("sample", step.step_id):
+            batch = self.sampling.build(step.sampling)
+            logits = step.logits[: len(step.sampling)]
+            result = sample_batch(logits, batch.metadata, self.sampling.generator)
+        step.token_ids = result.token_ids
+        step.logprobs = result.logprobs
+        step.logprob_seqs = [step.sampling[i] for i in batch.logprob_rows]
+
+    def _complete(self, step: _LaunchedStep) -> StepResult:
+        """Wait for `step`'s tokens and apply them: outputs, logprobs, Scheduler.update.
+
+        A sequence that stopped being RUNNING since `step` was scheduled (aborted, preempted or
+        already finished) gets nothing from it.
+        """
+        out = step.out
+        with self._phase("update", step.step_id):
+            tokens = [] if step.token_ids is None else step.token_ids.tolist()
+            if step.logprobs is not None:
+                record_sample_logprobs(step.logprob_seqs, step.logprobs)
+            if step.prompt_rows:
+                record_prompt_logprobs(step.logits[len(step.sampling) :], step.prompt_rows)
+            sampled = [seq for seq in step.sampling if seq.status == SequenceStatus.RUNNING]
+            finished = self.scheduler.update(out, tokens)
+        return StepResult(
+            finished, sampled, out.num_batched_tokens - out.num_decodes, out.num_decodes
+        )
+
+    def _phase(self, name: str, step_id: int) -> Any:
+        return phase_or_null(self.timeline, name, step_id)
+
+    def _gpu_phase(self, name: str, step_id: int) -> Any:
+        """Device time between two CUDA events (nothing on CPU, where `_phase` is the work)."""
+        return gpu_phase_or_null(self.timeline, name, step_id)
 
     def _failures_named(self, what: str) -> FailureGuard:
         return FailureGuard(self, what)
@@ -311,12 +409,16 @@ class LLMEngine:
         """
         if self.has_unfinished():
             raise RuntimeError("reconfigure needs an idle engine")
+        if self._in_flight is not None:
+            self._complete(self._in_flight)  # rows of finished requests only: all discarded
+            self._in_flight = None
         allowed = {
             "enable_prefix_caching",
             "enable_chunked_prefill",
             "max_num_batched_tokens",
             "max_num_seqs",
             "num_kv_blocks",
+            "async_scheduling",
         }
         if set(changes) - allowed:
             raise ValueError(f"only {sorted(allowed)} can change at run time")
@@ -337,6 +439,12 @@ class LLMEngine:
             )
         self.config = config
         self.scheduler = self._build_scheduler(config, num_blocks)
+        self.async_scheduling = self._resolve_async(config)
+
+    def _resolve_async(self, config: EngineConfig) -> bool:
+        if config.async_scheduling is not None:
+            return config.async_scheduling
+        return self.runner.device.type == "cuda"
 
     def _build_scheduler(self, config: EngineConfig, num_blocks: int | None = None) -> Scheduler:
         bm = BlockManager(

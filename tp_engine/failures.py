@@ -100,6 +100,21 @@ class FailureGuard:
         return _from_report(reports[0]) if reports else None
 
 
+def diagnose_stall(engine: LLMEngine) -> EngineDeadError | None:
+    """What the workers say about a step rank 0 is stuck in: the root cause among their error
+    reports and deaths (as `FailureGuard` finds it), or None when every worker is silent and
+    alive, i.e. a rank is truly hung.
+
+    For the server's watchdog thread. It reads the channel's back channel while the engine
+    thread is blocked inside a collective, the one time that thread does not use it.
+    """
+    channel = engine.channel
+    if channel is None:
+        return None
+    guard = FailureGuard(engine, f"step {engine.step_id - 1}")
+    return guard._root_cause(channel.poll_errors(), channel.dead_readers())
+
+
 # Messages of a rank whose collective broke because a peer vanished: a consequence, not a cause.
 _PEER_LOSS_MARKERS = (
     "connection closed by peer",

@@ -17,7 +17,7 @@ import torch
 
 from rank_worker.sampling import LogprobsTensors, compute_logprobs
 from tp_engine.scheduler import SchedulerOutput
-from tp_engine.sequence import Sequence, TokenLogprobs
+from tp_engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ def prompt_logprob_rows(
 ) -> list[PromptLogprobRows]:
     """The logits rows each scheduled sequence needs for prompt logprobs it lacks.
 
-    Must run before `Scheduler.update` (num_computed_tokens says where the chunk starts). A
-    chunk computing positions `start .. start + n - 1` yields logits for prompt tokens
+    A chunk computing positions `start .. start + n - 1` yields logits for prompt tokens
     `start + 1 .. start + n`; only tokens not yet recorded are taken (a recompute after
     preemption does not record them twice).
     """
@@ -45,7 +44,7 @@ def prompt_logprob_rows(
     for i, seq in enumerate(out.scheduled):
         if not seq.needs_prompt_logits:
             continue
-        start = seq.num_computed_tokens
+        start = out.starts[i]
         lo = max(start, len(seq.prompt_logprobs) - 1)  # first position whose logits are missing
         hi = min(start + out.num_scheduled_tokens[i], seq.num_prompt_tokens - 1)
         if lo >= hi:
@@ -63,7 +62,9 @@ def record_prompt_logprobs(logits: torch.Tensor, found: list[PromptLogprobRows])
     entries = _entries(tensors, [n for f, n in zip(found, nums, strict=True) for _ in f.targets])
     offset = 0
     for f in found:
-        f.seq.prompt_logprobs.extend(entries[offset : offset + len(f.targets)])
+        # A preempted sequence keeps them (its recompute skips recorded positions).
+        if not f.seq.is_finished:
+            f.seq.prompt_logprobs.extend(entries[offset : offset + len(f.targets)])
         offset += len(f.targets)
 
 
@@ -78,8 +79,14 @@ def _entries(tensors: LogprobsTensors, num_top: list[int]) -> list[TokenLogprobs
 
 
 def record_sample_logprobs(seqs: list[Sequence], tensors: LogprobsTensors) -> None:
-    """Append each sequence's entry for the token it just sampled (rows in `seqs` order)."""
+    """Append each sequence's entry for the token it just sampled (rows in `seqs` order).
+
+    Call before `Scheduler.update`: a sequence no longer RUNNING (aborted, preempted, or
+    finished while the step was in flight) will not get the token, so it gets no entry.
+    """
     entries = _entries(tensors, [seq.sampling_params.logprobs or 0 for seq in seqs])
     for seq, entry in zip(seqs, entries, strict=True):
+        if seq.status != SequenceStatus.RUNNING:
+            continue
         seq.output_logprobs.append(entry)
         seq.cumulative_logprob += entry.logprobs[0]

@@ -2,12 +2,18 @@
 
 Rank-0 request state (`Sequence`, mutable Python) goes in; an immutable `StepPlan` of flat int32
 arrays comes out, built once per step and sent to every rank. Python touches each sequence once
-(to slice its new tokens and copy its block list); every per-token array is computed by numpy.
-Must be called after `Scheduler.schedule()` and before `Scheduler.update()`, while
-`num_computed_tokens` still says where each sequence's new tokens start.
+(to take its new tokens and its block list; both are copied by numpy through one iterator, never
+element by element); every per-token array is computed by numpy. Must be called after
+`Scheduler.schedule()`, whose output says where each sequence's new tokens start.
+
+A decode whose token is still being sampled by the step in flight (asynchronous scheduling) gets
+the input id `-1 - row`: every rank replaces it on the device with that step's sampled token of
+row `row` (`rank_worker.input_prep`).
 """
 
 from __future__ import annotations
+
+from itertools import chain
 
 import numpy as np
 
@@ -19,7 +25,7 @@ def build_step_plan(out: SchedulerOutput, block_size: int, step_id: int) -> Step
     seqs = out.scheduled
     num_seqs = len(seqs)
     num_new = np.asarray(out.num_scheduled_tokens, dtype=np.int32)  # [B]
-    start = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int32, count=num_seqs)
+    start = np.asarray(out.starts, dtype=np.int32)  # [B]
 
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)  # [B+1]
     np.cumsum(num_new, out=query_start_loc[1:])
@@ -34,19 +40,22 @@ def build_step_plan(out: SchedulerOutput, block_size: int, step_id: int) -> Step
         + start[seq_of_token]
     )  # [T]
 
-    input_ids = np.empty(num_tokens, dtype=np.int32)  # [T]
-    for i, seq in enumerate(seqs):
-        lo, hi = query_start_loc[i], query_start_loc[i + 1]
-        if hi - lo == 1:
-            input_ids[lo] = seq.token_ids[start[i]]
-        else:
-            input_ids[lo:hi] = seq.token_ids[start[i] : start[i] + (hi - lo)]
+    new_tokens = [
+        seq.token_ids[s : s + n] if row < 0 else (-1 - row,)
+        for seq, s, n, row in zip(
+            seqs, out.starts, out.num_scheduled_tokens, out.input_rows, strict=True
+        )
+    ]
+    input_ids = np.fromiter(chain.from_iterable(new_tokens), dtype=np.int32, count=num_tokens)
 
-    width = max((len(s.block_table) for s in seqs), default=0)
+    tables = [seq.block_table for seq in seqs]
+    table_lens = np.fromiter(map(len, tables), dtype=np.int32, count=num_seqs)  # [B]
+    width = int(table_lens.max()) if num_seqs else 0
     block_table = np.zeros((num_seqs, width), dtype=np.int32)  # [B, W]
-    for i, seq in enumerate(seqs):
-        block_table[i, : len(seq.block_table)] = seq.block_table
-
+    # Row-major boolean assignment: each row's leading entries, in sequence order.
+    block_table[np.arange(width) < table_lens[:, None]] = np.fromiter(
+        chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum())
+    )
     slot_mapping = (
         block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
     ).astype(np.int32)  # [T]

@@ -71,9 +71,9 @@ class SamplingBatchBuilder:
         sort_rows = [i for i in random_rows if 0 < params[i].top_k < vocab or params[i].top_p < 1.0]
         if sort_rows:
             out["top_k_top_p_rows"] = self._ints(sort_rows)
-            out["top_k"] = self._ints(
-                [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in sort_rows]
-            )
+            top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in sort_rows]
+            out["top_k"] = self._ints(top_k)
+            out["max_top_k"] = max(top_k)
             if any(params[i].top_p < 1.0 for i in sort_rows):
                 out["top_p"] = self._floats([params[i].top_p for i in sort_rows])
         min_p_rows = [i for i in random_rows if params[i].min_p > 0.0]
@@ -143,10 +143,19 @@ class SamplingBatchBuilder:
         arr = np.full((len(id_lists), max(width, 1)), self.vocab_size, dtype=np.int64)
         for row, ids in enumerate(id_lists):
             arr[row, : len(ids)] = ids
-        return torch.from_numpy(arr).to(self.device)
+        return self._to_device(torch.from_numpy(arr))
 
     def _ints(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device)
+        return self._to_device(torch.tensor(values, dtype=torch.int64))
 
     def _floats(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(self.device)
+        return self._to_device(torch.tensor(values, dtype=torch.float32))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without waiting for the GPU: a copy from pageable memory
+        would synchronise the stream, i.e. wait for the forward pass that rank 0 overlaps with
+        scheduling. Pinned blocks come from torch's caching host allocator, which keeps each
+        one until its copy has completed."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)

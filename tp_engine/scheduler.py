@@ -17,6 +17,13 @@ fit is refused by `add`, so every admitted sequence can always make progress: no
 `update()` takes the sampled token of every sequence that finished its uncomputed tokens this
 step, advances the token accounting, registers newly full blocks in the prefix cache and
 finishes sequences on EOS, a stop token id, max_tokens or max_model_len.
+
+Asynchronous scheduling calls `schedule()` for step t+1 before `update()` of step t: a sequence
+sampled in step t then decodes a placeholder (its token is read on the device from step t's
+sampled row, `SchedulerOutput.input_rows`). A sequence whose placeholder is sure to be its last
+token (max_tokens, max_model_len) is not scheduled again; one that stops on EOS or a stop token
+has its extra row discarded by the next `update()`. Since every rank runs the steps in order, a
+block freed while a step still writes to it is only reused by later steps.
 """
 
 from __future__ import annotations
@@ -46,23 +53,42 @@ class SchedulerOutput:
     samples: list[bool] = field(default_factory=list)
     # Sequences sent back to the waiting queue by this step.
     preempted: list[Sequence] = field(default_factory=list)
+    # Position of each sequence's first scheduled token.
+    starts: list[int] = field(default_factory=list)
+    # For a sequence whose first scheduled token is a placeholder (asynchronous scheduling):
+    # that token's row among the sampled rows of the step in flight; -1 when the token is known.
+    input_rows: list[int] = field(default_factory=list)
+    num_samples: int = 0
+    # Sequences that decode (one token after their prompt) in this step.
+    num_decodes: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
     @property
-    def num_samples(self) -> int:
-        return sum(self.samples)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
     def _add(self, seq: Sequence, num_tokens: int) -> None:
+        start = seq.num_scheduled_end
+        samples = num_tokens == seq.num_uncomputed_tokens
+        input_row = -1
+        if start >= seq.num_tokens:  # a placeholder: the sample of the step in flight
+            assert num_tokens == 1 and seq.sample_row >= 0, seq
+            input_row = seq.sample_row
         self.scheduled.append(seq)
         self.num_scheduled_tokens.append(num_tokens)
-        self.samples.append(seq.num_computed_tokens + num_tokens == seq.num_tokens)
+        self.samples.append(samples)
+        self.starts.append(start)
+        self.input_rows.append(input_row)
+        if num_tokens == 1 and start >= seq.num_prompt_tokens:
+            self.num_decodes += 1
+        seq.num_inflight_tokens += num_tokens
+        if samples:
+            seq.num_placeholders += 1
+            seq.sample_row = self.num_samples
+            self.num_samples += 1
 
 
 class Scheduler:
@@ -172,6 +198,8 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if seq.num_placeholders and self._ends_by_length(seq):
+                continue  # its token in flight is its last
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_tokens):
                 victim = self._pick_victim(in_step)
@@ -213,11 +241,20 @@ class Scheduler:
                 return seq
         raise AssertionError("unreachable: the sequence asking for blocks is itself a candidate")
 
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the sample in flight is sure to end `seq` (max_tokens or max_model_len)."""
+        num_output = seq.num_output_tokens + seq.num_placeholders
+        max_tokens = seq.sampling_params.max_tokens
+        return (max_tokens is not None and num_output >= max_tokens) or (
+            seq.num_tokens + seq.num_placeholders >= self.max_model_len
+        )
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
+        # A step in flight may still compute for it; `update` discards that (not RUNNING).
+        seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_placeholders = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         # Back to the front: preempted work resumes before new requests, oldest first.
@@ -238,11 +275,15 @@ class Scheduler:
         ):
             token_id = next(sampled) if samples else None
             if seq.status != SequenceStatus.RUNNING:
-                continue  # aborted between schedule() and update(); its blocks are gone
+                # Aborted, preempted, or finished by an earlier update while this step was in
+                # flight (asynchronous scheduling): its row is discarded.
+                continue
             seq.num_computed_tokens += num_tokens
+            seq.num_inflight_tokens -= num_tokens
             bm.commit_computed_blocks(seq)
             if token_id is None:
                 continue
+            seq.num_placeholders -= 1
             seq.append_token(int(token_id))
             status = self._stop_status(seq, int(token_id))
             if status is not None:

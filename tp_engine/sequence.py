@@ -11,6 +11,13 @@ A sequence needs `num_tokens - num_computed_tokens` more tokens computed. During
 the rest of the prompt (possibly in chunks); while decoding it is exactly one (the token sampled
 last step). Once a step computes the last token, its logits are sampled and one token is appended.
 
+Between `Scheduler.schedule()` and `Scheduler.update()` a step is in flight: its tokens count in
+`num_inflight_tokens` and, if it samples, the unknown token it will produce in
+`num_placeholders`. With asynchronous scheduling the next step is scheduled while one is in
+flight, so the scheduler plans with `num_tokens + num_placeholders` tokens of which
+`num_computed_tokens + num_inflight_tokens` are taken care of; a decode whose token is still a
+placeholder reads it on the device from the in-flight step's sampled row `sample_row`.
+
 Status machine:
 
     WAITING ──admit──► RUNNING ──finish──► FINISHED_{STOPPED, LENGTH_CAPPED, ABORTED}
@@ -96,6 +103,12 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens scheduled in steps not yet applied by `Scheduler.update`, and the samples those
+        # steps will append (see the module docstring).
+        self.num_inflight_tokens = 0
+        self.num_placeholders = 0
+        # Row of this sequence's sample among the sampled rows of the last step it sampled in.
+        self.sample_row = -1
         # Tokens of the prompt found in the prefix cache at the last admission (for metrics).
         self.num_cached_tokens = 0
         # Physical KV block ids, one per logical block, owned by the BlockManager's bookkeeping.
@@ -147,8 +160,14 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens still to compute before the next sample: the prompt's rest, or 1 in decode."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens still to schedule before the next sample: the prompt's rest, or 1 in decode
+        (counting in-flight steps: their tokens as scheduled, their samples as tokens)."""
+        return (
+            len(self.token_ids)
+            + self.num_placeholders
+            - self.num_computed_tokens
+            - self.num_inflight_tokens
+        )
 
     @property
     def is_prefill(self) -> bool:
@@ -178,6 +197,11 @@ class Sequence:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
+
+    @property
+    def num_scheduled_end(self) -> int:
+        """Where the next scheduled token starts: computed plus in-flight tokens."""
+        return self.num_computed_tokens + self.num_inflight_tokens
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

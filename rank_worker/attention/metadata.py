@@ -57,9 +57,9 @@ class AttentionMetadata:
         n = int(not_one[0]) if not_one.size else self.num_seqs
         rebased = None
         if 0 < n < self.num_seqs:
-            # Decode rows are one token each, so the prefill rows start at token n.
-            host = self.query_start_loc_host[n:] - n
-            rebased = torch.from_numpy(host).to(self.query_start_loc.device)
+            # Decode rows are one token each, so the prefill rows start at token n. Computed
+            # on the device: no host-to-device copy of its own.
+            rebased = self.query_start_loc[n:] - n
         object.__setattr__(self, "num_leading_decodes", n)
         object.__setattr__(self, "prefill_query_start_loc", rebased)
 

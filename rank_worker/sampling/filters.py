@@ -27,14 +27,19 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor | None,
+    max_k: int | None = None,
 ) -> torch.Tensor:
-    """`logits [S, V]`, `top_k [S]` (V = off), `top_p [S]` (1 = off) or None for no top-p."""
+    """`logits [S, V]`, `top_k [S]` (V = off), `top_p [S]` (1 = off) or None for no top-p;
+    `max_k`: `top_k.max()` when the caller knows it (reading it from a GPU waits for the GPU)."""
     vocab_size = logits.shape[-1]
     if top_p is None:
         # Top-k alone needs only each row's k-th value: one topk of the largest k in the batch
         # instead of a sort over the whole vocabulary.
-        max_k = int(top_k.max())
+        if max_k is None:
+            max_k = int(top_k.max())
         if max_k >= vocab_size:
             values = logits.sort(dim=-1, descending=True).values
         else:

@@ -48,8 +48,10 @@ class SamplingMetadata:
     temperature: torch.Tensor | None = None
     # Rows (non-greedy) with top-k or top-p on; only these are sorted. [S] int64 indices.
     top_k_top_p_rows: torch.Tensor | None = None
-    # [S] int64: top-k of those rows, V where off.
+    # [S] int64: top-k of those rows, V where off; and its largest value, known on the host so
+    # that the top-k-only path never reads it back from the device.
     top_k: torch.Tensor | None = None
+    max_top_k: int | None = None
     # [S] fp32: top-p of those rows, 1.0 where off; None when no row has top-p (the top-k-only
     # path uses one `topk` instead of a full sort).
     top_p: torch.Tensor | None = None

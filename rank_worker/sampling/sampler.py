@@ -95,5 +95,5 @@ def _scaled_and_truncated(logits: torch.Tensor, md: SamplingMetadata) -> torch.T
     if md.top_k_top_p_rows is not None:
         assert md.top_k is not None
         rows = md.top_k_top_p_rows
-        logits[rows] = apply_top_k_top_p(logits[rows], md.top_k, md.top_p)
+        logits[rows] = apply_top_k_top_p(logits[rows], md.top_k, md.top_p, md.max_top_k)
     return logits

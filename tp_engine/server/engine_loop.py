@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tp_engine.engine import EngineDeadError, LLMEngine
+from tp_engine.failures import diagnose_stall
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from tp_engine.server.ipc import EnginePipes
@@ -320,10 +321,13 @@ class EngineLoop:
     def _on_stall(self, stalled_for: float) -> None:
         """From the watchdog thread, while the loop is stuck in a step: declare the engine
         dead, let health checks see it, stop the API process and end this process."""
+        # A rank that raised or died can leave the others blocked in a collective that never
+        # breaks (gloo between survivors): then the workers' reports name it.
+        cause = diagnose_stall(self.engine)
         message = (
             f"no engine step completed for {stalled_for:.1f} s while requests were queued "
             f"(limit {self.options.iteration_timeout_s:g} s, rank 0 at step "
-            f"{self.engine.step_id}); a rank is hung"
+            f"{self.engine.step_id}); " + (str(cause) if cause is not None else "a rank is hung")
         )
         logger.error("watchdog: %s", message)
         self.pipes.send(Dead(message))

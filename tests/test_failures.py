@@ -1,0 +1,53 @@
+"""Root-cause diagnosis on rank 0 from the workers' reports and deaths (no processes).
+
+`FailureGuard` (a step that raised) and `diagnose_stall` (the server's watchdog, while rank 0 is
+stuck in a collective) must blame the rank that failed first, never a survivor whose collective
+merely broke because of it.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from shm_ipc.error_channel import WorkerErrorReport
+from tp_engine.failures import diagnose_stall
+
+
+class FakeChannel:
+    def __init__(self, reports: list[WorkerErrorReport], dead: list[int]) -> None:
+        self.reports, self.dead = reports, dead
+        self.handle = SimpleNamespace(num_readers=3)
+
+    def poll_errors(self) -> list[WorkerErrorReport]:
+        reports, self.reports = self.reports, []
+        return reports
+
+    def dead_readers(self) -> list[int]:
+        return self.dead
+
+
+def report(rank: int, message: str, type_: str = "RuntimeError") -> WorkerErrorReport:
+    return WorkerErrorReport(rank=rank, step_id=8, type=type_, message=message, traceback="")
+
+
+def engine_with(reports: list[WorkerErrorReport], dead: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(channel=FakeChannel(reports, dead), step_id=9)
+
+
+def test_stall_blames_the_rank_that_raised_not_the_one_whose_collective_broke():
+    peer_loss = report(1, "[gloo] Connection closed by peer [127.0.0.1]:1234")
+    raised = report(2, "injected fault on rank 2 at step 8", "InjectedFault")
+    cause = diagnose_stall(engine_with([peer_loss, raised], dead=[1, 2]))
+    assert cause is not None and cause.rank == 2 and cause.step_id == 8
+    assert "injected fault on rank 2 at step 8" in str(cause)
+
+
+def test_stall_blames_a_rank_that_died_silently():
+    peer_loss = report(1, "Connection reset by peer")
+    cause = diagnose_stall(engine_with([peer_loss], dead=[1, 3]))
+    assert cause is not None and cause.rank == 3 and "without reporting an error" in str(cause)
+
+
+def test_stall_with_every_worker_silent_and_alive_is_a_hang():
+    assert diagnose_stall(engine_with([], dead=[])) is None
+    assert diagnose_stall(SimpleNamespace(channel=None, step_id=3)) is None

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 import weakref
 
 import xxhash
 import zmq
 
-from shm_ipc.channel import CHECK_INTERVAL_S, DOORBELL, DoorbellKind
+from shm_ipc.channel import CHECK_INTERVAL_S, DOORBELL, DoorbellKind, term_context
 from shm_ipc.error_channel import BackChannelReader, ReaderHello, WorkerErrorReport
 from shm_ipc.errors import ChannelError, ChannelTimeout, ReaderDiedError, WorkerError
 from shm_ipc.handle import ChannelHandle, RunNames, remove_names
@@ -107,6 +108,7 @@ class PlanBroadcaster:
         )
         self._watches: dict[int, ProcessWatch] = {}  # rank -> its process, from its hello
         self._errors: list[WorkerErrorReport] = []  # reports not yet returned or raised
+        self._back_lock = threading.RLock()
         self._next_seq = 1
         self._slot_steps: list[int | None] = [None] * num_slots  # step last written per slot
 
@@ -190,9 +192,11 @@ class PlanBroadcaster:
         self._next_seq = seq + 1
 
     def poll_errors(self) -> list[WorkerErrorReport]:
-        """Error reports from workers that arrived since the last call; never blocks."""
-        self._drain_back_channel()
-        errors, self._errors = self._errors, []
+        """Error reports from workers that arrived since the last call; never blocks. Safe to
+        call from another thread (the server's watchdog) while the owner thread publishes."""
+        with self._back_lock:
+            self._drain_back_channel()
+            errors, self._errors = self._errors, []
         return errors
 
     def dead_readers(self) -> list[int]:
@@ -255,11 +259,13 @@ class PlanBroadcaster:
         )
 
     def _drain_back_channel(self, timeout_s: float = 0.0) -> None:
-        for msg in self._live_back().poll(timeout_s):
-            if isinstance(msg, ReaderHello):
-                self._register(msg)
-            else:
-                self._errors.append(msg)
+        # A zmq socket is not thread-safe: one reader at a time (re-entrant for poll_errors).
+        with self._back_lock:
+            for msg in self._live_back().poll(timeout_s):
+                if isinstance(msg, ReaderHello):
+                    self._register(msg)
+                else:
+                    self._errors.append(msg)
 
     def _register(self, hello: ReaderHello) -> None:
         n = self.handle.num_readers
@@ -312,7 +318,7 @@ class PlanBroadcaster:
         if self._back is not None:
             self._back.close()
         if self._ctx is not None:
-            self._ctx.term()
+            term_context(self._ctx, "rank 0 plan channel")
         if self._ring is not None:
             self._ring.close()
         self._remove_names()

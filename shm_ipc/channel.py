@@ -50,7 +50,13 @@ side tells a dead peer from a slow one.
 from __future__ import annotations
 
 import enum
+import logging
 import struct
+import threading
+
+import zmq
+
+logger = logging.getLogger(__name__)
 
 DOORBELL = struct.Struct("<BQ")  # kind, seq
 # How often a waiting side checks its peers' pids and the back channel. Short enough that a dead
@@ -58,8 +64,26 @@ DOORBELL = struct.Struct("<BQ")  # kind, seq
 CHECK_INTERVAL_S = 0.1
 # A worker waiting for a plan is normally idle, not stuck, so it checks less often.
 OWNER_CHECK_INTERVAL_S = 0.5
+# The longest `term_context` waits for a ZeroMQ context to terminate.
+_TERM_TIMEOUT_S = 5.0
 
 
 class DoorbellKind(enum.IntEnum):
     PLAN = 1  # message `seq` is ready in slot (seq - 1) % num_slots
     CLOSE = 2  # rank 0 closed the channel; no more messages will come
+
+
+def term_context(ctx: zmq.Context, what: str, timeout_s: float = _TERM_TIMEOUT_S) -> None:
+    """`ctx.term()`, bounded: call after closing every socket of `ctx` (each with a finite
+    linger). libzmq's term has been seen to block for good on a loaded machine even then, and a
+    run must never hang on shutdown: after `timeout_s` the context is left to the process's
+    exit (its socket files are removed with the run directory either way)."""
+    done = threading.Event()
+
+    def term() -> None:
+        ctx.term()
+        done.set()
+
+    threading.Thread(target=term, name=f"zmq-term-{what}", daemon=True).start()
+    if not done.wait(timeout_s):
+        logger.warning("%s: zmq context did not terminate in %.1f s; leaving it", what, timeout_s)

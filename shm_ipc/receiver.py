@@ -17,7 +17,7 @@ import time
 import xxhash
 import zmq
 
-from shm_ipc.channel import DOORBELL, OWNER_CHECK_INTERVAL_S, DoorbellKind
+from shm_ipc.channel import DOORBELL, OWNER_CHECK_INTERVAL_S, DoorbellKind, term_context
 from shm_ipc.error_channel import BackChannelWriter, ReaderHello, WorkerErrorReport
 from shm_ipc.errors import (
     ChannelClosed,
@@ -216,7 +216,7 @@ class PlanReceiver:
         if self._back is not None:
             self._back.close()
         if self._ctx is not None:
-            self._ctx.term()
+            term_context(self._ctx, "plan receiver")
         if self._ring is not None:
             self._ring.close()
 

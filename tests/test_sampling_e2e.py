@@ -216,6 +216,55 @@ def test_seeded_request_is_independent_of_its_batch(llm):
     check_integrity(llm)
 
 
+def test_seeded_requests_survive_preemption(llm):
+    # A 12-block pool (48 slots) for 6 sequences of up to 12 + 16 tokens: they preempt each
+    # other, with asynchronous scheduling also while their draw is in flight (that draw is
+    # discarded and the generator put back). A seeded request must not notice either way.
+    prompts = [prompt_of(12, 50 + i) for i in range(6)]
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=16, ignore_eos=True)
+        for i in range(6)
+    ]
+    llm.engine.reconfigure()
+    roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.engine.reconfigure(num_kv_blocks=12)
+    tight = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert tight == roomy
+    check_integrity(llm)
+
+
+def test_an_exception_mid_step_loses_nothing(llm, monkeypatch):
+    # Ctrl-C inside a step (with asynchronous scheduling: while another step is in flight).
+    # The steps whose tokens were never applied are undone, so a caller that keeps stepping
+    # gets exactly the outputs of an undisturbed run.
+    engine = llm.engine
+    engine.reconfigure()
+    prompts = [prompt_of(n, 60 + n) for n in (3, 9, 14)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
+    build = engine.sampling.build
+    calls = 0
+
+    def failing_build(seqs):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return build(seqs)
+
+    monkeypatch.setattr(engine.sampling, "build", failing_build)
+    seqs = [engine.add_request(f"x{i}", p, greedy(6)) for i, p in enumerate(prompts)]
+    interrupted = False
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except KeyboardInterrupt:
+            interrupted = True
+    assert interrupted
+    assert [seq.output_token_ids for seq in seqs] == expected
+    check_integrity(llm)
+
+
 # -- n > 1 --------------------------------------------------------------------------------------
 
 
@@ -241,7 +290,8 @@ def test_n_samples_share_the_prompt_blocks(llm):
 def test_n_samples_can_be_aborted_while_held(llm):
     engine = llm.engine
     engine.reconfigure()
-    seqs = engine.add_request_group("held", prompt_of(9, 9), SamplingParams(n=3, max_tokens=2))
+    params = SamplingParams(n=3, max_tokens=2, ignore_eos=True)  # "length" whatever is drawn
+    seqs = engine.add_request_group("held", prompt_of(9, 9), params)
     assert [s.request_id for s in seqs] == ["0_held", "1_held", "2_held"]
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request_group("held", [1, 2], SamplingParams(n=2))

@@ -43,7 +43,7 @@ from rank_worker.faults import maybe_inject
 from rank_worker.model_runner import ModelRunner, load_hf_config
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.sampler import MAX_NUM_LOGPROBS
-from rank_worker.sampling import sample_batch
+from rank_worker.sampling import LogprobsTensors, sample_batch
 from rank_worker.tp import TPInfo, broadcast_bytes, broadcast_tensor
 from rank_worker.worker import Bootstrap, default_device, placeholder_rows
 from shm_ipc import (
@@ -58,6 +58,7 @@ from tp_engine.generation_config import eos_token_ids, sampling_defaults
 from tp_engine.logprobs import (
     PromptLogprobRows,
     prompt_logprob_rows,
+    prompt_logprob_tensors,
     record_prompt_logprobs,
     record_sample_logprobs,
 )
@@ -67,6 +68,7 @@ from tp_engine.sampling_params import SamplingParams
 from tp_engine.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from tp_engine.sequence import Sequence, SequenceStatus
 from tp_engine.step_timeline import StepTimeline, gpu_phase_or_null, phase_or_null
+from tp_engine.transfers import HostCopies
 
 logger = logging.getLogger(__name__)
 
@@ -93,16 +95,22 @@ class _LaunchedStep:
 
     step_id: int
     out: SchedulerOutput
-    logits: torch.Tensor  # [B' + prompt-logprob rows, V] on rank 0's device
+    # [B' + prompt-logprob rows, V] on rank 0's device; dropped once sampling is queued.
+    logits: torch.Tensor | None
     prompt_rows: list[PromptLogprobRows]
-    # The sequences it samples, in row order, and what sampling queued for them on the device.
+    # The sequences it samples, in row order.
     sampling: list[Sequence] = dataclasses.field(default_factory=list)
-    token_ids: torch.Tensor | None = None  # [B'] int64
-    logprobs: Any = None  # LogprobsTensors of the rows in `logprob_seqs`
+    # Sampled ids on the device ([B'] int64, read by the next step's placeholders), and what
+    # `_complete` reads on the host once `host.wait()` returns.
+    token_ids: torch.Tensor | None = None
+    host: HostCopies | None = None
+    host_token_ids: torch.Tensor | None = None
+    logprobs: LogprobsTensors | None = None  # of the rows in `logprob_seqs`
     logprob_seqs: list[Sequence] = dataclasses.field(default_factory=list)
-
-
-_EMPTY = StepResult([], [], 0, 0)
+    prompt_logprobs: LogprobsTensors | None = None  # of `prompt_rows`
+    # Seeded sequences' generator states before this step's draw, to undo a discarded draw.
+    generator_states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    applied: bool = False  # Scheduler.update has taken its tokens
 
 
 def runner_config_for(config: EngineConfig) -> RunnerConfig:
@@ -299,17 +307,26 @@ class LLMEngine:
         if self._held:
             self._release_held()
         launched = self._launch()
-        if not self.async_scheduling:
-            if launched is None:
-                return _EMPTY
-            self._sample(launched)
-            return self._complete(launched)
-        previous, self._in_flight = self._in_flight, launched
-        result = self._complete(previous) if previous is not None else _EMPTY
-        if launched is not None:
-            # After `_complete`: penalties and min_tokens see the tokens it appended.
-            self._sample(launched)
-        return result
+        previous, self._in_flight = self._in_flight, None
+        try:
+            if not self.async_scheduling:
+                assert previous is None  # `reconfigure` retires a step left in flight
+                if launched is None:
+                    return StepResult([], [], 0, 0)
+                self._sample(launched)
+                return self._complete(launched)
+            result = StepResult([], [], 0, 0) if previous is None else self._complete(previous)
+            if launched is not None:
+                # After `_complete`: penalties and min_tokens see the tokens it appended.
+                self._sample(launched)
+                self._in_flight = launched
+            return result
+        except BaseException:
+            # Steps whose tokens will never be applied: their sequences compute them again.
+            for step in (previous, launched):
+                if step is not None and not step.applied:
+                    self._discard(step.out)
+            raise
 
     def _launch(self) -> _LaunchedStep | None:
         """Schedule a step, send its plan to every rank and start the forward pass."""
@@ -328,6 +345,15 @@ class LLMEngine:
                     plan, logits_indices=np.concatenate([plan.logits_indices, extra])
                 )
         self.step_id += 1
+        try:
+            logits = self._run_forward(plan, step_id)
+        except BaseException:
+            self._discard(out)
+            raise
+        return _LaunchedStep(step_id, out, logits, prompt_rows)
+
+    def _run_forward(self, plan: StepPlan, step_id: int) -> torch.Tensor:
+        """Send `plan` to the other ranks and run rank 0's forward pass over it."""
         with self._failures_named(f"step {step_id}"):
             last_sampled = self._placeholder_tokens(plan)
             if self.channel is not None:
@@ -342,7 +368,7 @@ class LLMEngine:
             with self._phase("forward", step_id), self._gpu_phase("gpu_forward", step_id):
                 logits = self.runner.execute(plan, last_sampled=last_sampled)
         assert logits is not None  # rank 0 always gets the gathered logits
-        return _LaunchedStep(step_id, out, logits, prompt_rows)
+        return logits
 
     def _placeholder_tokens(self, plan: StepPlan) -> torch.Tensor | None:
         """The in-flight step's sampled ids that `plan`'s placeholder inputs read, or None."""
@@ -354,37 +380,73 @@ class LLMEngine:
         return in_flight.token_ids[:num_rows]
 
     def _sample(self, step: _LaunchedStep) -> None:
-        """Queue sampling of one token per sampling sequence of `step` (no host sync)."""
+        """Queue sampling of one token per sampling sequence of `step`, the logprobs it asked
+        for, and their copies to the host; nothing here waits for the GPU."""
         out = step.out
         step.sampling = [seq for seq, s in zip(out.scheduled, out.samples, strict=True) if s]
-        if not step.sampling:
-            return
+        num_sampled = len(step.sampling)
+        logits, step.logits = step.logits, None  # not kept alive past this step's sampling
+        assert logits is not None
+        host = step.host = HostCopies(logits.device)
         with self._phase("sample", step.step_id):
-            batch = self.sampling.build(step.sampling)
-            logits = step.logits[: len(step.sampling)]
-            result = sample_batch(logits, batch.metadata, self.sampling.generator)
-        step.token_ids = result.token_ids
-        step.logprobs = result.logprobs
-        step.logprob_seqs = [step.sampling[i] for i in batch.logprob_rows]
+            if step.sampling:
+                batch = self.sampling.build(step.sampling)
+                step.generator_states = {
+                    id(seq): seq.generator.get_state()
+                    for seq in step.sampling
+                    if seq.generator is not None
+                }
+                result = sample_batch(logits[:num_sampled], batch.metadata, self.sampling.generator)
+                step.token_ids = result.token_ids
+                step.host_token_ids = host.copy(result.token_ids)
+                if result.logprobs is not None:
+                    step.logprobs = host.copy_fields(result.logprobs)
+                    step.logprob_seqs = [step.sampling[i] for i in batch.logprob_rows]
+            if step.prompt_rows:
+                tensors = prompt_logprob_tensors(logits[num_sampled:], step.prompt_rows)
+                step.prompt_logprobs = host.copy_fields(tensors)
+            host.record()
 
     def _complete(self, step: _LaunchedStep) -> StepResult:
         """Wait for `step`'s tokens and apply them: outputs, logprobs, Scheduler.update.
 
         A sequence that stopped being RUNNING since `step` was scheduled (aborted, preempted or
-        already finished) gets nothing from it.
+        already finished) gets nothing from it; a preempted one's seeded generator is put back
+        to where it was before the discarded draw, as if the draw had never happened.
         """
         out = step.out
         with self._phase("update", step.step_id):
-            tokens = [] if step.token_ids is None else step.token_ids.tolist()
+            if step.host is not None:
+                with self._failures_named(f"step {step.step_id}"):
+                    step.host.wait()  # a failure of the step on the GPU surfaces here
+            tokens = [] if step.host_token_ids is None else step.host_token_ids.tolist()
             if step.logprobs is not None:
                 record_sample_logprobs(step.logprob_seqs, step.logprobs)
-            if step.prompt_rows:
-                record_prompt_logprobs(step.logits[len(step.sampling) :], step.prompt_rows)
-            sampled = [seq for seq in step.sampling if seq.status == SequenceStatus.RUNNING]
+            if step.prompt_logprobs is not None:
+                record_prompt_logprobs(step.prompt_logprobs, step.prompt_rows)
+            sampled = []
+            for seq in step.sampling:
+                if seq.status == SequenceStatus.RUNNING:
+                    sampled.append(seq)
+                elif seq.status == SequenceStatus.WAITING and id(seq) in step.generator_states:
+                    assert seq.generator is not None
+                    seq.generator.set_state(step.generator_states[id(seq)])
+            step.applied = True
             finished = self.scheduler.update(out, tokens)
         return StepResult(
             finished, sampled, out.num_batched_tokens - out.num_decodes, out.num_decodes
         )
+
+    def _discard(self, out: SchedulerOutput) -> None:
+        """Undo the in-flight accounting of a scheduled step whose tokens will never be
+        applied (an exception, or Ctrl-C, between scheduling and update): its sequences
+        compute those tokens again."""
+        for seq, num_tokens, samples in zip(
+            out.scheduled, out.num_scheduled_tokens, out.samples, strict=True
+        ):
+            if seq.status == SequenceStatus.RUNNING:
+                seq.num_inflight_tokens -= num_tokens
+                seq.num_placeholders -= samples
 
     def _phase(self, name: str, step_id: int) -> Any:
         return phase_or_null(self.timeline, name, step_id)

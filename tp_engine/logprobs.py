@@ -18,6 +18,7 @@ import torch
 from rank_worker.sampling import LogprobsTensors, compute_logprobs
 from tp_engine.scheduler import SchedulerOutput
 from tp_engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from tp_engine.transfers import to_device_async
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,20 @@ def prompt_logprob_rows(
     return found
 
 
-def record_prompt_logprobs(logits: torch.Tensor, found: list[PromptLogprobRows]) -> None:
-    """`logits [R, V]`: the extra rows of `found`, in order."""
+def prompt_logprob_tensors(logits: torch.Tensor, found: list[PromptLogprobRows]) -> LogprobsTensors:
+    """`logits [R, V]`: the extra rows of `found`, in order -> their logprobs, on the device
+    (queued without waiting for the GPU)."""
     targets = torch.tensor([t for f in found for t in f.targets], dtype=torch.int64)
+    max_num = max(f.seq.sampling_params.prompt_logprobs or 0 for f in found)
+    return compute_logprobs(
+        logits, to_device_async(targets, logits.device), min(max_num, logits.shape[-1])
+    )
+
+
+def record_prompt_logprobs(tensors: LogprobsTensors, found: list[PromptLogprobRows]) -> None:
+    """Append the entries of `prompt_logprob_tensors(..., found)` (host tensors) to the
+    sequences."""
     nums = [f.seq.sampling_params.prompt_logprobs or 0 for f in found]
-    tensors = compute_logprobs(logits, targets.to(logits.device), min(max(nums), logits.shape[-1]))
     entries = _entries(tensors, [n for f, n in zip(found, nums, strict=True) for _ in f.targets])
     offset = 0
     for f in found:

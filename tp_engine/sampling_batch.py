@@ -19,6 +19,7 @@ import torch
 
 from rank_worker.sampling import GREEDY_EPSILON, PenaltyTensors, SamplingMetadata
 from tp_engine.sequence import Sequence
+from tp_engine.transfers import to_device_async
 
 _SEED_MASK = (1 << 64) - 1
 
@@ -152,10 +153,5 @@ class SamplingBatchBuilder:
         return self._to_device(torch.tensor(values, dtype=torch.float32))
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device without waiting for the GPU: a copy from pageable memory
-        would synchronise the stream, i.e. wait for the forward pass that rank 0 overlaps with
-        scheduling. Pinned blocks come from torch's caching host allocator, which keeps each
-        one until its copy has completed."""
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        # Never a pageable copy: it would wait for the forward pass rank 0 overlaps with.
+        return to_device_async(host, self.device)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from shm_ipc.channel import term_context
 from tp_engine.server.messages import Message, decode, encode
 
 TO_ENGINE = "to_engine.sock"
@@ -131,7 +132,7 @@ class EnginePipes:
         with self._send_lock:
             self._outbox.close()
         self.inbox.close()
-        self._ctx.term()
+        term_context(self._ctx, "engine pipes")
 
 
 class ApiPipes:
@@ -161,4 +162,4 @@ class ApiPipes:
     def close(self) -> None:
         self._outbox.close()
         self.inbox.close()
-        self._ctx.term()
+        term_context(self._ctx, "API pipes")

@@ -336,6 +336,24 @@ def test_stop_string_spanning_two_tokens(llm):
     assert cases >= 3, "no greedy output had a stop string to build across tokens"
 
 
+def test_stop_strings_are_searched_incrementally(llm, monkeypatch):
+    # Not one full decode of the output per step (quadratic in its length): the text grows
+    # through the incremental detokenizer, with one full decode for the final text.
+    llm.engine.reconfigure()
+    tok = llm.get_tokenizer()
+    decode = tok.decode
+    calls = []
+    monkeypatch.setattr(
+        tok, "decode", lambda ids, **kw: calls.append(len(ids)) or decode(ids, **kw)
+    )
+    prompt = prompt_of(5, 70)
+    out = llm.generate([prompt], greedy(24, stop=["\u2603never\u2603"]), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 24 and out.outputs[0].finish_reason == "length"
+    assert len(calls) <= 2, calls
+    monkeypatch.setattr(tok, "decode", decode)
+    assert out.outputs[0].text == decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
 # -- defaults and chat --------------------------------------------------------------------------
 
 

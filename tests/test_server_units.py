@@ -8,7 +8,7 @@ import random
 import msgpack
 import pytest
 
-from tp_engine.server.detokenizer import IncrementalDetokenizer
+from tp_engine.detokenizer import IncrementalDetokenizer
 from tp_engine.server.errors import APIError
 from tp_engine.server.logprobs import LogprobFormatter
 from tp_engine.server.messages import (

@@ -30,11 +30,11 @@ from rank_worker.launcher import LocalGroup, spawn_local_group
 from rank_worker.tp import destroy_process_group, init_process_group
 from rank_worker.worker import run_worker
 from tp_engine.config import EngineConfig
+from tp_engine.detokenizer import IncrementalDetokenizer
 from tp_engine.engine import EngineDeadError, LLMEngine
 from tp_engine.outputs import CompletionOutput, RequestOutput, logprob_dicts
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.sequence import Sequence, SequenceStatus
-from tp_engine.stop_strings import find_stop_string
 
 PromptType = str | list[int] | dict[str, Any]
 ChatMessage = dict[str, Any]
@@ -215,6 +215,8 @@ class LLM:
     def _run(self, seqs: list[Sequence], use_tqdm: bool) -> dict[str, str]:
         """Step the engine until every sequence finished; returns their final texts by id."""
         texts: dict[str, str] = {}
+        # Sequences with stop strings: their text, built incrementally as tokens arrive.
+        detokenizers: dict[str, IncrementalDetokenizer] = {}
         bar = tqdm(
             total=len(seqs), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
         )
@@ -230,7 +232,8 @@ class LLM:
                 stopped = [
                     seq
                     for seq in result.sampled
-                    if seq.sampling_params.stop and self._apply_stop_strings(seq, texts)
+                    if seq.sampling_params.stop
+                    and self._apply_stop_strings(seq, texts, detokenizers)
                 ]
                 done += [seq for seq in stopped if seq not in done]
                 for seq in done:
@@ -255,29 +258,42 @@ class LLM:
             bar.close()
         return texts
 
-    def _apply_stop_strings(self, seq: Sequence, texts: dict[str, str]) -> bool:
-        """End `seq` if its text now contains a stop string, cutting the text before it.
+    def _apply_stop_strings(
+        self, seq: Sequence, texts: dict[str, str], detokenizers: dict[str, IncrementalDetokenizer]
+    ) -> bool:
+        """Feed `seq`'s new tokens to its incremental detokenizer (no full decode per step);
+        end it if its text now contains a stop string, the text cut before it. Sets the
+        final text of a sequence that finished.
 
         Checked even when the scheduler finished the sequence in this very step (EOS or
         max_tokens on the token that completes a stop string): the stop string still wins.
         """
-        if seq.num_output_tokens < seq.sampling_params.min_tokens:
+        params = seq.sampling_params
+        detok = detokenizers.get(seq.request_id)
+        if detok is None:
+            detok = detokenizers[seq.request_id] = IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                min_tokens=params.min_tokens,
+            )
+        new_ids = seq.output_token_ids[len(detok.token_ids) :]
+        detok.update(new_ids, engine_stopped=_stopped_on_token(seq), finished=seq.is_finished)
+        if detok.finished:
+            texts[seq.request_id] = detok.text
+        if detok.stop_string is None:
             return False
-        text = self._detokenize(seq)
-        hit = find_stop_string(text, seq.sampling_params.stop)
-        if hit is None:
-            return False
-        position, stop = hit
         if not seq.is_finished:
             self.engine.scheduler.finish(seq.request_id, SequenceStatus.FINISHED_STOPPED)
         seq.status = SequenceStatus.FINISHED_STOPPED
-        seq.stop_reason = stop
-        texts[seq.request_id] = text[:position]
+        seq.stop_reason = detok.stop_string
         return True
 
     def _detokenize(self, seq: Sequence) -> str:
+        """The final text: without the EOS or stop token id that ended the sequence (vLLM)."""
+        ids = seq.output_token_ids[:-1] if _stopped_on_token(seq) else seq.output_token_ids
         return self.tokenizer.decode(
-            seq.output_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens
+            ids, skip_special_tokens=seq.sampling_params.skip_special_tokens
         )
 
     def _prompt_ids(self, prompt: PromptType) -> list[int]:
@@ -362,3 +378,8 @@ def _as_params_list(
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling params for {n} prompts")
     return params
+
+
+def _stopped_on_token(seq: Sequence) -> bool:
+    """Whether the engine ended `seq` on EOS or a stop token id (its last token)."""
+    return seq.status == SequenceStatus.FINISHED_STOPPED and not isinstance(seq.stop_reason, str)

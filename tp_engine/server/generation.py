@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tp_engine.detokenizer import IncrementalDetokenizer
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.server.detokenizer import IncrementalDetokenizer
 from tp_engine.server.engine_client import ACCEPTED, EngineClient, EngineDied
 from tp_engine.server.errors import APIError
 from tp_engine.server.messages import Delta, Rejected

@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings for one sequence, in the API process.
+"""Incremental detokenization and stop strings for one sequence (the API process, `LLM.generate`).
 
 Token ids arrive a few at a time; text leaves as deltas. Decoding token by token is wrong for
 byte-level BPE (a character may span tokens, and a lone token decodes to U+FFFD), and decoding

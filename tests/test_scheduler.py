@@ -368,3 +368,18 @@ def test_async_and_sync_scheduling_give_the_same_outputs(async_scheduling):
     Stepper(sched, async_scheduling=async_scheduling).run_to_completion()
     for seq, prompt in zip(seqs, prompts, strict=True):
         assert seq.output_token_ids == expected_output(prompt, 5, 64)
+
+
+def test_async_a_sequence_about_to_end_leaves_its_place_to_a_waiting_one():
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_seqs=1)
+    a = make_seq("a", [5, 6, 7], max_tokens=1)
+    b = make_seq("b", [8, 9], max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    st = Stepper(sched, async_scheduling=True)
+    first, _ = st.step()
+    assert batch(first) == [("a", 3)]
+    second, finished = st.step()  # a's only token is in flight: b starts right away
+    assert batch(second) == [("b", 2)] and finished == [a]
+    st.run_to_completion()
+    assert b.output_token_ids == expected_output([8, 9], 2, 64)

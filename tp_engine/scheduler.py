@@ -193,13 +193,15 @@ class Scheduler:
 
         decodes = [seq for seq in self.running if not seq.is_prefill]
         prefills = [seq for seq in self.running if seq.is_prefill]
+        num_ending = 0  # running, but their token in flight is their last
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             if seq.num_placeholders and self._ends_by_length(seq):
-                continue  # its token in flight is its last
+                num_ending += 1
+                continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_tokens):
                 victim = self._pick_victim(in_step)
@@ -213,12 +215,13 @@ class Scheduler:
                 budget -= num_tokens
 
         if not out.preempted:
-            self._admit(out, budget)
+            # Sequences about to end leave their place in the step to new ones already.
+            self._admit(out, budget, self.max_num_seqs + num_ending)
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, max_running: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < max_running:
             seq = self.waiting[0]
             cached_prefix = bm.find_cached_prefix(seq)
             num_tokens = seq.num_tokens - len(cached_prefix) * bm.block_size

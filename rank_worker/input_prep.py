@@ -51,20 +51,9 @@ import torch
 
 from rank_worker.attention.metadata import AttentionMetadata
 from rank_worker.runner_config import RunnerConfig
-from shm_ipc.step_plan import StepPlan
+from shm_ipc.step_plan import ARRAY_FIELDS, StepPlan
 
 logger = logging.getLogger(__name__)
-
-# Wire order of the plan's arrays, which is also their order in the packed buffer.
-_FIELDS = (
-    "input_ids",
-    "positions",
-    "slot_mapping",
-    "query_start_loc",
-    "seq_lens",
-    "block_table",
-    "logits_indices",
-)
 
 
 # Every segment starts on a 16-byte boundary (4 int32), as a separate allocation would: Triton
@@ -78,7 +67,7 @@ def _aligned(n: int) -> int:
 
 
 def _lengths(num_tokens: int, num_seqs: int, width: int, num_logits: int) -> list[int]:
-    """Elements of each segment, in `_FIELDS` order."""
+    """Elements of each segment, in `ARRAY_FIELDS` order."""
     t, b = num_tokens, num_seqs
     return [t, t, t, b + 1, b, b * width, num_logits]
 
@@ -101,7 +90,7 @@ def _plan_size(plan: StepPlan) -> int:
 def _pack(plan: StepPlan, out: np.ndarray) -> int:
     """Copy the plan's arrays into `out` (int32) at aligned offsets; returns the elements used."""
     start = 0
-    for name in _FIELDS:
+    for name in ARRAY_FIELDS:
         arr = getattr(plan, name)
         out[start : start + arr.size] = arr.reshape(-1)
         start += _aligned(arr.size)
@@ -111,7 +100,7 @@ def _pack(plan: StepPlan, out: np.ndarray) -> int:
 def _unpack(plan: StepPlan, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """Views of a packed plan's segments in `flat`, by field name (block_table flat)."""
     parts, start = {}, 0
-    for name, n in zip(_FIELDS, _plan_lengths(plan), strict=True):
+    for name, n in zip(ARRAY_FIELDS, _plan_lengths(plan), strict=True):
         parts[name] = flat[start : start + n]
         start += _aligned(n)
     return parts

@@ -36,6 +36,16 @@ VERSION = 1
 _HEADER = struct.Struct("<4sHHQIIII")
 HEADER_SIZE = _HEADER.size  # 32 bytes
 _I32 = np.dtype("<i4")
+# The plan's arrays in wire order (see the module docstring).
+ARRAY_FIELDS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "query_start_loc",
+    "seq_lens",
+    "block_table",
+    "logits_indices",
+)
 
 
 class Command(enum.IntEnum):
@@ -230,12 +240,4 @@ class StepPlan:
         )
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        return (
-            self.input_ids,
-            self.positions,
-            self.slot_mapping,
-            self.query_start_loc,
-            self.seq_lens,
-            self.block_table,
-            self.logits_indices,
-        )
+        return tuple(getattr(self, name) for name in ARRAY_FIELDS)

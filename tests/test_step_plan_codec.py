@@ -17,17 +17,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shm_ipc.step_plan import HEADER_SIZE, MAGIC, VERSION, Command, PlanDecodeError, StepPlan
-
-FIELDS = (
-    "input_ids",
-    "positions",
-    "slot_mapping",
-    "query_start_loc",
-    "seq_lens",
-    "block_table",
-    "logits_indices",
+from shm_ipc.step_plan import (
+    ARRAY_FIELDS,
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    Command,
+    PlanDecodeError,
+    StepPlan,
 )
+
+FIELDS = ARRAY_FIELDS
 _HEADER = struct.Struct("<4sHHQIIII")
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

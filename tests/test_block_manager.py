@@ -244,3 +244,22 @@ def test_integrity_check_catches_a_broken_invariant():
     bm.blocks[a.block_table[0]].ref_cnt = 0  # corrupt: ref 0 but not in the queue
     with pytest.raises(AssertionError, match="ref_cnt == 0"):
         bm.check_integrity()
+
+
+def test_a_huge_pool_makes_its_blocks_only_when_used():
+    # A tiny model on a large GPU: millions of blocks. None exists as an object before it is
+    # used, and they are handed out in the same order as from a fully built queue.
+    # (No check_integrity here: it visits, and so makes, every block.)
+    bm = BlockManager(num_blocks=10_000_000, block_size=BS)
+    assert bm.num_free_blocks == 10_000_000 and bm.blocks._made == []
+    a = Sequence("a", list(range(1, 11)))  # 3 blocks
+    assert bm.allocate_slots(a, a.num_tokens, [])
+    assert a.block_table == [0, 1, 2] and len(bm.blocks._made) == 3
+    bm.free(a)  # unhashed: back at the head, ahead of the unused ids
+    b = Sequence("b", list(range(1, 10)))
+    assert bm.allocate_slots(b, b.num_tokens, [])
+    assert b.block_table == [0, 1, 2] and bm.num_free_blocks == 10_000_000 - 3
+    c = Sequence("c", list(range(1, 6)))
+    assert bm.allocate_slots(c, c.num_tokens, [])
+    assert c.block_table == [3, 4] and len(bm.blocks._made) == 5
+    assert bm.usage == 5 / 10_000_000

@@ -11,7 +11,10 @@ Every block is in exactly one state:
 
 Invariant: ref_cnt == 0 <=> the block is in the free queue. The free queue hands out empty
 blocks before cached ones, and cached ones least recently freed first; taking a cached block
-from it evicts its hash entry. A prefix hit on an unreferenced cached block takes it back out of
+from it evicts its hash entry. Blocks never used yet are not queue nodes but a range of ids
+between the empty and the cached ones, and their `KVBlock` objects are made on first use: a
+small model on a large GPU has millions of blocks, which would otherwise cost seconds and a
+gigabyte of Python objects at start-up. A prefix hit on an unreferenced cached block takes it back out of
 the queue ("touch") wherever it is, which is why the queue is a doubly linked list.
 
 Full blocks are registered under a chained hash, hash(i) = xxh3(hash(i - 1), tokens of block i),
@@ -62,10 +65,39 @@ class KVBlock:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
 
 
-class FreeBlockQueue:
-    """Doubly linked list of free blocks with O(1) append, appendleft, popleft and remove."""
+class LazyBlocks:
+    """Every block of the pool, indexed by id; each `KVBlock` is made on first access."""
 
-    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+    def __init__(self, num_blocks: int) -> None:
+        self._num_blocks = num_blocks
+        self._made: list[KVBlock] = []
+
+    def __len__(self) -> int:
+        return self._num_blocks
+
+    def __getitem__(self, block_id: int) -> KVBlock:
+        made = self._made
+        if block_id < len(made):
+            return made[block_id]
+        if not 0 <= block_id < self._num_blocks:
+            raise IndexError(f"block {block_id} is not in a pool of {self._num_blocks}")
+        while len(made) <= block_id:
+            made.append(KVBlock(len(made)))
+        return made[block_id]
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        return (self[block_id] for block_id in range(self._num_blocks))
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) append, appendleft, popleft and remove.
+
+    `fresh`: a pool whose blocks all start free and unused; they are handed out in id order
+    after the empty blocks queued ahead of them and before any cached one, without being
+    linked in until they are used and freed.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock] = (), fresh: LazyBlocks | None = None) -> None:
         # Sentinels at both ends remove every empty-list special case.
         self._head = KVBlock(-1)
         self._tail = KVBlock(-1)
@@ -73,24 +105,40 @@ class FreeBlockQueue:
         self._len = 0
         for block in blocks:
             self.append(block)
+        self._fresh = fresh
+        self._fresh_next = 0
+        self._fresh_end = 0 if fresh is None else len(fresh)
 
     def __len__(self) -> int:
-        return self._len
+        return self._len + self._fresh_end - self._fresh_next
 
     def __iter__(self) -> Iterator[KVBlock]:
+        """Head to tail: empty blocks, the unused ones, then cached ones (LRU first)."""
         node = self._head.next
+        while node is not self._tail and node is not None and node.block_hash is None:
+            yield node
+            node = node.next
+        if self._fresh is not None:
+            for block_id in range(self._fresh_next, self._fresh_end):
+                yield self._fresh[block_id]
         while node is not self._tail:
             assert node is not None
             yield node
             node = node.next
 
     def popleft(self) -> KVBlock:
+        head = self._head.next
+        assert head is not None
+        if (head is self._tail or head.block_hash is not None) and (
+            self._fresh_next < self._fresh_end
+        ):
+            assert self._fresh is not None
+            self._fresh_next += 1
+            return self._fresh[self._fresh_next - 1]
         if self._len == 0:
             raise RuntimeError("no free KV block left (the scheduler should have checked)")
-        block = self._head.next
-        assert block is not None
-        self.remove(block)
-        return block
+        self.remove(head)
+        return head
 
     def append(self, block: KVBlock) -> None:
         self._insert_after(self._tail.prev, block)
@@ -134,8 +182,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._hash_fn = hash_fn
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.blocks = LazyBlocks(num_blocks)
+        self.free_queue = FreeBlockQueue(fresh=self.blocks)
         self.cached: dict[int, KVBlock] = {}
         # Prefix-cache counters in tokens, counted once per successful admission.
         self.prefix_cache_queries = 0

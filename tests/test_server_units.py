@@ -198,3 +198,25 @@ def test_engine_counters_advance_by_their_difference():
     assert value("vllm:num_preemptions_total", labels) == 1
     assert value("vllm:num_requests_running", labels) == 0
     assert value("vllm:kv_cache_usage_perc", labels) == 0
+
+
+def test_waiting_for_the_api_process_stops_when_asked():
+    # Start-up waits for the API process to connect; a stop signal (or its death) must end
+    # the wait at once rather than after the start-up timeout.
+    import time
+
+    from tp_engine.server.ipc import EnginePipes, RunDir
+    from tp_engine.server.messages import Exit
+
+    run_dir = RunDir.create()
+    pipes = EnginePipes(run_dir)
+    try:
+        stop_at = time.monotonic() + 0.2
+        start = time.monotonic()
+        sent = pipes.send_once_connected(
+            Exit(0), keep_waiting=lambda: time.monotonic() < stop_at, timeout_s=300
+        )
+        assert not sent and time.monotonic() - start < 60
+    finally:
+        pipes.close()
+        run_dir.remove()

@@ -109,12 +109,14 @@ class EnginePipes:
         return True
 
     def send_once_connected(
-        self, msg: Message, api_alive: Callable[[], bool], timeout_s: float
+        self, msg: Message, keep_waiting: Callable[[], bool], timeout_s: float
     ) -> bool:
-        """Send `msg` as soon as the API process has connected (it may still be importing)."""
+        """Send `msg` as soon as the API process has connected (it may still be importing).
+        False if it did not within `timeout_s`, or as soon as `keep_waiting()` says to give up
+        (the API process died, or a signal asked the server to stop)."""
         deadline = time.monotonic() + timeout_s
         while not self.send(msg):
-            if not api_alive() or time.monotonic() > deadline:
+            if not keep_waiting() or time.monotonic() > deadline:
                 return False
             time.sleep(0.02)
         return True

@@ -159,10 +159,13 @@ class Rank0Server:
                 api_key=self.args.api_key,
                 tensor_parallel_size=self.tp.size,
             ),
-            api_alive=lambda: api.poll() is None,
+            keep_waiting=lambda: api.poll() is None and self._stop_signal is None,
             timeout_s=_API_READY_TIMEOUT_S,
         )
         if not hello_sent:
+            if self._stop_signal is not None:
+                logger.info("signal %s during start-up: exiting", self._stop_signal)
+                return 0
             logger.error("the API process never connected (exit code %s)", api.poll())
             return EXIT_FAILED
         port = self._wait_for_ready(pipes, api)

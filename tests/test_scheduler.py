@@ -383,3 +383,24 @@ def test_async_a_sequence_about_to_end_leaves_its_place_to_a_waiting_one():
     assert batch(second) == [("b", 2)] and finished == [a]
     st.run_to_completion()
     assert b.output_token_ids == expected_output([8, 9], 2, 64)
+
+
+def test_prompt_logprobs_take_at_most_max_num_seqs_logits_rows_per_step():
+    # Each prompt token computed for prompt logprobs costs a [vocab] logits row: a step takes
+    # at most max_num_seqs (4) of them, so long prompts asking for them go in small chunks.
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=32)
+    a = make_seq("a", list(range(1, 11)), max_tokens=2, prompt_logprobs=1)
+    plain = make_seq("plain", list(range(20, 30)), max_tokens=2)
+    b = make_seq("b", list(range(40, 43)), max_tokens=2, prompt_logprobs=0)
+    for seq in (a, plain, b):
+        sched.add(seq)
+    st = Stepper(sched)
+    out, _ = st.step()
+    assert batch(out) == [("a", 4), ("plain", 10)]  # b would need rows this step lacks
+    out, _ = st.step()
+    assert batch(out) == [("plain", 1), ("a", 4)]
+    out, _ = st.step()
+    assert batch(out) == [("a", 2), ("b", 2)]  # plain is done; b gets the 2 rows left
+    done = st.run_to_completion()
+    assert {s.request_id for s in done} == {"a", "b"} and plain.finish_reason == "length"
+    assert a.output_token_ids == expected_output(list(range(1, 11)), 2, 64)

@@ -4,8 +4,10 @@ sampled and prompt logprobs on the sequences.
 Device tensors (`rank_worker.sampling.LogprobsTensors`) -> one `TokenLogprobs` per position on
 the sequence, copied to the host once per step. Prompt logprobs ask the StepPlan for the logits
 of every prompt position a chunk computes (after the rows that are sampled); each such row adds
-`[1, V]` fp32 logits on rank 0, which the GPU memory measurement does not budget for: a very
-long prompt with prompt_logprobs costs `prompt_len * V * 4` bytes in its step.
+`[1, V]` fp32 logits on rank 0. With chunked prefill the scheduler gives a step at most
+`max_num_seqs` such rows (as many as the sampled rows the GPU memory profile measures), so a
+long prompt with prompt_logprobs is computed in small chunks instead of exhausting memory.
+Without chunked prefill a whole prompt is one chunk: `prompt_len * V * 4` bytes in its step.
 """
 
 from __future__ import annotations

@@ -194,6 +194,10 @@ class Scheduler:
         decodes = [seq for seq in self.running if not seq.is_prefill]
         prefills = [seq for seq in self.running if seq.is_prefill]
         num_ending = 0  # running, but their token in flight is their last
+        # Prompt logprobs need a [vocab] logits row per prompt token computed. With chunked
+        # prefill a step takes at most max_num_seqs of them (the logits rows the GPU memory
+        # profile budgets for), so one long prompt asking for them cannot exhaust memory.
+        rows_left = self.max_num_seqs if self.enable_chunked_prefill else None
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -203,6 +207,11 @@ class Scheduler:
                 num_ending += 1
                 continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
+            takes_rows = rows_left is not None and seq.needs_prompt_logits
+            if takes_rows:
+                num_tokens = min(num_tokens, rows_left)
+                if num_tokens == 0:
+                    continue
             while not self.block_manager.allocate_slots(seq, num_tokens):
                 victim = self._pick_victim(in_step)
                 self._preempt(victim)
@@ -213,13 +222,19 @@ class Scheduler:
                 out._add(seq, num_tokens)
                 in_step.add(id(seq))
                 budget -= num_tokens
+                if takes_rows:
+                    rows_left -= num_tokens
 
         if not out.preempted:
             # Sequences about to end leave their place in the step to new ones already.
-            self._admit(out, budget, self.max_num_seqs + num_ending)
+            self._admit(out, budget, self.max_num_seqs + num_ending, rows_left)
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int, max_running: int) -> None:
+    def _admit(
+        self, out: SchedulerOutput, budget: int, max_running: int, rows_left: int | None
+    ) -> None:
+        """Admit waiting sequences in order while they fit; `rows_left`: prompt-logprob rows
+        this step may still take (None: no limit)."""
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < max_running:
             seq = self.waiting[0]
@@ -229,8 +244,15 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break  # first come, first served: nobody overtakes the head of the queue
                 num_tokens = budget
+            takes_rows = rows_left is not None and seq.needs_prompt_logits
+            if takes_rows:
+                num_tokens = min(num_tokens, rows_left)
+                if num_tokens == 0:
+                    break
             if not bm.allocate_slots(seq, num_tokens, cached_prefix):
                 break
+            if takes_rows:
+                rows_left -= num_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

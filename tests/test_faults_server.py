@@ -148,13 +148,18 @@ WORKER_DEATHS = [
     # all-reduce (only rank 1's breaks): then the watchdog fires and must still name rank 2
     # from its report on the back channel (`failures.diagnose_stall`).
     pytest.param("torchrun", 4, 2, "raise", id="torchrun-tp4-rank2-raise"),
+    # Asynchronous scheduling (the GPU default): the fault hits with a step in flight.
+    pytest.param("plain-async", 2, 1, "raise", id="plain-async-tp2-rank1-raise"),
 ]
 
 
 @pytest.mark.parametrize(("launch", "nproc", "rank", "how"), WORKER_DEATHS)
 def test_a_dead_worker_fails_the_stream_and_the_server(cache, tmp_path, launch, nproc, rank, how):
     shm_before = shm_entries()
-    cmd = plain_cmd(nproc) if launch == "plain" else torchrun_cmd(nproc)
+    if launch == "torchrun":
+        cmd = torchrun_cmd(nproc)
+    else:
+        cmd = plain_cmd(nproc) + (["--async-scheduling"] if launch == "plain-async" else [])
     # Injected faults fire before the rank's forward at step 8 (mid-stream): `exit` calls
     # os._exit(17), `raise` throws InjectedFault, which the worker reports to rank 0.
     fault = None if how == "sigkill" else f"rank={rank},step=8,kind={how}"

@@ -29,8 +29,15 @@ def _shm_entries() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("tpe-")}
 
 
-@pytest.mark.parametrize("kind", ["raise", "exit"])
-def test_a_failing_worker_fails_generate_naming_the_rank(checkpoints, monkeypatch, kind):
+@pytest.mark.parametrize(
+    ("kind", "async_scheduling"),
+    [("raise", False), ("exit", False), ("raise", True), ("exit", True)],
+    ids=["raise", "exit", "raise-async", "exit-async"],
+)
+def test_a_failing_worker_fails_generate_naming_the_rank(
+    checkpoints, monkeypatch, kind, async_scheduling
+):
+    # With asynchronous scheduling the failure hits while rank 0 has a step in flight.
     before = _shm_entries()
     monkeypatch.setenv("TP_ENGINE_FAULT", f"rank=1,step=2,kind={kind}")
     llm = LLM(
@@ -38,6 +45,7 @@ def test_a_failing_worker_fails_generate_naming_the_rank(checkpoints, monkeypatc
         tensor_parallel_size=2,
         block_size=4,
         num_kv_blocks=64,
+        async_scheduling=async_scheduling,
     )
     workers = list(llm._group.procs)
     with pytest.raises(EngineDeadError, match=r"rank 1") as info:

@@ -6,6 +6,7 @@ raising rank and a stalled one):
 - a worker that exits (`kind=exit`, exit code 17) mid-stream: the same;
 - a worker that raises (`kind=raise`) mid-stream with 4 ranks: the same, and the exception's
   message reaches the client (`test_server_faults.py` covers a raising rank with 2 ranks);
+  also with 2 ranks and asynchronous scheduling, where the fault hits with a step in flight;
 - rank 0 killed with SIGKILL (plain-Python launch, so no torchrun agent cleans up for the
   runtime): every worker and the API process exit on their own within a bounded time;
 - after each: no process, /dev/shm `tpe-*` segment or socket/run-directory file is left.

@@ -336,22 +336,26 @@ DEMO_SHAPE: dict[str, Any] = dict(
 )
 
 
-def demo_checkpoint_dir() -> Path:
-    """The tiny random demo checkpoint, built on first use and cached.
+def cache_dir() -> Path:
+    """Where built checkpoints are cached: `$TP_ENGINE_CACHE`, default `~/.cache/tp_engine`."""
+    return Path(os.environ.get("TP_ENGINE_CACHE") or Path.home() / ".cache" / "tp_engine")
 
-    Lives in `$TP_ENGINE_CACHE/demo-qwen3-v<N>` (default cache `~/.cache/tp_engine`). Built
-    in a temporary directory next to it and renamed into place: the rename is atomic, so a
-    concurrent first use (every torchrun rank at once) either wins or finds the finished
+
+def cached_random_qwen3(name: str, **shape: Any) -> Path:
+    """`cache_dir() / name`, built with `build_random_qwen3(**shape)` on first use.
+
+    Built in a temporary directory next to it and renamed into place: the rename is atomic, so
+    a concurrent first use (every torchrun rank at once) either wins or finds the finished
     directory, and nobody ever reads a half-written checkpoint.
     """
-    root = Path(os.environ.get("TP_ENGINE_CACHE") or Path.home() / ".cache" / "tp_engine")
-    final = root / f"demo-qwen3-v{DEMO_VERSION}"
+    root = cache_dir()
+    final = root / name
     if (final / "config.json").exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        build_random_qwen3(tmp, **DEMO_SHAPE)
+        build_random_qwen3(tmp, **shape)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -362,3 +366,9 @@ def demo_checkpoint_dir() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def demo_checkpoint_dir() -> Path:
+    """The tiny random demo checkpoint, built on first use and cached in
+    `$TP_ENGINE_CACHE/demo-qwen3-v<N>` (see `cached_random_qwen3`)."""
+    return cached_random_qwen3(f"demo-qwen3-v{DEMO_VERSION}", **DEMO_SHAPE)

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from tp_engine.checkpoints import QWEN3_PRESETS, build_random_qwen3, demo_checkpoint_dir
+from tp_engine.checkpoints import QWEN3_PRESETS, cached_random_qwen3, demo_checkpoint_dir
 
 # Bump when the benchmark checkpoints' contents change, so old caches are not reused.
 _BENCH_CKPT_VERSION = 1
@@ -34,23 +31,12 @@ def resolve_model(model: str | None) -> Path:
                 f"--model {model!r} is neither a checkpoint directory nor one of {list(QWEN3_PRESETS)}"
             )
         return path
-    root = Path(os.environ.get("TP_ENGINE_CACHE") or Path.home() / ".cache" / "tp_engine")
-    final = root / f"bench-qwen3-{name}-v{_BENCH_CKPT_VERSION}"
-    if (final / "config.json").exists():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    try:
-        build_random_qwen3(tmp, **QWEN3_PRESETS[name], dtype="bfloat16", max_shard_bytes=4 << 30)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cached_random_qwen3(
+        f"bench-qwen3-{name}-v{_BENCH_CKPT_VERSION}",
+        **QWEN3_PRESETS[name],
+        dtype="bfloat16",
+        max_shard_bytes=4 << 30,
+    )
 
 
 def read_hf_config(path: Path) -> dict:

@@ -63,6 +63,12 @@ SCRIPTS = {
                       "</tool_call>", IM_END),
     "unknown_function": ("<tool_call>", '\n{"name": "launch_rocket", "arguments": {}}\n',
                          "</tool_call>", IM_END),
+    # tool_choice named and "required": the answer is constrained JSON, without markers; the
+    # first thinks, and the constraint applies after its </think>.
+    "forced_named": (THINK, "\nI need the weather.\n", END_THINK, '{"city": ', '"Rome',
+                     ' Sud"', ', "unit": "celsius"}', IM_END),
+    "forced_required": ('[{"name": "get_weather", "parameters": {"city": ', '"Oslo"}}',
+                        ', {"name": "get_time", "parameters": {"zone": ', '"CET"}}]', IM_END),
     # After a tool result in the history.
     "after_tool": ("It is 18 degrees in Rome.", IM_END),
     # A fork: "heads" 2 logits above "tails" (sampling defaults cut "tails" with top_p 0.95).
@@ -379,20 +385,31 @@ def test_tool_choice_none_leaves_the_call_in_the_content(client):
     )
 
 
-@pytest.mark.parametrize(
-    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
-)
-def test_required_and_named_tool_choice_parse_the_call(client, tool_choice):
-    # Accepted; nothing constrains the model to call yet (structured outputs will).
-    reply = both(client, "one_call", tools=TOOLS, tool_choice=tool_choice)
-    assert [c["name"] for c in reply.tool_calls] == ["get_weather"]
+def test_a_named_tool_choice_makes_the_answer_its_arguments(client):
+    # The constraint (structured outputs) makes the answer the function's arguments, after the
+    # thinking; the reply has one call to it, and keeps finish_reason "stop", as OpenAI does.
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    reply = both(client, "forced_named", tools=TOOLS, tool_choice=choice)
+    assert reply.reasoning == "\nI need the weather.\n" and reply.content is None
+    assert [(c["name"], c["arguments"]) for c in reply.tool_calls] == [
+        ("get_weather", '{"city": "Rome Sud", "unit": "celsius"}')
+    ]
+    assert reply.finish_reason == "stop"
+    streamed = ask(client, "forced_named", stream=True, tools=TOOLS, tool_choice=choice)
+    calls = [d["tool_calls"][0] for d in streamed.chunks if "tool_calls" in d]
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and calls[0]["id"]
+    assert len(calls) > 2 and all(set(c) == {"index", "function"} for c in calls[1:])
 
 
-def test_a_named_tool_choice_takes_only_calls_to_that_function(client):
-    choice = {"type": "function", "function": {"name": "get_time"}}
-    reply = both(client, "two_calls", tools=TOOLS, tool_choice=choice)
-    assert [c["name"] for c in reply.tool_calls] == ["get_time"]
-    assert reply.content.startswith("Checking both.<tool_call>")
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_tool_choice_makes_the_answer_a_list_of_calls(client, parallel):
+    kwargs = {} if parallel is None else {"parallel_tool_calls": parallel}
+    reply = both(client, "forced_required", tools=TOOLS, tool_choice="required", **kwargs)
+    calls = [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "CET"}')]
+    # parallel_tool_calls false: the schema allows one call (the model must close the list).
+    want = calls[:1] if parallel is False else calls
+    assert [(c["name"], c["arguments"]) for c in reply.tool_calls] == want
+    assert reply.content is None and reply.finish_reason == "tool_calls"
 
 
 def test_tool_history_goes_through_the_template(client, server):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from tp_engine.config import EngineConfig
 from tp_engine.outputs import CompletionOutput, RequestOutput
 from tp_engine.sampling_params import SamplingParams
+from tp_engine.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from tp_engine.engine import LLMEngine
@@ -23,6 +24,7 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 

@@ -29,6 +29,13 @@ one step's tensors and `tp_engine.sampling` draws from the gathered logits. Logp
 log_softmax of the model's logits) are recorded on the sequences; prompt logprobs ask the plan
 for more logits rows (every prompt position of the chunk), placed after the sampled ones.
 
+A request with a structured-output constraint waits, off the scheduler, until its grammar is
+compiled on a background thread (`tp_engine.structured_outputs`); the other requests keep
+running meanwhile. Each of its sequences then gets a matcher, which `_apply` advances with the
+sequence's new tokens and the sampling builder asks for the next step's token bitmask. With
+asynchronous scheduling that stays exact: step t+1's mask is filled in `_sample`, after step t's
+tokens were applied, while step t+1's forward runs on the GPU.
+
 A request with `n > 1` becomes n sequences. The first runs at once; the others are held until
 the first has computed its prompt, so that they find its full prompt blocks in the prefix cache
 (the block manager registers full blocks after each step) instead of computing them again.
@@ -44,6 +51,8 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for_futures
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +88,14 @@ from tp_engine.sampling_params import SamplingParams
 from tp_engine.scheduler import RequestRejectedError, ScheduledStep, Scheduler
 from tp_engine.sequence import Sequence, SequenceStatus
 from tp_engine.step_timeline import StepTimeline, gpu_phase_or_null, phase_or_null
-from tp_engine.thinking import ThinkTokens, needs_think_tokens, think_tokens, with_think_tokens
+from tp_engine.structured_outputs import GrammarCompiler, GrammarState
+from tp_engine.thinking import (
+    ThinkTokens,
+    needs_think_tokens,
+    think_tokens,
+    turn_boundary_ids,
+    with_think_tokens,
+)
 from tp_engine.transfers import HostCopies
 
 logger = logging.getLogger(__name__)
@@ -180,6 +196,13 @@ class LLMEngine:
         # n > 1: id of a request's first sequence -> its siblings, held until its prompt is
         # computed (see the module docstring).
         self._held: dict[str, tuple[Sequence, list[Sequence]]] = {}
+        # Requests with a structured-output constraint whose grammar is being compiled: the id
+        # of the first sequence -> the compilation and the request's sequences. And the
+        # sequences with a matcher that have not finished.
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._compiling: dict[str, tuple[Future, list[Sequence]]] = {}
+        self._constrained: set[Sequence] = set()
+        self._turn_boundaries: tuple[int, ...] | None = None
         runner_config = runner_config_for(self.config)
 
         self.channel: PlanBroadcaster | None = None
@@ -260,10 +283,19 @@ class LLMEngine:
         taken = [s.request_id for s in seqs if self._is_known(s.request_id)]
         if taken:
             raise RequestRejectedError(f"request id {taken[0]!r} is already in use")
-        self.scheduler.add(seqs[0])  # checks that it fits; the siblings are the same size
+        self.scheduler.check_fits(seqs[0])  # the siblings are the same size
+        if params.structured_outputs is not None:
+            future = self.grammars.submit(params.structured_outputs)
+            self._compiling[seqs[0].request_id] = (future, seqs)
+        else:
+            self._admit(seqs)
+        return [seq.request_id for seq in seqs]
+
+    def _admit(self, seqs: list[Sequence]) -> None:
+        """Queue a request's first sequence and hold its siblings (see the module docstring)."""
+        self.scheduler.add(seqs[0])
         if len(seqs) > 1:
             self._held[seqs[0].request_id] = (seqs[0], seqs[1:])
-        return [seq.request_id for seq in seqs]
 
     def _check_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -277,6 +309,8 @@ class LLMEngine:
                     f"SamplingParams.{name}={value} exceeds the maximum of {MAX_NUM_LOGPROBS} "
                     "log-probabilities per token"
                 )
+        if params.structured_outputs is not None:
+            params.structured_outputs.check()
         if not isinstance(prompt_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids
         ):
@@ -290,8 +324,15 @@ class LLMEngine:
 
     def _is_known(self, seq_id: str) -> bool:
         return self.scheduler.get(seq_id) is not None or any(
-            seq.request_id == seq_id for _, held in self._held.values() for seq in held
+            seq.request_id == seq_id for seq in self._queued_outside()
         )
+
+    def _queued_outside(self) -> Iterator[Sequence]:
+        """Sequences not in the scheduler yet: held siblings and requests being compiled."""
+        for _, held in self._held.values():
+            yield from held
+        for _, seqs in self._compiling.values():
+            yield from seqs
 
     def abort_request(self, seq_id: str) -> bool:
         """Abort one sequence (a held n > 1 sibling included); False if unknown or finished."""
@@ -303,25 +344,32 @@ class LLMEngine:
         """End one sequence from outside the step loop: an abort, or a stop string its caller
         found in its text (`FINISHED_STOPPED` with the string as `stop_reason`). False if it is
         unknown or finished already."""
-        for _, held in self._held.values():
-            for seq in held:
+        for waiting in [held for _, held in self._held.values()] + [
+            seqs for _, seqs in self._compiling.values()
+        ]:
+            for seq in waiting:
                 if seq.request_id == seq_id:
-                    held.remove(seq)
+                    waiting.remove(seq)
                     seq.status = status
                     seq.stop_reason = stop_reason
+                    self._compiling = {k: v for k, v in self._compiling.items() if v[1]}
                     return True
         return self.scheduler.finish(seq_id, status, stop_reason) is not None
 
     def has_unfinished(self) -> bool:
         """Whether any request is unfinished. (A step still in flight once every request has
         finished carries nothing anyone waits for; the next step or `reconfigure` retires it.)"""
-        return self.scheduler.has_unfinished() or any(held for _, held in self._held.values())
+        return (
+            self.scheduler.has_unfinished()
+            or any(held for _, held in self._held.values())
+            or bool(self._compiling)
+        )
 
     def stats(self) -> EngineStats:
         scheduler, bm = self.scheduler, self.scheduler.block_manager
         return EngineStats(
             num_running=len(scheduler.batch),
-            num_waiting=len(scheduler.waiting) + sum(len(h) for _, h in self._held.values()),
+            num_waiting=len(scheduler.waiting) + sum(1 for _ in self._queued_outside()),
             kv_cache_usage=bm.usage,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
@@ -336,6 +384,63 @@ class LLMEngine:
                 del self._held[first_id]
                 for seq in held:
                     self.scheduler.add(seq)
+
+    def _release_compiled(self) -> StepOutputs:
+        """Admit the requests whose grammar is compiled, each sequence with its matcher; a
+        compilation that failed ends its request (aborted, reported in the outputs). Waits a
+        little for a compilation when there is nothing else to do."""
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
+            wait_for_futures([f for f, _ in self._compiling.values()], timeout=0.05,
+                             return_when="FIRST_COMPLETED")  # fmt: skip
+        failed = []
+        for first_id, (future, seqs) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[first_id]
+            if future.exception() is not None:
+                logger.error("request %r: its constraint failed to compile: %s",
+                             seqs[0].group_id, future.exception())  # fmt: skip
+                for seq in seqs:
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                failed += seqs
+                continue
+            for seq in seqs:
+                seq.grammar = self._grammar_state(seq, future.result())
+                self._constrained.add(seq)
+            self._admit(seqs)
+        return StepOutputs([self._output(seq) for seq in failed])
+
+    def _grammar_state(self, seq: Sequence, compiled: object) -> GrammarState:
+        """A matcher for `seq`; with the think token ids set, the constraint applies after the
+        thinking, from where the prompt leaves it (`tp_engine.structured_outputs`)."""
+        params = seq.sampling_params
+        if params.think_end_token_id is None:
+            return GrammarState(compiled)
+        if self._turn_boundaries is None:
+            self._turn_boundaries = turn_boundary_ids(self.tokenizer)
+        think = ThinkTokens(
+            -1 if params.think_start_token_id is None else params.think_start_token_id,
+            params.think_end_token_id,
+            self._turn_boundaries,
+        )
+        prompt_state = think.prompt_state(seq.token_ids[: seq.num_prompt_tokens])
+        return GrammarState(
+            compiled, params.think_start_token_id, params.think_end_token_id, prompt_state
+        )
+
+    def _follow_grammars(self) -> None:
+        """Advance the matchers with the tokens just applied. A sequence whose token its
+        matcher rejects (the mask makes that impossible for a sampled token) is aborted."""
+        for seq in list(self._constrained):
+            if seq.is_finished:
+                self._constrained.discard(seq)
+                continue
+            assert seq.grammar is not None
+            if not seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens):
+                logger.error("request %r: output token %d breaks its constraint; aborted",
+                             seq.request_id, seq.token_ids[-1])  # fmt: skip
+                self.scheduler.finish(seq.request_id, SequenceStatus.FINISHED_ABORTED)
+                self._constrained.discard(seq)
 
     # -- stepping --------------------------------------------------------------------------------
 
@@ -352,9 +457,11 @@ class LLMEngine:
             raise self._dead
         if self._held:
             self._release_held()
+        outputs, self._undelivered = self._undelivered, StepOutputs([])
+        if self._compiling:
+            outputs = outputs.then(self._release_compiled())
         previous, self._in_flight = self._in_flight, None
         pending: list[ScheduledStep] = [previous.scheduled] if previous else []
-        outputs, self._undelivered = self._undelivered, StepOutputs([])
         try:
             launched = self._launch(previous)
             if launched is not None:
@@ -477,6 +584,8 @@ class LLMEngine:
                 if seq.status == SequenceStatus.WAITING and seq.generator is not None:
                     seq.generator.set_state(state)
             result = self.scheduler.update(scheduled, tokens)
+            if self._constrained:
+                self._follow_grammars()
             outputs = [self._output(seq) for seq in result.sampled]
             sampled_ids = {id(seq) for seq in result.sampled}
             # A prompt-only request ends without a token; its caller still has to hear of it.
@@ -596,6 +705,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Tell the workers to exit and release the channel. Idempotent."""
+        self.grammars.shutdown()
         if self.channel is None:
             return
         channel, self.channel = self.channel, None

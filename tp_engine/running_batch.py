@@ -152,6 +152,7 @@ class RunningBatch:
             or p.seed is not None
             or p.logprobs is not None
             or p.thinking_token_budget is not None
+            or p.structured_outputs is not None
         )
         self.order = np.append(self.order, np.int32(row))
         seq.row = row

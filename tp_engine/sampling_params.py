@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tp_engine.structured_outputs import StructuredOutputsParams
+
 # Temperatures at or below this are greedy; dividing logits by them would overflow anyway.
 GREEDY_EPSILON = 1e-5
 
@@ -74,6 +76,10 @@ class SamplingParams:
     # The prompt ends inside an open thinking block (the chat template opened it): thinking
     # begins with the first output token rather than after a `<think>` in the output.
     thinking_in_prompt: bool = False
+    # What the output must match: a JSON schema, regex, choice or grammar (vLLM's field; a dict
+    # of its fields is accepted). See `tp_engine.structured_outputs`; with the think token ids
+    # set, the constraint applies after the thinking.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +88,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._validate()
 
     @classmethod

@@ -178,7 +178,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence, or raise RequestRejectedError if it could never be served."""
-        self._check_fits(seq)
+        self.check_fits(seq)
         if seq.request_id in self._requests:
             raise RequestRejectedError(f"request id {seq.request_id!r} is already in use")
         seq.status = SequenceStatus.WAITING
@@ -208,7 +208,9 @@ class Scheduler:
             seq.stop_reason = stop_reason
         return seq
 
-    def _check_fits(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise RequestRejectedError if `seq` could never be served (too long for the model
+        or the whole KV cache)."""
         max_tokens = seq.sampling_params.max_tokens
         prompt_len = seq.num_prompt_tokens
         if max_tokens is None:

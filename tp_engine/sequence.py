@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     import torch
 
     from tp_engine.running_batch import RunningBatch
+    from tp_engine.structured_outputs import GrammarState
 
 # Serials start at 1: a RunningBatch row whose serial is 0 is free.
 _serials = itertools.count(1)
@@ -146,6 +147,9 @@ class Sequence:
         # The request's own generator when it has a seed: created on the logits' device at the
         # first sample, then advanced only by this sequence's draws.
         self.generator: torch.Generator | None = None
+        # Its structured-output matcher (`tp_engine.structured_outputs.GrammarState`) when its
+        # request has a constraint, set once the constraint is compiled.
+        self.grammar: GrammarState | None = None
         # One entry per output token when `logprobs` is set, and their sum (chosen tokens).
         self.output_logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob = 0.0

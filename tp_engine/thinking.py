@@ -75,12 +75,16 @@ def think_tokens(tokenizer: Any) -> ThinkTokens:
         if token_id is None:
             raise ValueError(f"the tokenizer has no {text!r} token (Qwen3 has it as one token)")
         ids[text] = token_id
-    boundaries = tuple(
+    return ThinkTokens(ids[THINK_START], ids[THINK_END], turn_boundary_ids(tokenizer))
+
+
+def turn_boundary_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids of the tokenizer's turn boundaries that are single tokens."""
+    return tuple(
         token_id
         for token_id in (single_token_id(tokenizer, t) for t in TURN_BOUNDARIES)
         if token_id is not None
     )
-    return ThinkTokens(ids[THINK_START], ids[THINK_END], boundaries)
 
 
 def budget_fields(think: ThinkTokens, prompt_token_ids: Sequence[int]) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 #
 #   benchmarks/gpu/run.sh check   # versions, `gpu` tests, compile test, greedy checks, attention
 #   benchmarks/gpu/run.sh bench   # bench.py 0.6B and 8B (async on/off), serving, profile
-#   benchmarks/gpu/run.sh moe     # fused MoE kernel vs torch, Qwen3-30B-A3B experts, B 1/64/256
+#   benchmarks/gpu/run.sh moe     # fused MoE kernel vs torch, Qwen3-30B-A3B experts, B 1/64/256;
+#                                 # structured-output bitmask fill and apply, 1/64/256 rows
 #   benchmarks/gpu/run.sh PART... # any of the steps below by name, in the order given
 #
 # Everything goes under $OUT (default /tmp/gpu-out): one log per step, the result files, and
@@ -93,6 +94,15 @@ moe() {
   step moe 300 $PY benchmarks/gpu/moe_micro.py --out "$WORK"
 }
 
+structured() {
+  # Structured outputs: bitmask fill and apply at 1, 64, 256 constrained rows of a 151,936-token
+  # vocabulary, logits on the GPU (the `gpu` tests include the kernel's check).
+  local device=cpu
+  [ $GPU = 1 ] && device=cuda
+  step structured 240 $PY benchmarks/structured_outputs.py --device $device \
+    --out "$WORK/structured_outputs.json"
+}
+
 # bench_one MODEL TAG ARGS...: launch/bench.py with its JSON, log and step timeline in $WORK.
 bench_one() {
   local model=$1 tag=$2
@@ -178,8 +188,8 @@ for part in "$@"; do
   case $part in
     check) env_info; gpu_tests; greedy; attention ;;
     bench) env_info; bench_small; serving; profile; bench_8b ;;
-    moe) env_info; moe ;;
-    env_info|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile) $part ;;
+    moe) env_info; moe; structured ;;
+    env_info|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile|structured) $part ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

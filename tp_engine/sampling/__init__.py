@@ -1,12 +1,13 @@
-"""Rank 0's sampling, batched over the step: penalties, temperature, min-p, top-k/top-p, seeded
-per-request generators and raw logprobs.
+"""Rank 0's sampling, batched over the step: penalties, structured-output masks, temperature,
+min-p, top-k/top-p, seeded per-request generators and raw logprobs.
 
 Only rank 0 samples (the logits are gathered to it), so this lives with rank 0's control plane
 rather than in `rank_worker`. Two layers:
 
 - tensors in, tensors out: `sampler` holds the pipeline and its order, `filters`,
-  `penalties` and `logprob_tensors` are its stages, `tensors` the per-step inputs and outputs
-  (`SamplingMetadata`, `LogprobsTensors`), `profiling` its worst case for the memory warm-up;
+  `penalties`, `grammar_mask` and `logprob_tensors` are its stages, `tensors` the per-step
+  inputs and outputs (`SamplingMetadata`, `LogprobsTensors`), `profiling` its worst case for
+  the memory warm-up;
 - requests to tensors and back: `batch` builds a step's `SamplingMetadata` from the sequences
   that sample, and `logprob_records` turns logprob tensors into entries on the sequences.
 """
@@ -15,6 +16,7 @@ from tp_engine.sampling.logprob_tensors import compute_logprobs, gather_logprobs
 from tp_engine.sampling.sampler import GREEDY_EPSILON, process_logits, sample_batch
 from tp_engine.sampling.tensors import (
     MAX_NUM_LOGPROBS,
+    GrammarMask,
     LogprobsTensors,
     PenaltyTensors,
     SamplerOutput,
@@ -24,6 +26,7 @@ from tp_engine.sampling.tensors import (
 __all__ = [
     "GREEDY_EPSILON",
     "MAX_NUM_LOGPROBS",
+    "GrammarMask",
     "LogprobsTensors",
     "PenaltyTensors",
     "SamplerOutput",

@@ -2,9 +2,10 @@
 
 The common parameters (temperature, top-k, top-p, min-p) are arrays of the `RunningBatch`, so
 they are gathered for the step's rows with numpy; only rows that need their `Sequence`
-(penalties over their tokens, min_tokens bans, a seed, logprobs, a thinking budget:
-`RunningBatch.needs_python`) are visited in Python. Nothing loops over tokens or the vocabulary. A feature no row uses costs
-nothing: its part of the metadata stays None.
+(penalties over their tokens, min_tokens bans, a seed, logprobs, a thinking budget, a
+structured-output constraint: `RunningBatch.needs_python`) are visited in Python. Nothing loops
+over tokens or the vocabulary. A feature no row uses costs nothing: its part of the metadata
+stays None.
 
 Seeded requests get their own `torch.Generator`, created at their first sample and kept on the
 Sequence; the others share this builder's generator, seeded with `EngineConfig.seed`.
@@ -22,9 +23,10 @@ import numpy as np
 import torch
 
 from tp_engine.running_batch import RunningBatch
-from tp_engine.sampling import PenaltyTensors, SamplingMetadata
+from tp_engine.sampling import GrammarMask, PenaltyTensors, SamplingMetadata
 from tp_engine.sampling_params import GREEDY_EPSILON
 from tp_engine.sequence import Sequence
+from tp_engine.structured_outputs import fill_bitmasks
 from tp_engine.thinking import forced_think_end
 from tp_engine.transfers import to_device_async
 
@@ -69,6 +71,7 @@ class SamplingBatchBuilder:
         fields["penalties"] = self._penalties(seqs)  # type: ignore[arg-type]
         fields["banned"] = self._bans(seqs)  # type: ignore[arg-type]
         fields["forced"] = self._forced(seqs)  # type: ignore[arg-type]
+        fields["grammar"] = self._grammar(seqs, int(rows.size))  # type: ignore[arg-type]
         seeded = [i for i in python_rows if params[i].seed is not None]
         fields["generators"] = {i: self._generator_of(seqs[i]) for i in seeded}  # type: ignore[arg-type]
         logprob_rows = [i for i in python_rows if params[i].logprobs is not None]
@@ -159,6 +162,16 @@ class SamplingBatchBuilder:
         if not forced:
             return None
         return self._ints(list(forced)), self._ints(list(forced.values()))
+
+    def _grammar(self, seqs: dict[int, Sequence], num_rows: int) -> GrammarMask | None:
+        """The token bitmask of the rows whose structured-output constraint masks their next
+        token, filled by their matchers (which have followed every token applied so far)."""
+        rows = [i for i, seq in seqs.items() if seq.grammar is not None and seq.grammar.masks_next]
+        if not rows:
+            return None
+        bitmask = torch.empty((num_rows, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        fill_bitmasks([seqs[i].grammar for i in rows], bitmask, rows)  # type: ignore[misc]
+        return GrammarMask(self._to_device(bitmask), tuple(rows))
 
     def _generator_of(self, seq: Sequence) -> torch.Generator:
         if seq.generator is None:

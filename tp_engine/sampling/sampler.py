@@ -3,7 +3,8 @@
 Order, as in vLLM's v1 sampler:
 
 1. raw logprobs (log_softmax of the untouched logits) for rows that asked for logprobs;
-2. min_tokens bans, then penalties: both can move the argmax, so greedy rows get them too;
+2. min_tokens bans, penalties, then structured-output masks: each can move the argmax, so
+   greedy rows get them too;
 3. greedy rows take the argmax here; a batch of greedy rows only stops at this point, without
    a softmax or a sort;
 4. temperature, min-p, then top-k/top-p on the rows that use them (only those rows are sorted);
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from tp_engine.sampling.filters import apply_min_p, apply_top_k_top_p
+from tp_engine.sampling.grammar_mask import apply_token_bitmask
 from tp_engine.sampling.logprob_tensors import gather_logprobs
 from tp_engine.sampling.penalties import apply_bans, apply_penalties
 from tp_engine.sampling.tensors import SamplerOutput, SamplingMetadata
@@ -38,13 +40,15 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 def penalised_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Step 2 on a float32 copy of `logits`; the input itself when there is nothing to change
     (the common case; later steps never write into it)."""
-    if md.banned is None and md.penalties is None:
+    if md.banned is None and md.penalties is None and md.grammar is None:
         return logits.float()
     logits = logits.to(torch.float32, copy=True)  # [B, V]
     if md.banned is not None:
         apply_bans(logits, md.banned)
     if md.penalties is not None:
         apply_penalties(logits, md.penalties)
+    if md.grammar is not None:
+        apply_token_bitmask(logits, md.grammar)
     return logits
 
 

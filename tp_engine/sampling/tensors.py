@@ -42,6 +42,17 @@ class PenaltyTensors:
 
 
 @dataclass(frozen=True)
+class GrammarMask:
+    """The tokens that rows with a structured-output constraint may take this step."""
+
+    # [B, ceil(V / 32)] int32, xgrammar's layout: bit t % 32 of word t // 32 set = allowed.
+    # Only the rows in `rows` are filled; the others are never read.
+    bitmask: torch.Tensor
+    # The rows of the batch with a constraint (on the host: the kernel takes a list).
+    rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SamplingMetadata:
     """One step's sampling controls for a batch of B rows."""
 
@@ -68,6 +79,8 @@ class SamplingMetadata:
     # ([F] rows, [F] token ids) int64: rows whose token this step is decided in advance (a
     # thinking budget that is spent forces `</think>`), whatever their logits say.
     forced: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Rows with a structured-output constraint: the tokens their grammar allows next.
+    grammar: GrammarMask | None = None
     # row -> that request's own generator (requests with a seed). Other rows draw from the
     # generator passed to the sampler, so a seeded row's draws never depend on its neighbours.
     generators: dict[int, torch.Generator] = field(default_factory=dict)

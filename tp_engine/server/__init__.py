@@ -18,7 +18,9 @@ Modules, by process:
   (OpenAI's error envelope), `metrics` (Prometheus, vLLM's names), `chat_parsers` (which
   reasoning and tool-call parsers run, and their marker tokens), `chat_output` (a chat choice
   split into reasoning, content and tool calls by token ids), `tool_calls` (tools and
-  tool_choice, Hermes blocks to OpenAI tool calls, streamed arguments).
+  tool_choice, Hermes blocks to OpenAI tool calls, streamed arguments), `constraints` (the
+  request's structured-output constraint, from whichever field carried it), `forced_tool_calls`
+  (tool_choice "required" or named: the schema built from the tools, the answer as calls).
 
 Nothing here is imported by `tp_engine` itself: the offline API never needs FastAPI.
 """

@@ -28,6 +28,10 @@ blocks after the first call are dropped. With tools parsed, whitespace at the en
 is held back until more content follows: Qwen3 writes newlines around its calls, which are not
 content. A reply with calls ends its content without them; one without calls gets them at the
 end.
+
+With tool_choice "required" or a named function, the answer (what would be content) is the
+calls as constrained JSON, without markers: `forced_tool_calls.ForcedToolCalls` makes them
+calls, or, if the answer is not calls at its end (cut by max_tokens), content.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tp_engine.server.chat_parsers import ChatParsing
-from tp_engine.server.tool_calls import ToolCall, ToolCallBlock, ToolPlan
+from tp_engine.server.forced_tool_calls import ForcedToolCalls
+from tp_engine.server.tool_calls import ToolCall, ToolCallBlock, ToolChoice, ToolPlan
 from tp_engine.thinking import ThinkingState
 
 logger = logging.getLogger(__name__)
@@ -101,8 +106,14 @@ class ChatOutputParser:
     ) -> None:
         self._tokenizer = tokenizer
         self._think = parsing.think
-        self._tool_markers = parsing.tool_markers if tools is not None else None
         self._tools = tools
+        # tool_choice "required" or named: the answer is the calls (no markers).
+        self._forced = None
+        if tools is not None and tools.choice is not ToolChoice.AUTO:
+            self._forced = ForcedToolCalls(tools)
+        self._tool_markers = None
+        if tools is not None and self._forced is None:
+            self._tool_markers = parsing.tool_markers
         self._skip_special = skip_special_tokens
         if self._think is None or prompt_state is ThinkingState.CLOSED:
             self._state, self._channel = _State.ANSWER, _Channel.CONTENT
@@ -136,8 +147,12 @@ class ChatOutputParser:
         return self.content
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """ "tool_calls" for a reply that ended by itself after calling tools."""
-        return "tool_calls" if self.tool_calls and engine_reason == "stop" else engine_reason
+        """ "tool_calls" for a reply that ended by itself after calling tools; a named
+        tool_choice's call keeps "stop", as OpenAI answers (and vLLM since its PR 25054)."""
+        named = self._tools is not None and self._tools.choice is ToolChoice.NAMED
+        if self.tool_calls and engine_reason == "stop" and not named:
+            return "tool_calls"
+        return engine_reason
 
     def feed(self, token_ids: list[int], text: str, finished: bool) -> ChatDelta:
         """One update: new token ids and the text the detokenizer released with them;
@@ -147,6 +162,8 @@ class ChatOutputParser:
             self._on_token(token_id)
         self._route(text, delta)
         if finished:
+            if self._forced is not None:
+                self._close_forced(delta)
             if self._block is not None:
                 self._close_block(delta)
             held, self._held = self._held, ""
@@ -243,6 +260,10 @@ class ChatOutputParser:
                     delta.add("tool_call", call_delta)
 
     def _emit_content(self, text: str, delta: ChatDelta) -> None:
+        if self._forced is not None:
+            for call_delta in self._forced.append(text):
+                delta.add("tool_call", call_delta)
+            return
         if self._tools is not None:
             text = self._held + text
             kept = text.rstrip()
@@ -250,6 +271,17 @@ class ChatOutputParser:
             text = kept
         self.content += text
         delta.add("content", text)
+
+    def _close_forced(self, delta: ChatDelta) -> None:
+        assert self._forced is not None
+        deltas, calls = self._forced.close()
+        for call_delta in deltas:
+            delta.add("tool_call", call_delta)
+        if calls is not None:
+            self.tool_calls = calls
+        else:  # not calls: the answer as the model wrote it
+            self.content += self._forced.text
+            delta.add("content", self._forced.text)
 
     def _close_block(self, delta: ChatDelta) -> None:
         block, text = self._block, self._block_text

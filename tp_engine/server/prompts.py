@@ -193,14 +193,21 @@ class PromptBuilder:
     # -- sampling ----------------------------------------------------------------------------------
 
     def thinking_fields(
-        self, req: CompletionRequest | ChatCompletionRequest, prompt: PromptInput
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompt: PromptInput,
+        constrained: bool = False,
     ) -> dict[str, Any]:
-        """The SamplingParams fields of a chat request's thinking budget (none without one):
-        the budget, the think token ids and whether the prompt left thinking open."""
+        """The SamplingParams fields of a chat request's thinking: with a budget, the budget,
+        the think token ids and whether the prompt left thinking open; with an output
+        constraint (`constrained`) and --reasoning-parser, the think token ids, so that the
+        constraint applies after the thinking (`tp_engine.structured_outputs`)."""
         budget = getattr(req, "thinking_token_budget", None)
-        if budget is None:
-            return {}
         think = self.parsing.think
+        if budget is None:
+            if constrained and think is not None:
+                return budget_fields(think, prompt.token_ids)
+            return {}
         if think is None:
             raise bad_request(
                 "thinking_token_budget needs a server started with --reasoning-parser",
@@ -299,8 +306,6 @@ def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", "best_of")
     else:
-        if req.response_format and req.response_format.get("type") != "text":
-            raise bad_request("only response_format type 'text' is supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 

@@ -26,6 +26,41 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`. `name` is optional here (OpenAI requires it, but
+    nothing depends on it); `strict` is accepted and always holds: the schema is enforced."""
+
+    name: str | None = None
+    description: str | None = None
+    # Aliased: `schema` is a (deprecated) BaseModel method.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" (a JSON value its schema validates)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs`: exactly one of its constraints (see
+    `tp_engine.structured_outputs.StructuredOutputsParams`)."""
+
+    # Aliased: `json` is a (deprecated) BaseModel method. A schema, or its text.
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's options that would change what the constraint allows: refused (never ignored).
+    # Backend hints and `disable_*` flags are ignored: whitespace is always fixed here.
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+
+
 class _GenerationRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -55,6 +90,17 @@ class _GenerationRequest(_Strict):
     prompt_logprobs: int | None = None
     # vLLM: also return the prompt's and each choice's token ids.
     return_token_ids: bool = False
+    # What the output must match (at most one source; see tp_engine/server/constraints.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older names for structured_outputs' fields.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Refused: it would change what guided_json allows. (guided_decoding_backend, a hint,
+    # is ignored with the other unknown fields.)
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -123,8 +169,6 @@ class ChatCompletionRequest(_GenerationRequest):
     # by hand (tool_calls.tool_plan) so that every problem is a 400 naming tool_choice.
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # Refused unless absent or "text": structured output is not implemented.
-    response_format: dict[str, Any] | None = None
     # vLLM's chat extras: template inputs...
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -1,9 +1,9 @@
 """/v1/completions and /v1/chat/completions: validate, generate, shape OpenAI's responses.
 
-Both run the same way: build prompts and parameters (`prompts.py`; any problem is a 400 before
-rank 0 sees the request), start a `Generation` (rank 0 may still refuse: a 400 or 503 for this
-request only), then either collect every choice into one response or stream chunks as tokens
-arrive (`streaming.py`).
+Both run the same way: build prompts and parameters (`prompts.py`, the output constraint in
+`constraints.py`; any problem is a 400 before rank 0 sees the request), start a `Generation`
+(rank 0 may still refuse: a 400 or 503 for this request only), then either collect every choice
+into one response or stream chunks as tokens arrive (`streaming.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tp_engine.server.chat_output import ChatOutputParser
+from tp_engine.server.constraints import output_constraint
 from tp_engine.server.engine_client import EngineClient
 from tp_engine.server.generation import EngineDiedError, Generation, PromptInput
 from tp_engine.server.http_errors import APIError
@@ -69,14 +70,17 @@ class OpenAIServing:
         self.check_model(req.model)
         refuse_unsupported(req)
         check_max_tokens(req)
+        constraint = output_constraint(req)
         prompts = self.builder.completion_prompts(req)
         check_choices(len(prompts), req.n)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
-        self.builder.sampling_params(req, max_tokens)  # validate once, before any length check
+        extra = {"structured_outputs": constraint}
+        # Validate once, before any length check.
+        self.builder.sampling_params(req, max_tokens, extra)
         for prompt in prompts:
             self.builder.check_fits(len(prompt.token_ids), max_tokens, "prompt")
         gen = self._generation(
-            "cmpl", req, prompts, lambda p: self.builder.sampling_params(req, max_tokens)
+            "cmpl", req, prompts, lambda p: self.builder.sampling_params(req, max_tokens, extra)
         )
         return await self._respond(gen, req, request, chat=False)
 
@@ -88,13 +92,18 @@ class OpenAIServing:
         check_max_tokens(req)
         check_choices(1, req.n)
         tools = tool_plan(req, self.builder.parsing)
+        constraint = output_constraint(req, tools)
         prompt = self.builder.chat_prompt(req)
-        thinking = self.builder.thinking_fields(req, prompt)
+        # With --reasoning-parser the constraint applies after the thinking.
+        extra = {
+            **self.builder.thinking_fields(req, prompt, constrained=constraint is not None),
+            "structured_outputs": constraint,
+        }
         requested = req.max_completion_tokens
         if requested is None:
             requested = req.max_tokens
         # Validate before any length check (1 stands in for "whatever room is left").
-        self.builder.sampling_params(req, 1 if requested is None else requested, thinking)
+        self.builder.sampling_params(req, 1 if requested is None else requested, extra)
         self.builder.check_fits(len(prompt.token_ids), requested, "messages")
         max_tokens = requested
         if max_tokens is None:
@@ -103,7 +112,7 @@ class OpenAIServing:
             "chatcmpl",
             req,
             [prompt],
-            lambda p: self.builder.sampling_params(req, max_tokens, thinking),
+            lambda p: self.builder.sampling_params(req, max_tokens, extra),
         )
         output = self._chat_output(req, prompt, tools)
         return await self._respond(gen, req, request, chat=True, chat_output=output)

@@ -26,6 +26,7 @@ model's malformed calls usually fail before their name completes, where nothing 
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import uuid
@@ -46,10 +47,22 @@ logger = logging.getLogger(__name__)
 
 # Partial values the fragments may use: open objects and arrays, and strings in progress (never
 # a half number or literal, whose text can still change: "1" -> "1.5e3").
-_PARTIAL_ARGUMENTS = Allow.OBJ | Allow.ARR | Allow.STR
+PARTIAL_ARGUMENTS = Allow.OBJ | Allow.ARR | Allow.STR
 # The name is taken only once its string is complete.
-_PARTIAL_NAME = Allow.OBJ | Allow.ARR
+PARTIAL_NAME = Allow.OBJ | Allow.ARR
 _TOOL_CHOICES = ("none", "auto", "required")
+
+
+class ToolChoice(enum.Enum):
+    """How the output calls tools."""
+
+    # The model decides: calls are the output's `<tool_call>` blocks (this module).
+    AUTO = "auto"
+    # The output is a JSON array of calls, `[{"name", "parameters"}, ...]`, and a named
+    # function's output is its arguments object: both constrained by a schema built from the
+    # tools, and parsed by `forced_tool_calls`.
+    REQUIRED = "required"
+    NAMED = "named"
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,7 @@ class ToolPlan:
     names: frozenset[str]
     # parallel_tool_calls: False keeps only the first call.
     parallel: bool
+    choice: ToolChoice = ToolChoice.AUTO
 
 
 # -- the request ---------------------------------------------------------------------------------
@@ -67,11 +81,8 @@ class ToolPlan:
 
 def tool_plan(req: ChatCompletionRequest, parsing: ChatParsing) -> ToolPlan | None:
     """Check `tools` and `tool_choice` (a 400 naming the field otherwise); None when the output
-    is not parsed for calls (no tools, or tool_choice "none").
-
-    tool_choice "required" and a named function are accepted and the output is parsed for calls
-    to them, but nothing yet makes the model call one (structured outputs will constrain it).
-    """
+    is not parsed for calls (no tools, or tool_choice "none"). tool_choice "required" and a
+    named function are enforced by a schema (`forced_tool_calls.tool_choice_schema`)."""
     tools = req.tools or []
     names = [tool.function.name for tool in tools]
     for i, tool in enumerate(tools):
@@ -81,7 +92,7 @@ def tool_plan(req: ChatCompletionRequest, parsing: ChatParsing) -> ToolPlan | No
         if names.index(name) != i:
             raise bad_request(f"two tools are named {name!r}", f"tools.{i}.function.name")
         _check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
-    choice = _tool_choice(req.tool_choice, names)
+    choice, named = _tool_choice(req.tool_choice, names)
     if choice == "none" or not tools:
         return None
     if parsing.tool_markers is None:
@@ -95,15 +106,17 @@ def tool_plan(req: ChatCompletionRequest, parsing: ChatParsing) -> ToolPlan | No
             "tool_choice 'auto' needs a server started with --enable-auto-tool-choice",
             "tool_choice",
         )
-    allowed = names if choice in ("auto", "required") else [choice]
     parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
-    return ToolPlan(frozenset(allowed), parallel)
+    if named is not None:
+        return ToolPlan(frozenset([named]), parallel, ToolChoice.NAMED)
+    return ToolPlan(frozenset(names), parallel, ToolChoice(choice))
 
 
-def _tool_choice(choice: Any, names: list[str]) -> str:
-    """ "none", "auto", "required", or the name of the one function to call."""
+def _tool_choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
+    """("none" | "auto" | "required", None), or ("named", the one function to call): a
+    function may be named "auto"."""
     if choice is None:
-        return "auto" if names else "none"
+        return ("auto" if names else "none"), None
     if isinstance(choice, str):
         if choice not in _TOOL_CHOICES:
             raise bad_request(
@@ -113,7 +126,7 @@ def _tool_choice(choice: Any, names: list[str]) -> str:
             )
         if choice == "required" and not names:
             raise bad_request("tool_choice 'required' needs tools", "tool_choice")
-        return choice
+        return choice, None
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if choice.get("type") != "function" or not isinstance(name, str):
@@ -126,7 +139,7 @@ def _tool_choice(choice: Any, names: list[str]) -> str:
             f"tool_choice names the function {name!r}, which is not among the tools ({names})",
             "tool_choice",
         )
-    return name
+    return "named", name
 
 
 def _check_schema(schema: dict[str, Any] | None, param: str) -> None:
@@ -216,7 +229,7 @@ class ToolCallBlock:
 
     def _complete_name(self) -> str | None:
         try:
-            value = partial_loads(self.body, _PARTIAL_NAME)
+            value = partial_loads(self.body, PARTIAL_NAME)
         except Exception:  # the library raises several types on a body that is not JSON
             value = None
         if not isinstance(value, dict):
@@ -232,7 +245,7 @@ class ToolCallBlock:
 
     def _arguments_fragment(self) -> str:
         try:
-            value = partial_loads(self.body, _PARTIAL_ARGUMENTS)
+            value = partial_loads(self.body, PARTIAL_ARGUMENTS)
         except Exception:
             return ""
         arguments = value.get("arguments") if isinstance(value, dict) else None
@@ -242,7 +255,7 @@ class ToolCallBlock:
         if not text.startswith(self._sent_arguments) or len(text) <= len(self._sent_arguments):
             return ""
         fragment = text[len(self._sent_arguments) :]
-        return fragment if _encodable(fragment) else ""
+        return fragment if encodable(fragment) else ""
 
     def _header(self) -> dict[str, Any]:
         return {
@@ -287,10 +300,10 @@ def _parse_call(body: str, plan: ToolPlan) -> tuple[str, str] | None:
     if not isinstance(name, str) or name not in plan.names or not isinstance(arguments, dict):
         return None
     text = serialize(arguments)
-    return (name, text) if _encodable(text) else None
+    return (name, text) if encodable(text) else None
 
 
-def _encodable(text: str) -> bool:
+def encodable(text: str) -> bool:
     """No lone surrogate (JSON allows "\\ud83d" alone; UTF-8, and so the response, does not)."""
     try:
         text.encode()

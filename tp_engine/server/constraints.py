@@ -1,0 +1,126 @@
+"""A request's output constraint, from whichever field carried it, as `StructuredOutputsParams`.
+
+    source                                 constraint
+    response_format {"type": "text"}       none
+                    {"type": "json_object"}  json_object
+                    {"type": "json_schema",  json (the schema)
+                     "json_schema": {"schema": ...}}
+    structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}  the same
+    guided_json, guided_regex,             json, regex, choice, grammar (vLLM's older names)
+    guided_choice, guided_grammar
+    tool_choice "required" or named        json: a schema built from the tools
+                                           (`forced_tool_calls.tool_choice_schema`)
+
+At most one source per request: two are a 400 naming both. The constraint is parsed here
+(`StructuredOutputsParams.check`, no tokenizer needed, cached by its text) so that an invalid
+schema, regex or grammar is a 400 whose `param` is the field that carried it
+(`response_format.json_schema.schema`, `structured_outputs.regex`, `guided_regex`,
+`tools.0.function.parameters`), and nothing reaches the engine.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tp_engine.server.forced_tool_calls import tool_choice_schema
+from tp_engine.server.http_errors import bad_request
+from tp_engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from tp_engine.server.tool_calls import ToolChoice, ToolPlan
+from tp_engine.structured_outputs import KINDS, StructuredOutputsParams
+
+# vLLM's older top-level names -> the StructuredOutputsParams field each one sets.
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+# How StructuredOutputsParams names a field in its errors; replaced by the request's field.
+_ENGINE_FIELD = re.compile(r"SamplingParams\.structured_outputs(\.\w+)?")
+
+
+def output_constraint(
+    req: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None = None
+) -> StructuredOutputsParams | None:
+    """The request's constraint (None: free output); a 400 naming the field if it gives more
+    than one, or one that is not valid. `tools`: the chat request's checked tools
+    (`tool_calls.tool_plan`), whose "required" or named tool_choice is a constraint too."""
+    refuse_unsupported_options(req)
+    sources = _sources(req, tools)
+    if len(sources) > 1:
+        first, second = sources[0][0], sources[1][0]
+        raise bad_request(
+            f"{first} and {second} both constrain the output; give only one of them", second
+        )
+    if not sources:
+        return None
+    _, fields, param = sources[0]
+    if fields is None:  # the tools: checked one by one first, to name the one at fault
+        assert isinstance(req, ChatCompletionRequest) and req.tools and tools is not None
+        for i, tool in enumerate(req.tools):
+            if tool.function.name in tools.names and tool.function.parameters:
+                constraint({"json": tool.function.parameters}, f"tools.{i}.function.parameters")
+        fields = {"json": tool_choice_schema(req.tools, tools)}
+    return constraint(fields, param)
+
+
+def constraint(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
+    """`StructuredOutputsParams(**fields)`, parsed; its errors are 400s naming `param`."""
+    try:
+        params = StructuredOutputsParams(**fields)
+        params.check()
+    except ValueError as exc:
+        message = _ENGINE_FIELD.sub(param, str(exc), count=1)
+        raise bad_request(message, param) from None
+    return params
+
+
+def refuse_unsupported_options(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """vLLM's options that would change what a constraint allows: refused, never ignored."""
+    if req.guided_whitespace_pattern is not None:
+        raise bad_request(
+            "guided_whitespace_pattern is not supported (JSON is generated with fixed whitespace)",
+            "guided_whitespace_pattern",
+        )
+    options = req.structured_outputs
+    if options is not None:
+        for name in ("structural_tag", "whitespace_pattern"):
+            if getattr(options, name) is not None:
+                raise bad_request(
+                    f"structured_outputs.{name} is not supported", f"structured_outputs.{name}"
+                )
+
+
+def _sources(
+    req: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None
+) -> list[tuple[str, dict[str, Any] | None, str]]:
+    """Each constraint the request gives: (its field, StructuredOutputsParams fields or None
+    for the tools' schema, the field that errors name)."""
+    found: list[tuple[str, dict[str, Any] | None, str]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", {"json_object": True}, "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        param = "response_format.json_schema.schema"
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request(
+                'response_format {"type": "json_schema"} needs json_schema.schema', param
+            )
+        found.append(("response_format", {"json": fmt.json_schema.schema_}, param))
+    options = req.structured_outputs
+    if options is not None:
+        fields = {
+            kind: value
+            for kind in KINDS
+            if (value := getattr(options, "json_" if kind == "json" else kind)) is not None
+        }
+        param = f"structured_outputs.{next(iter(fields))}" if len(fields) == 1 else None
+        found.append(("structured_outputs", fields, param or "structured_outputs"))
+    for name, kind in GUIDED_FIELDS.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {kind: value}, name))
+    if tools is not None and tools.choice is not ToolChoice.AUTO:
+        found.append(("tool_choice", None, "tools"))
+    return found

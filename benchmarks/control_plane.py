@@ -60,10 +60,14 @@ def time_decode_steps(
     e: dict[str, Any], num_seqs: int, prompt_len: int, num_steps: int, block_size: int
 ) -> dict[str, Any]:
     np = e["np"]
-    max_tokens = 2 * num_steps + 8  # room for the tokens sampled while prefilling too
+    budget = max(8192, num_seqs)
+    # Room for the timed steps and for the tokens sampled while the later prompts prefill
+    # (every running sequence decodes one token a step meanwhile; with long prompts that is a
+    # thousand steps), so that no sequence ends before the timed steps are over.
+    prefill_steps = -(-num_seqs * prompt_len // (budget // 2))
+    max_tokens = 2 * num_steps + 8 + prefill_steps
     max_model_len = prompt_len + max_tokens
     blocks_per_seq = -(-max_model_len // block_size)
-    budget = max(8192, num_seqs)
     config = e["EngineConfig"](
         max_model_len=max_model_len,
         max_num_seqs=num_seqs,
@@ -154,7 +158,13 @@ def time_decode_steps(
         "median_us": med,
         "rank0_us": {"median": float(np.median(rank0)), "p99": float(np.percentile(rank0, 99))},
         "worker_us": {"median": float(np.median(worker)), "p99": float(np.percentile(worker, 99))},
-        "plan_bytes": {"median": float(np.median(sizes)), "max": int(max(sizes))},
+        # Mean over the timed steps: with a multiple of block_size steps every sequence gets
+        # the same number of new blocks in them, whatever its context length.
+        "plan_bytes": {
+            "median": float(np.median(sizes)),
+            "mean": float(np.mean(sizes)),
+            "max": int(max(sizes)),
+        },
     }
 
 
@@ -180,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n:>6} seqs x {prompt_len:>6} tokens: rank 0 {r['rank0_us']['median']:8.1f} us "
                 f"(schedule {m['schedule']:.1f}, plan {m['plan']:.1f}, encode {m['encode']:.1f}, "
                 f"update {m['update']:.1f}), worker {r['worker_us']['median']:8.1f} us, "
-                f"plan {r['plan_bytes']['median']:.0f} B",
+                f"plan {r['plan_bytes']['median']:.0f} B (mean {r['plan_bytes']['mean']:.0f}, "
+                f"max {r['plan_bytes']['max']})",
                 flush=True,
             )
     args.out.write_text(

@@ -15,8 +15,9 @@ integer, an enum, a boolean and an array), advanced every step by a token its ma
 (drawn at random, so the rows sit in different states, inside strings and between keys, as a
 real batch does; a matcher that completes starts again). Timed per step, over the batch:
 
-    fill          GrammarState.fill for every constrained row, one after another
-    fill_batched  the same rows through the engine's batched fill (xgrammar's threads)
+    fill          GrammarState.fill for every constrained row, one after another (even steps)
+    fill_batched  the rows through the engine's batched fill, `fill_bitmasks`, which spreads
+                  them over xgrammar's threads (odd steps)
     apply         tp_engine.sampling.grammar_mask.apply_token_bitmask on [B, V] fp32 logits,
                   B = 256 rows of which `rows` are constrained; with `--device cuda` this
                   includes the bitmask's copy to the GPU, and ends with a synchronisation
@@ -122,14 +123,17 @@ def time_rows(
     batch_rows = list(range(0, BATCH, BATCH // rows))[:rows]
     outputs: list[list[int]] = [[] for _ in range(rows)]
     fill, fill_batched, apply = [], [], []
-    for _ in range(steps):
+    for step in range(steps):
+        # One fill per step, the two ways in turn: a second fill of the same states would find
+        # the matchers' per-state work already done.
         start = time.perf_counter()
-        for state, row in zip(states, batch_rows, strict=True):
-            state.fill(bitmask, row)
-        fill.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        fill_bitmasks(states, bitmask, batch_rows)
-        fill_batched.append(time.perf_counter() - start)
+        if step % 2 == 0:
+            for state, row in zip(states, batch_rows, strict=True):
+                state.fill(bitmask, row)
+            fill.append(time.perf_counter() - start)
+        else:
+            fill_bitmasks(states, bitmask, batch_rows)
+            fill_batched.append(time.perf_counter() - start)
         work = logits.clone()
         _synchronize(device)
         start = time.perf_counter()

@@ -33,7 +33,10 @@ class BlockTables:
         self.device = torch.device(device)
         self.host = np.zeros((num_rows, max_blocks), dtype=np.int32)  # [R, W]
         self.lengths = np.zeros(num_rows, dtype=np.int32)  # [R] blocks held per row
-        if self.device.type == "cuda":
+        # Whether the device table is separate memory that `apply_on_device` must edit (on
+        # the CPU it is the host table, edited by `apply` already).
+        self.has_device_copy = self.device.type == "cuda"
+        if self.has_device_copy:
             self.device_table = torch.zeros((num_rows, max_blocks), dtype=torch.int32,
                                             device=self.device)  # fmt: skip
         else:
@@ -46,19 +49,19 @@ class BlockTables:
     def apply(self, plan: StepPlan) -> np.ndarray:
         """Replay `plan`'s edits on the host table; returns them as `[3, N]` int32 (row, column,
         block id) cells, later edits winning, for `apply_on_device`."""
-        counts = np.diff(plan.edit_offsets)  # [E]
-        if counts.size == 0:
-            return np.zeros((3, 0), dtype=np.int32)
-        rows = np.repeat(plan.edit_rows, counts)  # [N]
-        within = np.arange(counts.sum(), dtype=np.int32) - np.repeat(plan.edit_offsets[:-1], counts)
-        cols = np.repeat(plan.edit_starts, counts) + within  # [N]
-        if cols.size and int(cols.max()) >= self.max_blocks:
-            raise ValueError(
-                f"step {plan.step_id}: an edit writes block column {int(cols.max())} of a table "
-                f"{self.max_blocks} wide"
-            )
-        blocks, edit_rows, final = plan.edit_blocks, plan.edit_rows, slice(None)
-        if np.bincount(edit_rows, minlength=1).max() > 1:
+        edit_rows, starts, offsets = plan.edit_rows, plan.edit_starts, plan.edit_offsets
+        if edit_rows.size == 0:
+            return _NO_CELLS
+        counts = offsets[1:] - offsets[:-1]  # [E]
+        blocks = plan.edit_blocks  # [N]
+        if blocks.size == edit_rows.size and np.count_nonzero(counts) == counts.size:
+            # One block per edit (the decode path: rows growing by a block): cells as they are.
+            rows, cols = edit_rows, starts
+        else:
+            rows = np.repeat(edit_rows, counts)  # [N]
+            cols = np.repeat(starts - offsets[:-1], counts) + np.arange(blocks.size)  # [N]
+        final = slice(None)
+        if np.bincount(edit_rows).max() > 1:
             # A row edited twice (given up and taken again, or a new row that grew at once):
             # each cell's last write, each row's last length (edits apply in order).
             cells = rows.astype(np.int64) * self.max_blocks + cols
@@ -67,28 +70,47 @@ class BlockTables:
             rows, cols, blocks = rows[keep], cols[keep], blocks[keep]
             _, last_edit = np.unique(edit_rows[::-1], return_index=True)
             final = edit_rows.size - 1 - last_edit
+        if cols.size and int(cols.max()) >= self.max_blocks:
+            raise ValueError(
+                f"step {plan.step_id}: an edit writes block column {int(cols.max())} of a table "
+                f"{self.max_blocks} wide"
+            )
         self.host[rows, cols] = blocks
-        self.lengths[edit_rows[final]] = plan.edit_starts[final] + counts[final]
-        return np.stack([rows, cols, blocks]).astype(np.int32, copy=False)
+        self.lengths[edit_rows[final]] = starts[final] + counts[final]
+        out = np.empty((3, rows.size), dtype=np.int32)
+        out[0], out[1], out[2] = rows, cols, blocks
+        return out
 
     def apply_on_device(self, cells: torch.Tensor) -> None:
         """Write `apply`'s `[3, N]` cells (now on the device) into the device table."""
-        if self.device.type == "cuda" and cells.shape[1]:
+        if self.has_device_copy and cells.shape[1]:
             rows, cols, blocks = cells.long()
             self.device_table[rows, cols] = blocks.to(torch.int32)
 
-    def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Cache slot of each token: `rows`, `positions` `[T]` -> `[T]` int32."""
+    def slots(
+        self, rows: np.ndarray, positions: np.ndarray, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Cache slot of each token: `rows`, `positions` `[T]` -> `[T]` int64 (into `out`)."""
         bs = self.block_size
-        return (self.host[rows, positions // bs] * bs + positions % bs).astype(np.int32)
+        block_index, offset = np.divmod(positions, bs)
+        out = np.multiply(self.host[rows, block_index], bs, out=out, dtype=np.int64)
+        out += offset
+        return out
 
     def gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """`[B, width]` int32 block tables of `rows` (a device tensor), read on the device.
+        """`[B, width]` int32 block tables of `rows` (an int64 device tensor), read on the
+        device.
 
         On a GPU whole rows are gathered and the result is a view with the full table's row
         stride: a few microseconds of device bandwidth, and the attention kernels see one stride
-        for every step. On the CPU (tests) only the `width` columns needed are copied.
+        for every step. On the CPU (tests) only the `width` columns needed are copied, by numpy
+        (from the same memory: a few times quicker than torch's index_select at this size).
         """
-        if self.device.type == "cuda":
-            return self.device_table.index_select(0, rows.long())[:, :width]
-        return self.device_table[:, :width].index_select(0, rows.long())
+        if self.has_device_copy:
+            return self.device_table.index_select(0, rows)[:, :width]
+        return torch.from_numpy(self.host[rows.numpy(), :width])
+
+
+# The cells of a plan that edits nothing (most decode steps); shared, hence read-only.
+_NO_CELLS = np.zeros((3, 0), dtype=np.int32)
+_NO_CELLS.flags.writeable = False

@@ -4,44 +4,50 @@ The plan's arrays are read-only views into a ring slot that rank 0 will overwrit
 everything is copied out here; nothing downstream keeps a reference to the plan. Per step:
 
 1. the plan's block-table edits are replayed on the host mirror (`BlockTables.apply`);
-2. positions and cache slots are derived on the host, with numpy, from the plan's layout and
-   the mirror (no Python loop over sequences or tokens);
-3. everything the device needs is packed into one flat int32 host buffer, which travels in ONE
-   host-to-device copy; the inputs are views of the device buffer (widened to int64 where the
-   model indexes with them), and the same copy brings the edits for the device table:
+2. everything the device needs is written straight into one flat host buffer: the plan's
+   arrays, and positions and cache slots derived there with numpy from the plan's layout and
+   the mirror (no Python loop over sequences or tokens). Index inputs are widened to int64 on
+   the way, so that the device gets them ready to use (no conversion op per input per step):
 
-    flat int32, each segment starting at a multiple of 4 elements (16 bytes)
-    | input_ids[T] | positions[T] | slot_mapping[T] | query_start_loc[B+1] | seq_lens[B] |
-    | rows[B] | logits_indices[B'] | edited cells[3 * N] (row, column, block id) |
+    flat int32 elements, each segment starting at a multiple of 4 elements (16 bytes); an
+    int64 segment takes two elements per value
+    | input_ids[T] i64 | positions[T] i64 | slot_mapping[T] i64 | logits_indices[B'] i64 |
+    | rows[B] i64 | query_start_loc[B+1] | seq_lens[B] | edited cells[3 * N] (GPU only) |
 
-4. on the device: the edits are scattered into the device table, and the step's block tables
-   are read out of it by row (`BlockTables.gather`).
+3. the buffer travels in ONE host-to-device copy; the inputs are views of the device buffer,
+   and on a GPU the same copy brings the edited (row, column, block id) cells, which are
+   scattered into the device table; the step's block tables are then read out of it by row
+   (`BlockTables.gather`).
+
+The segments' offsets depend only on (T, B, B') (the cells come last), and a steady decode
+batch keeps that shape step after step: the views of a shape are made once and reused (a torch
+view costs microseconds, and a step takes eight of them).
 
 `StepInputBuffers` owns those buffers for the runner's whole life, sized for the largest step
 the scheduler sends (T_max = max_num_batched_tokens, B_max = max_num_seqs, B'_max =
 max_num_logits_rows, N_max = the blocks a full token budget and one new block per sequence
 take). On CUDA:
 
-    pack --> pinned host[k] --H2D, non_blocking--> device buffer --> views
+    write --> pinned host[k] --H2D, non_blocking--> device buffer --> views
                   (k = 0, 1, 0, 1, ... per step; event[k] recorded after its copy)
 
 An async copy reads pinned memory when the GPU gets to it, which may be after the host has
-moved on: rank 0 packs step t+1 while the GPU still runs step t. Refilling the buffer that
+moved on: rank 0 prepares step t+1 while the GPU still runs step t. Refilling the buffer that
 copy is reading would hand the GPU half of the next step's inputs. So the host buffers
-alternate, and packing into buffer k first waits on event[k], the end of the copy that last
+alternate, and writing into buffer k first waits on event[k], the end of the copy that last
 read it (two steps ago, normally long done: the wait costs nothing unless the host is two
 steps ahead). The device buffer and table need no such care as long as every step runs on one
 stream (the current one): the next step's copy and scatter are queued behind this step's
 kernels.
 
 On CPU there is nothing asynchronous: one plain host buffer, and the "device" views are views
-of it (the packing is the one copy out of shared memory). A step larger than the buffers (a
-plan whose edits rewrite many long rows at once, e.g. admissions with long cached prefixes) is
-staged in a one-off allocation instead.
+of it (writing it is the one copy out of shared memory); the host table is the device table,
+so no cells travel. A step larger than the buffers (a plan whose edits rewrite many long rows
+at once, e.g. admissions with long cached prefixes) is staged in a one-off allocation instead.
 
-Consequence for callers: the int32 views (query_start_loc, seq_lens) alias the persistent
-buffer, so a step's inputs are valid until the next `prepare_inputs` with the same buffers;
-nothing may keep them across steps.
+Consequence for callers: every input is a view of the persistent buffers, so a step's inputs
+are valid until the next `prepare_inputs` with the same buffers (on a GPU: in stream order, so
+the kernels already queued read their own step's); nothing may keep them across steps.
 
 Placeholder ids (asynchronous scheduling): `input_ids[i] < 0` stands for the token sampled from
 logits row `-input_ids[i] - 1` of the previous RUN step, which rank 0 did not wait for. The
@@ -53,7 +59,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -68,46 +76,65 @@ logger = logging.getLogger(__name__)
 
 # Every segment starts on a 16-byte boundary (4 int32), as a separate allocation would: Triton
 # specialises kernels on pointer alignment, and an odd offset would cost vectorised loads and a
-# second compilation.
+# second compilation. (It also keeps every int64 segment 8-byte aligned.)
 _ALIGN = 4
-# Segment names in packing order.
-_SEGMENTS = (
-    "input_ids",
-    "positions",
-    "slot_mapping",
-    "query_start_loc",
-    "seq_lens",
-    "rows",
-    "logits_indices",
-    "cells",
-)
+# Segments in packing order, int64 ones (index inputs) first; the edited cells follow.
+_I64_SEGMENTS = ("input_ids", "positions", "slot_mapping", "logits_indices", "rows")
+_I32_SEGMENTS = ("query_start_loc", "seq_lens")
+# Layouts whose views a buffer keeps (a decode batch uses one; prefill steps vary).
+_MAX_CACHED_LAYOUTS = 8
 
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def packed_size(lengths: list[int]) -> int:
-    """int32 elements of segments of these lengths, alignment padding included."""
-    return sum(_aligned(n) for n in lengths)
+class _Layout:
+    """Where the segments of a step with T tokens, B sequences and B' logits rows lie in the
+    flat int32 buffer (see the module docstring), and views of them."""
+
+    def __init__(self, num_tokens: int, num_seqs: int, num_logits: int) -> None:
+        t, b = num_tokens, num_seqs
+        lengths = {
+            "input_ids": t,
+            "positions": t,
+            "slot_mapping": t,
+            "logits_indices": num_logits,
+            "rows": b,
+            "query_start_loc": b + 1,
+            "seq_lens": b,
+        }
+        # name -> (first int32 element, number of values, int64?)
+        self.segments: dict[str, tuple[int, int, bool]] = {}
+        offset = 0
+        for name in _I64_SEGMENTS:
+            self.segments[name] = (offset, lengths[name], True)
+            offset += _aligned(2 * lengths[name])
+        for name in _I32_SEGMENTS:
+            self.segments[name] = (offset, lengths[name], False)
+            offset += _aligned(lengths[name])
+        self.cells_offset = offset
+
+    def size(self, num_cells: int) -> int:
+        """int32 elements of the buffer with `num_cells` edited cells."""
+        return self.cells_offset + _aligned(3 * num_cells)
+
+    def numpy_views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        return {
+            name: flat[o : o + 2 * n].view(np.int64) if wide else flat[o : o + n]
+            for name, (o, n, wide) in self.segments.items()
+        }
+
+    def torch_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            name: flat[o : o + 2 * n].view(torch.int64) if wide else flat[o : o + n]
+            for name, (o, n, wide) in self.segments.items()
+        }
 
 
-def _pack(parts: list[np.ndarray], out: np.ndarray) -> int:
-    """Copy `parts` into `out` (int32) at aligned offsets; returns the elements used."""
-    start = 0
-    for arr in parts:
-        out[start : start + arr.size] = arr.reshape(-1)
-        start += _aligned(arr.size)
-    return start
-
-
-def _unpack(parts: list[np.ndarray], flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Views of the packed segments in `flat`, by name."""
-    views, start = {}, 0
-    for name, arr in zip(_SEGMENTS, parts, strict=True):
-        views[name] = flat[start : start + arr.size]
-        start += _aligned(arr.size)
-    return views
+def packed_size(num_tokens: int, num_seqs: int, num_logits: int, num_cells: int) -> int:
+    """int32 elements of a step's segments, alignment padding included."""
+    return _Layout(num_tokens, num_seqs, num_logits).size(num_cells)
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,6 +147,11 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata  # slot_mapping int64, the sequence layout int32
     logits_indices: torch.Tensor  # [B'] int64
+
+
+# Writes one step's segments into their host views (and its cells into the [3, N] view, if any).
+Writer = Callable[[dict[str, np.ndarray], np.ndarray | None], None]
+_Flat = TypeVar("_Flat", np.ndarray, torch.Tensor)
 
 
 class StepInputBuffers:
@@ -138,8 +170,7 @@ class StepInputBuffers:
         device: torch.device | str,
     ) -> None:
         self.device = torch.device(device)
-        t, b = max_num_tokens, max_num_seqs
-        self.capacity = packed_size([t, t, t, b + 1, b, b, max_num_logits, 3 * max_edit_cells])
+        self.capacity = packed_size(max_num_tokens, max_num_seqs, max_num_logits, max_edit_cells)
         self.num_fallbacks = 0  # steps too large for the buffers, staged one-off
         self._is_cuda = self.device.type == "cuda"
         if self._is_cuda:
@@ -155,7 +186,12 @@ class StepInputBuffers:
             self._copied = []
             self._device_buf = self._host[0]
         self._host_np = [h.numpy() for h in self._host]
-        self._next = 0  # the host buffer the next step packs into
+        self._next = 0  # the host buffer the next step writes
+        # (T, B, B') -> the layout, its numpy views of each host buffer, its device views.
+        self._views: dict[
+            tuple[int, int, int],
+            tuple[_Layout, list[dict[str, np.ndarray]], dict[str, torch.Tensor]],
+        ] = {}
 
     @classmethod
     def for_config(cls, config: RunnerConfig, device: torch.device | str) -> StepInputBuffers:
@@ -171,9 +207,30 @@ class StepInputBuffers:
             device=device,
         )
 
-    def stage(self, parts: list[np.ndarray], step_id: int) -> torch.Tensor:
-        """The segments packed into a flat int32 device tensor `[n]` (module docstring)."""
-        size = packed_size([p.size for p in parts])
+    def _views_of(
+        self, key: tuple[int, int, int]
+    ) -> tuple[_Layout, list[dict[str, np.ndarray]], dict[str, torch.Tensor]]:
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= _MAX_CACHED_LAYOUTS:
+                del self._views[next(iter(self._views))]  # the oldest
+            layout = _Layout(*key)
+            views = (
+                layout,
+                [layout.numpy_views(h) for h in self._host_np],
+                layout.torch_views(self._device_buf),
+            )
+            self._views[key] = views
+        return views
+
+    def stage(
+        self, key: tuple[int, int, int], num_cells: int, write: Writer, step_id: int
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """Let `write` fill a step's segments (shape `key` = (T, B, B'), `num_cells` edited
+        cells) in a host buffer, bring them to the device in one copy and return the device
+        views and the `[3, num_cells]` cells (None without any; module docstring)."""
+        layout, host_views, device_views = self._views_of(key)
+        size = layout.size(num_cells)
         if size > self.capacity:
             self.num_fallbacks += 1
             logger.debug(
@@ -183,27 +240,37 @@ class StepInputBuffers:
                 size,
                 self.capacity,
             )
-            return _stage_unbuffered(parts, self.device)
+            return _stage_unbuffered(layout, num_cells, write, self.device)
         k = self._next
         self._next = (k + 1) % len(self._host)
-        if not self._is_cuda:
-            n = _pack(parts, self._host_np[k])
-            return self._device_buf[:n]
-        # The copy that last read host[k] must be done before it is overwritten (see the
-        # module docstring); a never-recorded event returns at once.
-        self._copied[k].synchronize()
-        n = _pack(parts, self._host_np[k])
-        flat = self._device_buf[:n]
-        flat.copy_(self._host[k][:n], non_blocking=True)
-        self._copied[k].record(torch.cuda.current_stream(self.device))
-        return flat
+        host_cells = _cells(self._host_np[k], layout, num_cells)
+        if self._is_cuda:
+            # The copy that last read host[k] must be done before it is overwritten (see the
+            # module docstring); a never-recorded event returns at once.
+            self._copied[k].synchronize()
+        write(host_views[k], host_cells)
+        if self._is_cuda:
+            self._device_buf[:size].copy_(self._host[k][:size], non_blocking=True)
+            self._copied[k].record(torch.cuda.current_stream(self.device))
+        return device_views, _cells(self._device_buf, layout, num_cells)
 
 
-def _stage_unbuffered(parts: list[np.ndarray], device: torch.device) -> torch.Tensor:
+def _cells(flat: _Flat, layout: _Layout, num_cells: int) -> _Flat | None:
+    """The `[3, num_cells]` cells segment of `flat`; None without cells (most steps)."""
+    if not num_cells:
+        return None
+    o = layout.cells_offset
+    return flat[o : o + 3 * num_cells].reshape(3, num_cells)
+
+
+def _stage_unbuffered(
+    layout: _Layout, num_cells: int, write: Writer, device: torch.device
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """The allocation path: a fresh host buffer, copied synchronously where it must move."""
-    host = np.empty(packed_size([p.size for p in parts]), dtype=np.int32)
-    _pack(parts, host)
-    return torch.from_numpy(host).to(device)
+    host = np.empty(layout.size(num_cells), dtype=np.int32)
+    write(layout.numpy_views(host), _cells(host, layout, num_cells))
+    flat = torch.from_numpy(host).to(device)
+    return layout.torch_views(flat), _cells(flat, layout, num_cells)
 
 
 def _placeholder_source(plan: StepPlan, last_sampled: torch.Tensor | None) -> torch.Tensor | None:
@@ -235,10 +302,10 @@ def _placeholder_source(plan: StepPlan, last_sampled: torch.Tensor | None) -> to
 def positions_of(plan: StepPlan) -> np.ndarray:
     """`[T]` int32 position of every new token: each sequence's are the last `q_len` of its
     `seq_len` (see AttentionMetadata)."""
-    q_lens = np.diff(plan.query_start_loc)  # [B]
-    seq_of_token = np.repeat(np.arange(plan.num_seqs, dtype=np.int32), q_lens)  # [T]
-    first = plan.seq_lens - q_lens - plan.query_start_loc[:-1]  # [B] position minus token index
-    return (np.arange(plan.num_tokens, dtype=np.int32) + first[seq_of_token]).astype(np.int32)
+    qsl = plan.query_start_loc
+    q_lens = qsl[1:] - qsl[:-1]  # [B]
+    first = plan.seq_lens - q_lens - qsl[:-1]  # [B] position minus token index
+    return np.arange(plan.num_tokens, dtype=np.int32) + np.repeat(first, q_lens)
 
 
 def prepare_inputs(
@@ -259,7 +326,7 @@ def prepare_inputs(
     `last_sampled`: `[B'_prev]` int64 on the device, the tokens sampled from the previous RUN
     step's logits rows; needed when the plan has placeholder ids (`input_ids[i] < 0` means row
     `-input_ids[i] - 1`). Raises ValueError naming the step when they are missing or too few.
-    Token ids, positions, slots and logits rows become int64 (index tensors); the sequence
+    Token ids, positions, slots and logits rows are int64 (index tensors); the sequence
     layout stays int32, as attention kernels take it.
     """
     device = tables.device
@@ -267,44 +334,59 @@ def prepare_inputs(
         raise ValueError(f"input buffers live on {buffers.device}, the inputs go to {device}")
     sampled = _placeholder_source(plan, last_sampled)
     cells = tables.apply(plan)  # [3, N]
-    positions = positions_of(plan)  # [T]
-    q_lens = np.diff(plan.query_start_loc)  # [B]
-    token_rows = np.repeat(plan.rows, q_lens)  # [T]
-    slots = tables.slots(token_rows, positions) if store_kv else np.full_like(positions, -1)
-    parts = [
-        plan.input_ids,
-        positions,
-        slots,
-        plan.query_start_loc,
-        plan.seq_lens,
-        plan.rows,
-        plan.logits_indices,
-        cells,
-    ]
+    num_cells = cells.shape[1] if tables.has_device_copy else 0  # else nothing to send
+    t, b = plan.num_tokens, plan.num_seqs
+    qsl = plan.query_start_loc
+    q_lens = qsl[1:] - qsl[:-1]  # [B]
+    # A decode batch (one token each: T == B and no empty entry) needs no per-token layout.
+    decode_only = 0 < b == t and np.count_nonzero(q_lens) == b
+
+    def write(host: dict[str, np.ndarray], host_cells: np.ndarray | None) -> None:
+        host["input_ids"][...] = plan.input_ids
+        host["logits_indices"][...] = plan.logits_indices
+        rows = host["rows"]  # [B] int64: numpy indexes with it as it is
+        rows[...] = plan.rows
+        host["query_start_loc"][...] = qsl
+        host["seq_lens"][...] = plan.seq_lens
+        positions = host["positions"]
+        if decode_only:
+            np.subtract(plan.seq_lens, 1, out=positions)
+            token_rows = rows
+        else:
+            positions[...] = positions_of(plan)
+            token_rows = np.repeat(rows, q_lens)
+        if store_kv:
+            tables.slots(token_rows, positions, out=host["slot_mapping"])
+        else:
+            host["slot_mapping"].fill(-1)
+        if host_cells is not None:
+            host_cells[...] = cells
+
+    key = (t, b, int(plan.logits_indices.size))
     if buffers is not None:
-        flat = buffers.stage(parts, plan.step_id)
+        views, device_cells = buffers.stage(key, num_cells, write, plan.step_id)
     else:
-        flat = _stage_unbuffered(parts, device)
-    views = _unpack(parts, flat)
-    tables.apply_on_device(views["cells"].view(3, -1))
-    input_ids = views["input_ids"].to(torch.int64)  # [T], a copy: the views below alias flat
+        views, device_cells = _stage_unbuffered(_Layout(*key), num_cells, write, device)
+    if device_cells is not None:
+        tables.apply_on_device(device_cells)
+    input_ids = views["input_ids"]  # [T]
     if sampled is not None:
         # A gather on the device: the previous step's tokens never visit the host. Real ids
         # index row 0 (clamped), which exists since some placeholder refers to a row.
         ids_rows = (-input_ids - 1).clamp_(min=0)  # [T]
         input_ids = torch.where(input_ids >= 0, input_ids, sampled.to(torch.int64)[ids_rows])
 
-    # Host copies of the layout: attention reads them on the host (no device sync).
-    query_start_loc_host = np.array(plan.query_start_loc, dtype=np.int32)  # [B+1]
-    seq_lens_host = np.array(plan.seq_lens, dtype=np.int32)  # [B]
-    max_seq_len = int(seq_lens_host.max()) if seq_lens_host.size else 0
-    width = -(-max_seq_len // tables.block_size)
+    # Host copies of the layout (attention reads them on the host: no device sync): the
+    # plan's, copied out of the ring slot, which rank 0 will overwrite.
+    query_start_loc_host = qsl.copy()  # [B+1]
+    seq_lens_host = plan.seq_lens.copy()  # [B]
+    max_seq_len = int(seq_lens_host.max()) if b else 0
     meta = AttentionMetadata(
-        slot_mapping=views["slot_mapping"].to(torch.int64),  # [T]
+        slot_mapping=views["slot_mapping"],  # [T] int64
         query_start_loc=views["query_start_loc"],  # [B+1] int32
         seq_lens=views["seq_lens"],  # [B] int32
-        block_table=tables.gather(views["rows"], width),  # [B, W] int32
-        max_query_len=int(q_lens.max()) if q_lens.size else 0,
+        block_table=tables.gather(views["rows"], -(-max_seq_len // tables.block_size)),
+        max_query_len=1 if decode_only else (int(q_lens.max()) if b else 0),
         max_seq_len=max_seq_len,
         query_start_loc_host=query_start_loc_host,
         seq_lens_host=seq_lens_host,
@@ -312,7 +394,7 @@ def prepare_inputs(
     return StepInputs(
         step_id=plan.step_id,
         input_ids=input_ids,
-        positions=views["positions"].to(torch.int64),  # [T]
+        positions=views["positions"],  # [T] int64
         meta=meta,
-        logits_indices=views["logits_indices"].to(torch.int64),  # [B']
+        logits_indices=views["logits_indices"],  # [B'] int64
     )

@@ -44,6 +44,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -81,6 +82,12 @@ class Command(enum.IntEnum):
 
     RUN = 1  # run one forward pass over the plan's tokens
     EXIT = 2  # leave the worker loop cleanly; the arrays are empty
+
+
+# A plan's arrays in wire order, in one call.
+_wire_arrays = attrgetter(*ARRAY_FIELDS)
+# Header value -> Command, without the enum's (slower) call.
+_COMMANDS = {int(command): command for command in Command}
 
 
 class PlanDecodeError(ValueError):
@@ -196,29 +203,30 @@ class StepPlan:
 
     def encode_into(self, buf: memoryview) -> int:
         """Write the plan into `buf` (at least `encoded_size()` bytes); returns bytes written."""
-        size = self.encoded_size()
+        arrays = _wire_arrays(self)
+        total = sum(arr.size for arr in arrays)  # int32 elements after the header
+        size = HEADER_SIZE + 4 * total
         if len(buf) < size:
             raise ValueError(f"buffer of {len(buf)} bytes is too small for a {size}-byte plan")
+        input_ids, _, seq_lens, _, logits_indices, edit_rows, _, _, edit_blocks = arrays
         _HEADER.pack_into(
             buf,
             0,
             MAGIC,
             VERSION,
-            int(self.command),
+            self.command,
             self.step_id,
-            self.num_tokens,
-            self.num_seqs,
-            self.logits_indices.size,
-            self.num_edits,
-            self.edit_blocks.size,
+            input_ids.size,
+            seq_lens.size,
+            logits_indices.size,
+            edit_rows.size,
+            edit_blocks.size,
             0,
         )
-        offset = HEADER_SIZE
-        for name in ARRAY_FIELDS:
-            arr = getattr(self, name)
-            np.frombuffer(buf, dtype=_I32, count=arr.size, offset=offset)[:] = arr.reshape(-1)
-            offset += 4 * arr.size
-        return offset
+        # The arrays back to back, written by one concatenate straight into the buffer.
+        body = np.frombuffer(buf, dtype=_I32, count=total, offset=HEADER_SIZE)
+        np.concatenate(arrays, out=body)
+        return size
 
     def encode(self) -> bytes:
         buf = bytearray(self.encoded_size())
@@ -242,31 +250,31 @@ class StepPlan:
             raise PlanDecodeError(f"plan version {version}, this build reads {VERSION}")
         if reserved:
             raise PlanDecodeError(f"reserved header field is {reserved}, not 0")
-        try:
-            cmd = Command(command)
-        except ValueError:
-            raise PlanDecodeError(f"unknown command {command}") from None
+        cmd = _COMMANDS.get(command)
+        if cmd is None:
+            raise PlanDecodeError(f"unknown command {command}")
         counts = (t, b + 1, b, b, n_logits, e, e, e + 1, n)
-        expected = HEADER_SIZE + 4 * sum(counts)
+        total = sum(counts)
+        expected = HEADER_SIZE + 4 * total
         if len(view) != expected:
             raise PlanDecodeError(f"plan of {len(view)} bytes, header says {expected}")
-        arrays = {}
-        offset = HEADER_SIZE
-        for name, count in zip(ARRAY_FIELDS, counts, strict=True):
-            arr = np.frombuffer(view, dtype=_I32, count=count, offset=offset)
-            arr.flags.writeable = False
-            arrays[name] = arr
-            offset += 4 * count
-        qsl, offsets = arrays["query_start_loc"], arrays["edit_offsets"]
+        body = np.frombuffer(view, dtype=_I32, count=total, offset=HEADER_SIZE)
+        body.flags.writeable = False  # and so every view of it below
+        arrays = []  # in ARRAY_FIELDS order, which is also the dataclass's field order
+        offset = 0
+        for count in counts:
+            arrays.append(body[offset : offset + count])
+            offset += count
+        qsl, logits, offsets = arrays[1], arrays[4], arrays[7]
         # Compared pairwise, not with np.diff: an int32 diff wraps around, and a wrapped jump
         # (e.g. 2**31 - 1 -> -2**31) would pass as an increase.
-        if qsl[0] != 0 or qsl[-1] != t or bool(np.any(qsl[1:] < qsl[:-1])):
+        if qsl[0] != 0 or qsl[-1] != t or np.count_nonzero(qsl[1:] < qsl[:-1]):
             raise PlanDecodeError(
                 "query_start_loc is not a non-decreasing run from 0 to num_tokens"
             )
-        if offsets[0] != 0 or offsets[-1] != n or bool(np.any(offsets[1:] < offsets[:-1])):
+        if offsets[0] != 0 or offsets[-1] != n or np.count_nonzero(offsets[1:] < offsets[:-1]):
             raise PlanDecodeError("edit_offsets is not a non-decreasing run from 0 to num_blocks")
-        logits = arrays["logits_indices"]
-        if n_logits and (logits.min() < 0 or logits.max() >= t):
+        # One comparison for both bounds: seen as uint32, a negative index is above any T.
+        if np.count_nonzero(logits.view(np.uint32) >= t):
             raise PlanDecodeError("logits_indices out of range")
-        return cls(step_id=step_id, command=cmd, **arrays)
+        return cls(step_id, cmd, *arrays)

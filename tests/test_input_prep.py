@@ -206,19 +206,20 @@ def test_buffers_are_reused_and_results_last_one_step():
     ref, buffers, tables = Reference(), small_buffers(), new_tables()
     a = ref.random_plan(rng, 0)
     first = prepare_inputs(a, tables, buffers=buffers)
-    want_first = ref.inputs(a)
     b = ref.random_plan(rng, 1)
     second = prepare_inputs(b, tables, buffers=buffers)
     ref.check(second, b)
 
-    # The int32 layout views of both steps sit in the same persistent memory: step 0's are
-    # documented as valid only until the next call.
+    # Every input of both steps (int64 ones included: widened on the host) sits in the same
+    # persistent memory: step 0's are documented as valid only until the next call.
     def storage(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
 
-    assert storage(first.meta.seq_lens) == storage(second.meta.query_start_loc)
-    # The int64 tensors are the step's own (widened on the device), and outlive it.
-    assert torch.equal(first.input_ids, want_first["input_ids"])
+    for name, tensor in flatten(first).items():
+        assert storage(tensor) == storage(second.meta.query_start_loc), name
+    # A step of the same shape reuses the same views.
+    again = prepare_inputs(b, new_tables(), buffers=buffers)
+    assert again.positions is second.positions
 
 
 def test_the_largest_step_fits_and_a_larger_one_falls_back():
@@ -245,9 +246,10 @@ def test_buffers_for_config_are_sized_for_the_largest_step():
         max_model_len=100, block_size=16, max_num_seqs=4, max_num_batched_tokens=32
     )
     buffers = StepInputBuffers.for_config(config, "cpu")
-    # 3T + (B+1) + B + B + B' + 3 * cells, cells = ceil(32 / 16) + 2 * 4, each rounded up to
-    # 4 elements; B' = T (no max_num_logits_rows given: every token's row).
-    assert buffers.capacity == 3 * 32 + 8 + 4 + 4 + 32 + 32
+    # int64 (two elements each): 3T + B' + B; int32: (B+1) + B + 3 * cells, cells =
+    # ceil(32 / 16) + 2 * 4; each segment rounded up to 4 elements; B' = T (no
+    # max_num_logits_rows given: every token's row).
+    assert buffers.capacity == 2 * (3 * 32 + 32 + 4) + 8 + 4 + 32
 
 
 def test_buffers_refuse_another_device():
@@ -336,12 +338,17 @@ def test_pinned_buffers_wait_for_their_copy_gpu():
         wants = [ref.inputs(p) for p in plans]  # before later plans change the reference
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # a few tenths of a second of GPU time
-        results = [prepare_inputs(p, tables, buffers=buffers) for p in plans]
+        results: list[StepInputs] = []
+        # Every input aliases the device buffer, valid until the next step's copy lands:
+        # cloned in stream order, each step's are what its kernels would read.
+        snapshots = []
+        for p in plans:
+            inputs = prepare_inputs(p, tables, buffers=buffers)
+            snapshots.append({name: t.clone() for name, t in flatten(inputs).items()})
+            results.append(inputs)
         torch.cuda.synchronize()
-        for inputs, want in zip(results, wants, strict=True):
-            # The int64 tensors are each step's own; the int32 views alias the device buffer,
-            # which holds the last step's by now.
+        for got, want in zip(snapshots, wants, strict=True):
             for name in ("input_ids", "positions", "slot_mapping", "logits_indices"):
-                assert torch.equal(flatten(inputs)[name].cpu(), want[name]), name
+                assert torch.equal(got[name].cpu(), want[name]), name
         ref.check(results[-1], plans[-1])
         assert torch.equal(tables.device_table.cpu(), torch.from_numpy(tables.host))

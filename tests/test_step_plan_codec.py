@@ -9,6 +9,7 @@ corruption of the magic, version, command or any length is rejected outright.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import hypothesis.extra.numpy as hnp
@@ -92,6 +93,12 @@ def assert_faithful(data: bytes, plan: StepPlan) -> None:
 
 
 # -- round trips -------------------------------------------------------------------------------
+
+
+def test_wire_order_is_the_field_order() -> None:
+    # `decode` passes the arrays to the constructor positionally, in wire order.
+    names = [f.name for f in dataclasses.fields(StepPlan)]
+    assert names == ["step_id", "command", *ARRAY_FIELDS]
 
 
 @given(plans())

@@ -15,7 +15,7 @@ persistent batch of vLLM v1 and SGLang's request-to-token pool, for this engine.
       num_placeholders[r]       samples of those steps (tokens not known yet)
       sample_row[r]             s's row among the samples of the last step that sampled it
       last_token[r]             s.token_ids[-1], the input of its next decode
-      prompt_len[r], length_end[r], min_output[r], stops_on_eos[r], prompt_only[r],
+      prompt_len[r], length_end[r], stops_on_eos[r], prompt_only[r],
       has_stop_ids[r], wants_prompt_logprobs[r]: what the stop checks and the scheduler read
       temperature[r], top_k[r], top_p[r], min_p[r], needs_python[r]: what sampling reads
 
@@ -94,7 +94,6 @@ class RunningBatch:
         self.prompt_len = np.zeros(r, dtype=np.int32)
         # num_tokens at which the sequence ends by length (max_tokens, or max_model_len).
         self.length_end = np.zeros(r, dtype=np.int32)
-        self.min_output = np.zeros(r, dtype=np.int32)
         self.stops_on_eos = np.zeros(r, dtype=bool)
         self.prompt_only = np.zeros(r, dtype=bool)
         self.has_stop_ids = np.zeros(r, dtype=bool)
@@ -106,8 +105,18 @@ class RunningBatch:
         # Rows whose sampling needs their Sequence (penalties, min_tokens bans, a seed,
         # logprobs, a thinking budget): the sampling builder visits these in Python.
         self.needs_python = np.zeros(r, dtype=bool)
-        # Occupied rows in admission order.
-        self.order = np.zeros(0, dtype=np.int32)
+        # Occupied rows in admission order. Row indices are intp throughout the batch: numpy
+        # gathers and scatters with intp indices directly, with int32 ones it first converts
+        # them (three times slower at a few hundred rows; the decode path does dozens a step).
+        self.order = np.zeros(0, dtype=np.intp)
+        # Running rows with each rare flag set: the decode path skips what no row needs
+        # without looking at the flags.
+        self.num_prompt_only = 0
+        self.num_with_stop_ids = 0
+        self.num_wanting_prompt_logprobs = 0
+        # Rows given back so far. While it stays the same, every row holds the sequence it
+        # held: a step scheduled at that count finds all its rows live when it is applied.
+        self.num_removals = 0
         self._free = list(range(r))  # a heap: lowest row first
         self.changes = TableChanges()
 
@@ -135,7 +144,6 @@ class RunningBatch:
         if p.max_tokens is not None:
             max_len = min(max_len, seq.num_prompt_tokens + p.max_tokens)
         self.length_end[row] = max_len
-        self.min_output[row] = p.min_tokens
         self.stops_on_eos[row] = not p.ignore_eos
         self.prompt_only[row] = seq.is_prompt_only
         self.has_stop_ids[row] = bool(p.stop_token_ids)
@@ -154,7 +162,8 @@ class RunningBatch:
             or p.thinking_token_budget is not None
             or p.structured_outputs is not None
         )
-        self.order = np.append(self.order, np.int32(row))
+        self._count_flags(row, 1)
+        self.order = np.append(self.order, row)
         seq.row = row
         seq.batch = self
         return row
@@ -169,12 +178,19 @@ class RunningBatch:
         seq.num_computed_tokens = int(self.num_computed[row])
         seq.num_inflight_tokens = int(self.num_inflight[row])
         seq.num_placeholders = int(self.num_placeholders[row])
+        self._count_flags(row, -1)
+        self.num_removals += 1
         self.seqs[row] = None
         self.serial[row] = 0
         self.num_blocks[row] = 0
         self.order = self.order[self.order != row]
         heapq.heappush(self._free, row)
         self.changes.add(row, 0, [])
+
+    def _count_flags(self, row: int, sign: int) -> None:
+        self.num_prompt_only += sign * bool(self.prompt_only[row])
+        self.num_with_stop_ids += sign * bool(self.has_stop_ids[row])
+        self.num_wanting_prompt_logprobs += sign * bool(self.wants_prompt_logprobs[row])
 
     # -- block tables ----------------------------------------------------------------------------
 
@@ -195,11 +211,11 @@ class RunningBatch:
         self.changes.add(row, have, list(new))
 
     def append_blocks(self, rows: np.ndarray, block_ids: list[int]) -> None:
-        """One new block for each of `rows` (the BlockManager handed them out): into the
+        """One new block for each of `rows` (intp; the BlockManager handed them out): into the
         sequences' block lists and their rows, logged."""
         starts = self.num_blocks[rows]
         self.block_table[rows, starts] = block_ids
-        self.num_blocks[rows] += 1
+        self.num_blocks[rows] = starts + 1
         rows_list = rows.tolist()
         seqs = self.seqs
         for row, block_id in zip(rows_list, block_ids, strict=True):
@@ -212,15 +228,6 @@ class RunningBatch:
         return changes
 
     # -- derived per-row quantities ----------------------------------------------------------------
-
-    def num_uncomputed(self, rows: np.ndarray) -> np.ndarray:
-        """Tokens still to schedule before the next sample (counting in-flight steps), per row."""
-        return (
-            self.num_tokens[rows]
-            + self.num_placeholders[rows]
-            - self.num_computed[rows]
-            - self.num_inflight[rows]
-        )
 
     def is_greedy(self, rows: np.ndarray) -> np.ndarray:
         return self.temperature[rows] <= GREEDY_EPSILON

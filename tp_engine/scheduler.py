@@ -53,6 +53,11 @@ from tp_engine.running_batch import RunningBatch, TableChanges
 from tp_engine.sequence import Sequence, SequenceStatus
 
 
+def _read_only(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
+
+
 class RequestRejectedError(ValueError):
     """A request that can never be served as asked; the message says why."""
 
@@ -63,7 +68,7 @@ class ScheduledStep:
     `num_single` single-token entries of the vectorised path first (running decodes, admission
     order), then the entries planned one by one (prefill chunks, admissions)."""
 
-    # [B] int32: each entry's RunningBatch row, and [B] int64 the serial of the sequence that
+    # [B] intp: each entry's RunningBatch row, and [B] int64 the serial of the sequence that
     # held it when scheduled (`update` ignores rows that changed hands since).
     rows: np.ndarray
     serials: np.ndarray
@@ -86,6 +91,9 @@ class ScheduledStep:
     num_decodes: int
     # What changed in the block tables since the last step (for the workers' mirrors).
     table_changes: TableChanges
+    # `RunningBatch.num_removals` when the step was scheduled: while it is unchanged, no row
+    # has changed hands and `update` need not compare serials (None: compare them).
+    num_removals: int | None = None
 
     @property
     def num_entries(self) -> int:
@@ -159,6 +167,10 @@ class Scheduler:
         )
         self.waiting: deque[Sequence] = deque()
         self._requests: dict[str, Sequence] = {}
+        # Read-only ones and zeros that a decode step's arrays are slices of (an np.ones call
+        # costs a microsecond or so, a slice a fifth of that).
+        self._ones = _read_only(np.ones(self.batch.max_rows, dtype=np.int32))
+        self._zeros = _read_only(np.zeros(self.batch.max_rows, dtype=np.int32))
         # Preemptions since start (vLLM's num_preemptions_total).
         self.num_preemptions = 0
 
@@ -244,24 +256,39 @@ class Scheduler:
         """Pick this step's batch. An empty step is a normal result (nothing to do, or waiting
         requests that do not fit yet)."""
         b = self.batch
-        rows = b.order  # running rows, admission order
-        unc = b.num_uncomputed(rows)
-        # A sequence whose in-flight sample is sure to be its last (max_tokens, max_model_len),
-        # or a prompt-only one whose last chunk is in flight, ends when that step is applied.
-        ending = (unc == 0) | (
-            (b.num_placeholders[rows] > 0)
-            & (b.num_tokens[rows] + b.num_placeholders[rows] >= b.length_end[rows])
-        )
-        # One-by-one: prefills, and sequences still collecting prompt logprobs (their rows).
-        one_by_one = ~ending & (
-            (unc > 1)
-            | (b.wants_prompt_logprobs[rows] & (b.num_computed[rows] < b.prompt_len[rows]))
-        )
-        single = rows[~ending & ~one_by_one]  # decodes: one token each, admission order
+        rows = b.order  # running rows, admission order (intp)
+        placeholders = b.num_placeholders[rows]
+        num_known = b.num_tokens[rows]  # tokens known (prompt + sampled), per running row
+        start = b.num_computed[rows] + b.num_inflight[rows]  # where each one's next token is
+        # Tokens to compute before each one's next sample, counting in-flight steps (their
+        # tokens as scheduled, their samples as tokens).
+        unc = num_known + placeholders - start
+        # A prompt-only sequence whose last chunk is in flight, or (asynchronous scheduling)
+        # one whose in-flight sample is sure to be its last (max_tokens, max_model_len), ends
+        # when that step is applied.
+        ending = unc == 0
+        if np.count_nonzero(placeholders):
+            ending |= (placeholders > 0) & (num_known + placeholders >= b.length_end[rows])
+        # One-by-one: prefills, and sequences still collecting prompt logprobs (their rows,
+        # looked at only when some row asks for them).
+        one_by_one = unc > 1
+        if b.num_wanting_prompt_logprobs:
+            one_by_one |= b.wants_prompt_logprobs[rows] & (
+                b.num_computed[rows] < b.prompt_len[rows]
+            )
+        num_ending = int(np.count_nonzero(ending))
+        if num_ending:
+            one_by_one &= ~ending
+        # Decodes: one token each, admission order. Usually every running sequence.
+        single = rows
+        if num_ending or np.count_nonzero(one_by_one):
+            is_single = ~(ending | one_by_one)
+            single, start, num_known = rows[is_single], start[is_single], num_known[is_single]
 
         preempted: list[Sequence] = []
-        in_step = self._allocate_decode_blocks(single, preempted)
-        single = single[in_step]
+        in_step = self._allocate_decode_blocks(single, start, preempted)
+        if in_step is not None:
+            single, start, num_known = single[in_step], start[in_step], num_known[in_step]
         budget = self.max_num_batched_tokens - single.size
         rows_left = self.max_num_seqs if self.enable_chunked_prefill else None
         entries = _Entries()
@@ -290,24 +317,25 @@ class Scheduler:
                 rows_left -= num_tokens
         if not preempted:
             # Sequences about to end leave their place in the step to new ones already.
-            num_ending = int(np.count_nonzero(ending))
             self._admit(entries, budget, self.max_num_seqs + num_ending, rows_left)
-        return self._finish_step(single, entries, preempted)
+        return self._finish_step(single, start, num_known, entries, preempted)
 
-    def _allocate_decode_blocks(self, single: np.ndarray, preempted: list[Sequence]) -> np.ndarray:
-        """Blocks for the decodes that need one (a sequence crossing into a new block); returns
-        which decodes stay in the step (a victim of preemption, or a sequence that stepped
-        aside, does not)."""
+    def _allocate_decode_blocks(
+        self, single: np.ndarray, start: np.ndarray, preempted: list[Sequence]
+    ) -> np.ndarray | None:
+        """Blocks for the decodes (rows `single`, their tokens at positions `start`) that need
+        one: a sequence crossing into a new block. Returns which decodes stay in the step (a
+        victim of preemption, or a sequence that stepped aside, does not), None for all."""
         b, bs = self.batch, self.block_size
-        keep = np.ones(single.size, dtype=bool)
-        end = b.num_computed[single] + b.num_inflight[single] + 1  # after this step's token
-        need = np.flatnonzero(end > b.num_blocks[single] * bs)
+        # The token at `start` needs block start // bs: a new one iff the row holds no more.
+        need = np.flatnonzero(start >= b.num_blocks[single] * bs)
         if need.size == 0:
-            return keep
+            return None
         block_ids = self.block_manager.take_blocks(need.size)
         if block_ids is not None:  # the common case: one block each, nobody preempted
             b.append_blocks(single[need], block_ids)
-            return keep
+            return None
+        keep = np.ones(single.size, dtype=bool)
         for i in need.tolist():  # short of blocks: one by one, preempting as needed
             if not keep[i]:
                 continue  # preempted by an earlier decode of this step
@@ -401,18 +429,31 @@ class Scheduler:
         b.num_inflight[row] += num_tokens
 
     def _finish_step(
-        self, single: np.ndarray, entries: _Entries, preempted: list[Sequence]
+        self,
+        single: np.ndarray,
+        start: np.ndarray,
+        num_known: np.ndarray,
+        entries: _Entries,
+        preempted: list[Sequence],
     ) -> ScheduledStep:
-        """The step's arrays: the single-token entries (vectorised) then the others; sample
-        rows are numbered in this order, and the rows' in-flight counters advance."""
+        """The step's arrays: the single-token entries (rows `single`, with tokens at positions
+        `start` of their `num_known` known ones; vectorised) then the others; sample rows are
+        numbered in this order, and the rows' in-flight counters advance."""
         b = self.batch
-        start = b.num_computed[single] + b.num_inflight[single]  # [S]
-        reads_placeholder = start >= b.num_tokens[single]
-        placeholder_rows = np.where(reads_placeholder, b.sample_row[single], 0)
+        reads_placeholder = start >= num_known  # [S]
+        # With synchronous scheduling (and mostly with asynchronous too) no decode reads one.
+        single_inputs = b.last_token[single]  # [S] a copy
+        if np.count_nonzero(reads_placeholder):
+            placeholder_rows = np.where(reads_placeholder, b.sample_row[single], 0)
+            single_inputs[reads_placeholder] = 0
+        else:
+            placeholder_rows = self._zeros[: single.size]
         samples = ~b.prompt_only[single]
-        rows, starts, num_scheduled = single, start, np.ones(single.size, dtype=np.int32)
+        # Before the one-by-one entries join: their counters advanced as they were planned.
+        b.num_inflight[single] += 1
+        rows, starts, num_scheduled = single, start, self._ones[: single.size]
         if entries.rows:  # prefill chunks and admissions after the decodes
-            rows = np.concatenate([rows, np.asarray(entries.rows, dtype=np.int32)])
+            rows = np.concatenate([rows, np.asarray(entries.rows, dtype=np.intp)])
             starts = np.concatenate([starts, np.asarray(entries.starts, dtype=np.int32)])
             num_scheduled = np.concatenate(
                 [num_scheduled, np.asarray(entries.num_scheduled, dtype=np.int32)]
@@ -424,25 +465,26 @@ class Scheduler:
             placeholder_rows = np.concatenate(
                 [placeholder_rows, np.asarray(entries.placeholder_rows, dtype=np.int32)]
             )
-        b.num_inflight[single] += 1
-        sampled_rows = rows[samples]
+        num_samples = int(np.count_nonzero(samples))
+        sampled_rows = rows if num_samples == rows.size else rows[samples]
         b.num_placeholders[sampled_rows] += 1
-        b.sample_row[sampled_rows] = np.arange(sampled_rows.size, dtype=np.int32)
+        b.sample_row[sampled_rows] = np.arange(num_samples, dtype=np.int32)
         decodes = int(np.count_nonzero(start >= b.prompt_len[single]))
         return ScheduledStep(
-            rows=rows.astype(np.int32, copy=False),
+            rows=rows,
             serials=b.serial[rows],
             num_scheduled=num_scheduled,
             starts=starts.astype(np.int32, copy=False),
             samples=samples,
             reads_placeholder=reads_placeholder,
             placeholder_rows=placeholder_rows.astype(np.int32, copy=False),
-            single_inputs=np.where(reads_placeholder[: single.size], 0, b.last_token[single]),
+            single_inputs=single_inputs,
             chunk_inputs=entries.inputs,
             preempted=preempted,
             num_decodes=decodes + entries.num_decodes,
             # An empty step sends no plan: its changes wait for the next one.
             table_changes=b.take_changes() if rows.size else TableChanges(),
+            num_removals=b.num_removals,
         )
 
     def _pick_victim(self, in_step_rows: set[int]) -> Sequence:
@@ -474,62 +516,82 @@ class Scheduler:
     def update(self, step: ScheduledStep, sampled_token_ids: np.ndarray) -> UpdateResult:
         """Apply a finished step: one sampled id per True in `step.samples`, in batch order."""
         sampled_token_ids = np.asarray(sampled_token_ids, dtype=np.int64)
-        if sampled_token_ids.shape != (step.num_samples,):
+        num_samples = step.num_samples
+        if sampled_token_ids.shape != (num_samples,):
             raise ValueError(
-                f"expected {step.num_samples} sampled tokens, got {sampled_token_ids.shape[0]}"
+                f"expected {num_samples} sampled tokens, got {sampled_token_ids.shape[0]}"
             )
         b, bs = self.batch, self.block_size
+        rows, num = step.rows, step.num_scheduled
+        sampled = rows if num_samples == rows.size else rows[step.samples]
+        tokens = sampled_token_ids
         # Rows still running the sequence they held when the step was scheduled; the others
         # were aborted, preempted or finished meanwhile, and their entries are discarded.
-        live = b.serial[step.rows] == step.serials
-        rows = step.rows[live]
-        num = step.num_scheduled[live]
-        blocks_before = b.num_computed[rows] // bs
-        b.num_computed[rows] += num
+        if step.num_removals != b.num_removals:  # else no row has changed hands since
+            live = b.serial[rows] == step.serials
+            if np.count_nonzero(live) < live.size:
+                sampled_live = live[step.samples]
+                sampled, tokens = sampled[sampled_live], tokens[sampled_live]
+                rows, num = rows[live], num[live]
+        computed = b.num_computed[rows] + num
+        b.num_computed[rows] = computed
         b.num_inflight[rows] -= num
         if self.block_manager.enable_prefix_caching:
-            # Rows whose computed tokens crossed a block boundary (one in block_size decodes).
-            full = rows[b.num_computed[rows] // bs > blocks_before]
-            commit = self.block_manager.commit_computed_blocks
-            for row, computed in zip(full.tolist(), b.num_computed[full].tolist(), strict=True):
-                commit(b.seqs[row], computed)  # type: ignore[arg-type]
+            # Rows whose computed tokens crossed a block boundary (one in block_size decodes):
+            # the last boundary at or below `computed` lies within this step's `num` tokens.
+            crossed = (computed % bs < num).nonzero()[0]
+            if crossed.size:
+                self.block_manager.commit_computed_blocks_of(
+                    [b.seqs[row] for row in rows[crossed].tolist()],  # type: ignore[misc]
+                    computed[crossed].tolist(),
+                )
 
-        sampled_live = live[step.samples]
-        srows = step.rows[step.samples][sampled_live]
-        tokens = sampled_token_ids[sampled_live]
-        b.num_placeholders[srows] -= 1
-        b.num_tokens[srows] += 1
-        b.last_token[srows] = tokens
-        seqs = [b.seqs[row] for row in srows.tolist()]
+        b.num_placeholders[sampled] -= 1
+        num_tokens = b.num_tokens[sampled] + 1  # [S] after this token
+        b.num_tokens[sampled] = num_tokens
+        b.last_token[sampled] = tokens
+        seqs = list(map(b.seqs.__getitem__, sampled.tolist()))
         for seq, token in zip(seqs, tokens.tolist(), strict=True):
             seq.token_ids.append(token)  # type: ignore[union-attr]
 
-        finished = self._stop(srows, tokens)
-        # A prompt-only sequence ends once its prompt is computed.
-        prompt_done = rows[b.prompt_only[rows] & (b.num_computed[rows] >= b.num_tokens[rows])]
-        for row in prompt_done.tolist():
-            finished.append(self._end(b.seqs[row], SequenceStatus.FINISHED_LENGTH_CAPPED))
+        finished = self._stop(sampled, tokens, num_tokens)
+        # A prompt-only sequence ends once its prompt is computed (none usually run).
+        if b.num_prompt_only:
+            prompt_done = rows[b.prompt_only[rows] & (computed >= b.num_tokens[rows])]
+            for row in prompt_done.tolist():
+                finished.append(self._end(b.seqs[row], SequenceStatus.FINISHED_LENGTH_CAPPED))
         return UpdateResult(seqs, finished)  # type: ignore[arg-type]
 
-    def _stop(self, rows: np.ndarray, tokens: np.ndarray) -> list[Sequence]:
-        """End the sequences whose new token stops them: EOS, a stop token id (both only past
-        min_tokens), max_tokens or max_model_len."""
+    def _stop(self, rows: np.ndarray, tokens: np.ndarray, num_tokens: np.ndarray) -> list[Sequence]:
+        """End the sequences (at `rows`, `num_tokens` long now) whose new token stops them: EOS,
+        a stop token id (both only past min_tokens), max_tokens or max_model_len.
+
+        Vectorised down to the candidates (a length reached, an EOS id, or a row with stop
+        token ids at all); min_tokens and the stop ids are checked in Python for those alone.
+        """
         b = self.batch
-        past_min = b.num_tokens[rows] - b.prompt_len[rows] >= b.min_output[rows]
-        is_eos = np.zeros(tokens.size, dtype=bool)
-        for eos_id in self._eos_ids:  # one or two ids: cheaper than np.isin
-            is_eos |= tokens == eos_id
-        eos = past_min & b.stops_on_eos[rows] & is_eos
-        by_length = b.num_tokens[rows] >= b.length_end[rows]
-        candidates = eos | by_length | (past_min & b.has_stop_ids[rows])
+        by_length = num_tokens >= b.length_end[rows]
+        candidates = by_length
+        # Rows with stop ids are looked at only if some row has them, EOS flags only if some
+        # token is an EOS id.
+        if b.num_with_stop_ids:
+            candidates = candidates | b.has_stop_ids[rows]
+        if self._eos_ids:
+            is_eos = tokens == self._eos_ids[0]
+            for eos_id in self._eos_ids[1:]:  # one or two ids: cheaper than np.isin
+                is_eos |= tokens == eos_id
+            if np.count_nonzero(is_eos):
+                candidates = candidates | (is_eos & b.stops_on_eos[rows])
         finished = []
-        for i in np.flatnonzero(candidates).tolist():
+        for i in candidates.nonzero()[0].tolist():
             seq = b.seqs[int(rows[i])]
             assert seq is not None
             token = int(tokens[i])
-            if eos[i]:
+            params = seq.sampling_params
+            past_min = seq.num_output_tokens >= params.min_tokens
+            if past_min and not params.ignore_eos and token in self.eos_token_ids:
                 status = SequenceStatus.FINISHED_STOPPED
-            elif past_min[i] and token in seq.sampling_params.stop_token_ids:
+            elif past_min and token in params.stop_token_ids:
                 seq.stop_reason = token
                 status = SequenceStatus.FINISHED_STOPPED
             elif by_length[i]:

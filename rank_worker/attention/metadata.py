@@ -53,7 +53,8 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = field(init=False)
 
     def __post_init__(self) -> None:
-        not_one = np.flatnonzero(np.diff(self.query_start_loc_host) != 1)
+        qsl = self.query_start_loc_host
+        not_one = np.flatnonzero((qsl[1:] - qsl[:-1]) != 1)
         n = int(not_one[0]) if not_one.size else self.num_seqs
         rebased = None
         if 0 < n < self.num_seqs:

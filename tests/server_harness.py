@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,19 @@ from shm_ipc.liveness import ProcessWatch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _SERVING = re.compile(r"serving .* on http://([\w.\-\[\]:]+):(\d+)")
+
+
+def serving(model_dir: Path, log_path: Path, *args: str) -> Iterator[Server]:
+    """The body of a module fixture (`yield from serving(...)`): `launch/serve.py --model
+    model_dir --port 0 ARGS` without an injected fault, stopped at the end, whose log must then
+    hold no traceback."""
+    env = dict(os.environ)
+    env.pop("TP_ENGINE_FAULT", None)
+    cmd = [sys.executable, "launch/serve.py", "--model", str(model_dir), "--port", "0", *args]
+    srv = Server(cmd, env, log_path).wait_ready()
+    yield srv
+    srv.stop()
+    assert "Traceback" not in srv.log(), srv.log_tail()
 
 
 def torchrun_cmd(nproc: int) -> list[str]:

@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from tests.scripted_model import END_THINK, IM_END, THINK, Script, Switch, build_scripted_checkpoint
-from tests.server_harness import REPO_ROOT, Server
+from tests.server_harness import REPO_ROOT, Server, serving
 
 pytestmark = pytest.mark.slow
 
@@ -103,16 +103,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    env = dict(os.environ)
-    env.pop("TP_ENGINE_FAULT", None)
-    args = ["--model", str(model_dir), "--served-model-name", MODEL, "--port", "0",
+    args = ["--served-model-name", MODEL,
             "--max-model-len", "2048", "--num-kv-blocks", "256", "--reasoning-parser", "qwen3",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # fmt: skip
     log = tmp_path_factory.mktemp("log") / "server.log"
-    srv = Server([sys.executable, "launch/serve.py", *args], env, log).wait_ready()
-    yield srv
-    srv.stop()
-    assert "Traceback" not in srv.log(), srv.log_tail()
+    yield from serving(model_dir, log, *args)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.server_harness import REPO_ROOT, Server
+from tests.server_harness import REPO_ROOT, serving
 from tests.tp_cases import build_padded_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -44,16 +44,11 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    env = dict(os.environ)
-    env.pop("TP_ENGINE_FAULT", None)
-    args = ["--model", str(model_dir), "--served-model-name", MODEL, "--port", "0",
+    args = ["--served-model-name", MODEL,
             "--tensor-parallel-size", "2", "--max-model-len", str(MAX_MODEL_LEN),
             "--num-kv-blocks", "64"]  # fmt: skip
     log = tmp_path_factory.mktemp("log") / "server.log"
-    srv = Server([sys.executable, "launch/serve.py", *args], env, log).wait_ready()
-    yield srv
-    srv.stop()
-    assert "Traceback" not in srv.log(), srv.log_tail()
+    yield from serving(model_dir, log, *args)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,7 @@ tokenizer is the demo's BPE with Qwen3's markup tokens and a Qwen3-like chat tem
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +22,7 @@ import openai
 import pytest
 
 from tests.scripted_model import MARKUP_TOKENS, QWEN3_LIKE_TEMPLATE
-from tests.server_harness import Server
+from tests.server_harness import serving
 
 pytestmark = pytest.mark.slow
 
@@ -86,16 +84,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    env = dict(os.environ)
-    env.pop("TP_ENGINE_FAULT", None)
-    args = ["--model", str(model_dir), "--served-model-name", MODEL, "--port", "0",
+    args = ["--served-model-name", MODEL,
             "--max-model-len", "1024", "--num-kv-blocks", "128", "--reasoning-parser", "qwen3",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # fmt: skip
     log = tmp_path_factory.mktemp("log") / "server.log"
-    srv = Server([sys.executable, "launch/serve.py", *args], env, log).wait_ready()
-    yield srv
-    srv.stop()
-    assert "Traceback" not in srv.log(), srv.log_tail()
+    yield from serving(model_dir, log, *args)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,9 @@ padding ids; the fixtures check that they do, so the tests cannot pass vacuously
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-from tests.server_harness import Server
+from tests.server_harness import serving
 from tests.tp_cases import PADDED_VOCAB, build_padded_checkpoint
 from tp_engine import LLM, SamplingParams
 
@@ -49,15 +46,10 @@ def num_known(llm) -> int:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    env = dict(os.environ)
-    env.pop("TP_ENGINE_FAULT", None)
-    args = ["--model", str(model_dir), "--served-model-name", MODEL, "--port", "0",
+    args = ["--served-model-name", MODEL,
             "--max-model-len", "256", "--num-kv-blocks", "64"]  # fmt: skip
     log = tmp_path_factory.mktemp("log") / "server.log"
-    srv = Server([sys.executable, "launch/serve.py", *args], env, log).wait_ready()
-    yield srv
-    srv.stop()
-    assert "Traceback" not in srv.log(), srv.log_tail()
+    yield from serving(model_dir, log, *args)
 
 
 def greedy(**kwargs) -> SamplingParams:

@@ -45,14 +45,31 @@ def check_float(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
-def check_index(name: str, t: torch.Tensor, ndim: int) -> None:
-    """An int32/int64 index tensor of `ndim` dims, contiguous (kernels index it flat)."""
+def check_index(name: str, t: torch.Tensor, ndim: int, *, row_stride: bool = False) -> None:
+    """An int32/int64 index tensor of `ndim` dims that the kernel can address.
+
+    By default it must be contiguous: the kernel indexes it flat. `row_stride=True` is for a
+    2-D tensor whose row stride the kernel takes as an argument (a block table): only its last
+    dimension must be dense, so a view of some columns of a wider table (what
+    `BlockTables.gather` returns on a GPU) is accepted as it is, without a copy.
+    """
     if t.dtype not in _INDEX_DTYPES:
         raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+    if not row_stride:
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        return
+    if ndim != 2:
+        raise ValueError(f"{name}: only a 2-D index tensor has a row stride, got {ndim} dims")
+    # A dense last dim (a single column is dense whatever its stride) and rows that do not
+    # overlap: what `base + row * stride(0) + col` addresses.
+    if (t.shape[1] > 1 and t.stride(1) != 1) or (t.shape[0] > 1 and t.stride(0) < t.shape[1]):
+        raise ValueError(
+            f"{name} must have a dense last dim and non-overlapping rows, got shape "
+            f"{tuple(t.shape)} with strides {t.stride()}"
+        )
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:

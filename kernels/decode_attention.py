@@ -260,7 +260,7 @@ def paged_decode_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
     for name, t, ndim in (("seq_lens", seq_lens, 1), ("block_table", block_table, 2)):
-        check_index(name, t, ndim)
+        check_index(name, t, ndim, row_stride=name == "block_table")
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     if seq_lens.shape[0] != num_seqs or block_table.shape[0] != num_seqs:

@@ -219,7 +219,7 @@ def paged_prefill_attention(
         ("seq_lens", seq_lens, 1),
         ("block_table", block_table, 2),
     ):
-        check_index(name, t, ndim)
+        check_index(name, t, ndim, row_stride=name == "block_table")
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     num_seqs = seq_lens.shape[0]

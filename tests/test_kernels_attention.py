@@ -376,3 +376,54 @@ def test_decode_rejects_bad_inputs():
         paged_decode_attention(
             b.query, b.k_cache, b.v_cache, b.seq_lens[:0], b.block_table, b.scale
         )
+
+
+# -- block tables as views of a wider table ---------------------------------------------------
+
+
+def widened(table: torch.Tensor, extra: int = 5) -> torch.Tensor:
+    """`table` as the GPU runner hands it over: its columns of a wider table, so the row stride
+    is the wide table's (`BlockTables.gather`). The extra columns point at a NaN block."""
+    wide = torch.full(
+        (table.shape[0], table.shape[1] + extra), int(table[0, -1]), dtype=table.dtype,
+        device=table.device,
+    )  # fmt: skip
+    wide[:, : table.shape[1]] = table
+    view = wide[:, : table.shape[1]]
+    assert not view.is_contiguous() and view.stride() == (table.shape[1] + extra, 1)
+    return view
+
+
+def test_prefill_and_decode_read_a_strided_block_table():
+    """The first native run died here: the kernels take the row stride, but the argument check
+    refused any block table that was not contiguous."""
+    b = make_batch(MIXED, 2, 2, 64, 16, torch.float32, seed=11)
+    ref = run_prefill(b, paged_prefill_attention_ref)
+    b.block_table = widened(b.block_table)
+    assert_matches(run_prefill(b), ref, torch.float32)
+
+    d = make_batch(DECODE_LENS, 2, 4, 64, 16, torch.float32, seed=12)
+    ref = run_decode(d, None, paged_decode_attention_ref)
+    d.block_table = widened(d.block_table)
+    for num_splits in (1, 3):
+        assert_matches(run_decode(d, num_splits), ref, torch.float32)
+
+
+def test_block_tables_the_kernels_cannot_index_are_refused():
+    b = make_batch([(3, 2), (9, 1)], 2, 2, 64, 16, torch.float32)
+    column_major = b.block_table.t().contiguous().t()  # last dim not dense
+    overlapping = b.block_table[:1].expand(2, -1)  # row stride 0: both rows are one row
+    for bad in (column_major, overlapping):
+        b.block_table = bad
+        with pytest.raises(ValueError, match="block_table must have a dense last dim"):
+            run_prefill(b)
+        with pytest.raises(ValueError, match="block_table must have a dense last dim"):
+            paged_decode_attention(b.query[:2], b.k_cache, b.v_cache, b.seq_lens, bad, b.scale)
+    # Other index tensors are indexed flat and stay strictly contiguous.
+    b = make_batch([(3, 2), (9, 1)], 2, 2, 64, 16, torch.float32)
+    strided_lens = torch.stack([b.seq_lens, b.seq_lens], dim=1)[:, 0]
+    with pytest.raises(ValueError, match="seq_lens must be contiguous"):
+        paged_prefill_attention(
+            b.query, b.k_cache, b.v_cache, b.query_start_loc, strided_lens, b.block_table,
+            b.max_query_len, b.scale,
+        )  # fmt: skip

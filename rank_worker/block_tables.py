@@ -27,15 +27,25 @@ class BlockTables:
     """One rank's mirror (see the module docstring)."""
 
     def __init__(
-        self, num_rows: int, max_blocks: int, block_size: int, device: torch.device | str
+        self,
+        num_rows: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+        *,
+        device_copy: bool | None = None,
     ) -> None:
+        """`device_copy`: keep the device table as separate memory, edited by the plans' cells
+        and read by a row gather, as on a GPU; None = only on CUDA devices. On a CPU device it
+        runs the GPU's path on CPU tensors (tests: the kernels then see the GPU's strided
+        block-table views)."""
         self.block_size = block_size
         self.device = torch.device(device)
         self.host = np.zeros((num_rows, max_blocks), dtype=np.int32)  # [R, W]
         self.lengths = np.zeros(num_rows, dtype=np.int32)  # [R] blocks held per row
-        # Whether the device table is separate memory that `apply_on_device` must edit (on
-        # the CPU it is the host table, edited by `apply` already).
-        self.has_device_copy = self.device.type == "cuda"
+        # Whether the device table is separate memory that `apply_on_device` must edit (else
+        # it is the host table, edited by `apply` already).
+        self.has_device_copy = self.device.type == "cuda" if device_copy is None else device_copy
         if self.has_device_copy:
             self.device_table = torch.zeros((num_rows, max_blocks), dtype=torch.int32,
                                             device=self.device)  # fmt: skip
@@ -101,10 +111,11 @@ class BlockTables:
         """`[B, width]` int32 block tables of `rows` (an int64 device tensor), read on the
         device.
 
-        On a GPU whole rows are gathered and the result is a view with the full table's row
-        stride: a few microseconds of device bandwidth, and the attention kernels see one stride
-        for every step. On the CPU (tests) only the `width` columns needed are copied, by numpy
-        (from the same memory: a few times quicker than torch's index_select at this size).
+        With a device copy (GPU) whole rows are gathered and the result is a view with the full
+        table's row stride: a few microseconds of device bandwidth, and the attention kernels
+        see one stride for every step. Without one (CPU) only the `width` columns needed are
+        copied, by numpy (from the same memory: a few times quicker than torch's index_select
+        at this size).
         """
         if self.has_device_copy:
             return self.device_table.index_select(0, rows)[:, :width]

@@ -26,10 +26,10 @@ view costs microseconds, and a step takes eight of them).
 `StepInputBuffers` owns those buffers for the runner's whole life, sized for the largest step
 the scheduler sends (T_max = max_num_batched_tokens, B_max = max_num_seqs, B'_max =
 max_num_logits_rows, N_max = the blocks a full token budget and one new block per sequence
-take). On CUDA:
+take). On CUDA (double-buffered):
 
     write --> pinned host[k] --H2D, non_blocking--> device buffer --> views
-                  (k = 0, 1, 0, 1, ... per step; event[k] recorded after its copy)
+                  (k = 0, 1, 0, 1, ... per step; event[k] marked after its copy)
 
 An async copy reads pinned memory when the GPU gets to it, which may be after the host has
 moved on: rank 0 prepares step t+1 while the GPU still runs step t. Refilling the buffer that
@@ -42,7 +42,10 @@ kernels.
 
 On CPU there is nothing asynchronous: one plain host buffer, and the "device" views are views
 of it (writing it is the one copy out of shared memory); the host table is the device table,
-so no cells travel. A step larger than the buffers (a plan whose edits rewrite many long rows
+so no cells travel. `double_buffered=True` (with `BlockTables(device_copy=True)`; the runner's
+`gpu_data_paths`) runs the GPU's layout on CPU tensors instead, so that CPU tests execute it;
+the copies then go through a `rank_worker.copy_stream` stream, which tests replace with one that
+checks the event protocol. A step larger than the buffers (a plan whose edits rewrite many long rows
 at once, e.g. admissions with long cached prefixes) is staged in a one-off allocation instead.
 
 Consequence for callers: every input is a view of the persistent buffers, so a step's inputs
@@ -61,13 +64,14 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from rank_worker.attention.metadata import AttentionMetadata
 from rank_worker.block_tables import BlockTables
+from rank_worker.copy_stream import CopyEvent, CopyStream, copy_stream_for
 from rank_worker.runner_config import RunnerConfig
 from shm_ipc.step_plan import StepPlan
 
@@ -168,23 +172,31 @@ class StepInputBuffers:
         max_num_logits: int,
         max_edit_cells: int,
         device: torch.device | str,
+        double_buffered: bool | None = None,
+        stream: CopyStream | None = None,
     ) -> None:
+        """`double_buffered`: the GPU's staging (two host buffers taking turns, a separate
+        device buffer, each host buffer guarded by the event of its last copy); None = on for
+        CUDA devices. On a CPU device it runs the same logic on CPU tensors (tests).
+        `stream`: how the host buffers reach the device (`rank_worker.copy_stream`); None = the
+        device's own."""
         self.device = torch.device(device)
         self.capacity = packed_size(max_num_tokens, max_num_seqs, max_num_logits, max_edit_cells)
         self.num_fallbacks = 0  # steps too large for the buffers, staged one-off
-        self._is_cuda = self.device.type == "cuda"
-        if self._is_cuda:
+        is_cuda = self.device.type == "cuda"
+        self.double_buffered = is_cuda if double_buffered is None else double_buffered
+        self.stream = stream if stream is not None else copy_stream_for(self.device)
+        if self.double_buffered:
             self._host = [
-                torch.empty(self.capacity, dtype=torch.int32, pin_memory=True) for _ in range(2)
+                torch.empty(self.capacity, dtype=torch.int32, pin_memory=is_cuda) for _ in range(2)
             ]
-            # copied[k]: recorded after the last H2D copy out of host[k]; never recorded = free.
-            self._copied = [torch.cuda.Event() for _ in range(2)]
             self._device_buf = torch.empty(self.capacity, dtype=torch.int32, device=self.device)
         else:
             # Synchronous: one buffer, and it is also what the "device" views look at.
             self._host = [torch.empty(self.capacity, dtype=torch.int32)]
-            self._copied = []
             self._device_buf = self._host[0]
+        # copied[k]: the event of the last copy out of host[k]; None = no copy yet.
+        self._copied: list[CopyEvent | None] = [None] * len(self._host)
         self._host_np = [h.numpy() for h in self._host]
         self._next = 0  # the host buffer the next step writes
         # (T, B, B') -> the layout, its numpy views of each host buffer, its device views.
@@ -194,8 +206,11 @@ class StepInputBuffers:
         ] = {}
 
     @classmethod
-    def for_config(cls, config: RunnerConfig, device: torch.device | str) -> StepInputBuffers:
-        """Sized for the largest step the scheduler sends under `config`."""
+    def for_config(
+        cls, config: RunnerConfig, device: torch.device | str, **kwargs: Any
+    ) -> StepInputBuffers:
+        """Sized for the largest step the scheduler sends under `config`; `kwargs` as for the
+        constructor."""
         budget = config.max_num_batched_tokens
         return cls(
             max_num_tokens=budget,
@@ -205,6 +220,7 @@ class StepInputBuffers:
             # sequence where a chunk starts mid-block, plus the rows given up (empty edits).
             max_edit_cells=math.ceil(budget / config.block_size) + 2 * config.max_num_seqs,
             device=device,
+            **kwargs,
         )
 
     def _views_of(
@@ -244,14 +260,15 @@ class StepInputBuffers:
         k = self._next
         self._next = (k + 1) % len(self._host)
         host_cells = _cells(self._host_np[k], layout, num_cells)
-        if self._is_cuda:
+        copied = self._copied[k]
+        if copied is not None:
             # The copy that last read host[k] must be done before it is overwritten (see the
-            # module docstring); a never-recorded event returns at once.
-            self._copied[k].synchronize()
+            # module docstring); normally it finished two steps ago and this returns at once.
+            copied.synchronize()
         write(host_views[k], host_cells)
-        if self._is_cuda:
-            self._device_buf[:size].copy_(self._host[k][:size], non_blocking=True)
-            self._copied[k].record(torch.cuda.current_stream(self.device))
+        if self.double_buffered:
+            self.stream.copy(self._device_buf[:size], self._host[k][:size])
+            self._copied[k] = self.stream.mark()
         return device_views, _cells(self._device_buf, layout, num_cells)
 
 

@@ -123,12 +123,18 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.for_model(self.hf_config, tp, config.block_size, self.dtype)
         # Staging for every step's inputs, sized for the largest step (`input_prep`), and this
         # rank's mirror of rank 0's block tables, which the plans' edits keep up to date.
-        self.input_buffers = StepInputBuffers.for_config(config, self.device)
+        # `gpu_data_paths` takes the GPU's layout on a CPU device too (tests); None = the
+        # device's own.
+        gpu_paths = True if config.gpu_data_paths else None
+        self.input_buffers = StepInputBuffers.for_config(
+            config, self.device, double_buffered=gpu_paths
+        )
         self.block_tables = BlockTables(
             batch_rows(config.max_num_seqs),
             math.ceil(int(config.max_model_len) / config.block_size),
             config.block_size,
             self.device,
+            device_copy=gpu_paths,
         )
         self.kv_caches: list[KVCachePair] | None = None
         self.num_kv_blocks: int | None = None
@@ -285,7 +291,13 @@ class ModelRunner:
         mirror of rank 0's tables never sees it."""
         width = math.ceil(int(self.config.max_model_len) / self.config.block_size)
         width = max(width, int(np.diff(plan.edit_offsets).max(initial=0)))
-        scratch = BlockTables(plan.num_seqs, width, self.config.block_size, self.device)
+        scratch = BlockTables(
+            plan.num_seqs,
+            width,
+            self.config.block_size,
+            self.device,
+            device_copy=self.block_tables.has_device_copy,
+        )
         return prepare_inputs(plan, scratch, store_kv=False)
 
     # -- memory profiling (GPU) -----------------------------------------------------------

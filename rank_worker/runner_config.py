@@ -48,6 +48,11 @@ class RunnerConfig:
     # Mixture-of-experts models: whole experts per rank instead of a slice of every expert
     # (`rank_worker.layers.moe`); no effect on dense models.
     enable_expert_parallel: bool = False
+    # Run the GPU's data paths on a CPU device: a separate device block table read by a row
+    # gather (strided views into the kernels), double-buffered input staging guarded by copy
+    # events. For tests: CPU CI then executes what only a GPU would (no effect on a GPU, which
+    # always takes them).
+    gpu_data_paths: bool = False
 
     @property
     def resolved_max_num_logits_rows(self) -> int:

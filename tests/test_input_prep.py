@@ -2,9 +2,12 @@
 reference over a hand-kept copy of the tables, the fallback for steps larger than the buffers,
 and placeholder ids.
 
-CPU: everything but pinning, the device table and the event that guards a pinned buffer, which
-the `gpu` test checks by delaying the stream so that the host runs two steps ahead of the
-copies.
+Both layouts run on CPU: the CPU's (one buffer, the host table read by numpy) and the GPU's
+(two host buffers guarded by copy events, a separate device table edited by the cells that
+travel with the step and read by a row gather, which hands the kernels strided views). The
+GPU's copy events are checked with a stand-in stream that fails when a host buffer changes
+while its copy may still read it. Only pinning and real CUDA events are left to the `gpu`
+test, which delays the stream so that the host runs two steps ahead of the copies.
 """
 
 from __future__ import annotations
@@ -25,18 +28,60 @@ MAX_TOKENS, MAX_SEQS, MAX_LOGITS, MAX_CELLS = 64, 8, 72, 40
 ROWS, WIDTH, BLOCK_SIZE = 16, 12, 4
 
 
-def small_buffers(device: str = "cpu") -> StepInputBuffers:
+def small_buffers(device: str = "cpu", **kwargs) -> StepInputBuffers:
     return StepInputBuffers(
         max_num_tokens=MAX_TOKENS,
         max_num_seqs=MAX_SEQS,
         max_num_logits=MAX_LOGITS,
         max_edit_cells=MAX_CELLS,
         device=device,
+        **kwargs,
     )
 
 
-def new_tables(device: str = "cpu") -> BlockTables:
-    return BlockTables(ROWS, WIDTH, BLOCK_SIZE, device)
+def new_tables(device: str = "cpu", **kwargs) -> BlockTables:
+    return BlockTables(ROWS, WIDTH, BLOCK_SIZE, device, **kwargs)
+
+
+class CopyHazard(AssertionError):
+    pass
+
+
+class CheckingStream:
+    """A copy stream that holds the host to the contract of `rank_worker.copy_stream`: a copy
+    happens at once, but its source must stay unchanged until an event marked after it has
+    been waited for (a GPU may read it that late). Breaking it raises CopyHazard."""
+
+    def __init__(self) -> None:
+        self.in_flight: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source, its contents)
+        self.num_copies = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+        self.in_flight.append((src, src.clone()))
+        self.num_copies += 1
+
+    def mark(self) -> CheckingStream.Event:
+        return CheckingStream.Event(self, self.num_copies)
+
+    def settle(self, count: int) -> None:
+        for src, contents in self.in_flight[:count]:
+            if not torch.equal(src, contents):
+                raise CopyHazard("a host buffer changed while its copy was in flight")
+        del self.in_flight[:count]
+
+    def finish(self) -> None:
+        """The end of the stream (torch.cuda.synchronize): every copy has read its source."""
+        self.settle(len(self.in_flight))
+
+    class Event:
+        def __init__(self, stream: CheckingStream, upto: int) -> None:
+            self.stream, self.upto = stream, upto  # copies [0, upto) precede the event
+
+        def synchronize(self) -> None:
+            # Copies settle in order; an earlier wait may have settled some of ours already.
+            settled = self.stream.num_copies - len(self.stream.in_flight)
+            self.stream.settle(max(0, self.upto - settled))
 
 
 class Reference:
@@ -201,6 +246,86 @@ def test_buffered_inputs_match_the_per_token_reference():
     assert buffers.num_fallbacks == 0
 
 
+def gpu_layout() -> tuple[StepInputBuffers, BlockTables, CheckingStream]:
+    """The GPU's staging and tables, on CPU tensors, with a stream that checks the events."""
+    stream = CheckingStream()
+    return small_buffers(double_buffered=True, stream=stream), new_tables(device_copy=True), stream
+
+
+def test_gpu_layout_matches_the_per_token_reference_on_cpu():
+    """Two host buffers taking turns, the cells of each step travelling in its one copy and
+    scattered into the separate device table, the step's tables gathered by row: the same
+    inputs as the reference, and no host buffer rewritten while its copy was in flight."""
+    rng = np.random.default_rng(10)
+    ref = Reference()
+    buffers, tables, stream = gpu_layout()
+    assert buffers._device_buf.data_ptr() not in {h.data_ptr() for h in buffers._host}
+    assert tables.device_table.data_ptr() != tables.host.ctypes.data
+    strided = 0
+    for step in range(200):
+        plan = as_shared_memory(ref.random_plan(rng, step))
+        held, last_sampled = with_placeholders(plan, rng, int(rng.integers(1, 12)))
+        inputs = prepare_inputs(held, tables, buffers=buffers, last_sampled=last_sampled)
+        ref.check(inputs, held, input_ids=plan.input_ids)
+        # The kernels get the GPU's view: the full table's row stride, the step's width.
+        table = inputs.meta.block_table
+        assert table.stride() == (WIDTH, 1)
+        strided += not table.is_contiguous()
+        assert torch.equal(tables.device_table, torch.from_numpy(tables.host)), step
+    stream.finish()
+    assert strided > 100 and stream.num_copies == 200 and buffers.num_fallbacks == 0
+
+
+def test_a_host_buffer_rewritten_before_its_copy_is_done_is_caught():
+    """The stand-in catches the hazard the events prevent: with the wait left out (an event
+    that returns at once), the third step overwrites the first step's buffer under its copy."""
+
+    class Forgetful(CheckingStream):
+        def mark(self):
+            super().mark()
+            return type("NoWait", (), {"synchronize": lambda self: None})()
+
+    rng = np.random.default_rng(11)
+    ref, stream = Reference(), Forgetful()
+    buffers = small_buffers(double_buffered=True, stream=stream)
+    tables = new_tables(device_copy=True)
+    for step in range(3):
+        prepare_inputs(ref.random_plan(rng, step), tables, buffers=buffers)
+    with pytest.raises(CopyHazard):
+        stream.finish()
+
+
+def test_gathered_block_tables_feed_the_attention_kernels():
+    """The device-side gather's strided views go straight into the Triton kernels (interpreted
+    here), which read the same pages as the reference does from the host tables."""
+    from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+    from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+
+    rng = np.random.default_rng(12)
+    ref = Reference()
+    buffers, tables, stream = gpu_layout()
+    gen = torch.Generator().manual_seed(0)
+    cache_shape = (500, BLOCK_SIZE, 2, 16)  # block ids of the random plans are < 500
+    k_cache = torch.randn(cache_shape, generator=gen)
+    v_cache = torch.randn(cache_shape, generator=gen)
+    for step in range(4):
+        plan = ref.random_plan(rng, step, max_tokens=24)
+        meta = prepare_inputs(plan, tables, buffers=buffers).meta
+        query = torch.randn(plan.num_tokens, 4, 16, generator=gen)
+        args = (query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens)
+        host_table = torch.from_numpy(tables.host[plan.rows, : meta.block_table.shape[1]])
+        got = paged_prefill_attention(*args, meta.block_table, meta.max_query_len, 0.25)
+        want = paged_prefill_attention_ref(*args, host_table, meta.max_query_len, 0.25)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        # Each sequence's last token as a decode batch, on the same strided table.
+        last = meta.query_start_loc[1:] - 1
+        decode_args = (query[last.long()], k_cache, v_cache, meta.seq_lens)
+        got = paged_decode_attention(*decode_args, meta.block_table, 0.25, 2)
+        want = paged_decode_attention_ref(*decode_args, host_table, 0.25)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    stream.finish()
+
+
 def test_buffers_are_reused_and_results_last_one_step():
     rng = np.random.default_rng(1)
     ref, buffers, tables = Reference(), small_buffers(), new_tables()
@@ -334,8 +459,11 @@ def test_pinned_buffers_wait_for_their_copy_gpu():
     ref, buffers, tables = Reference(), small_buffers("cuda"), new_tables("cuda")
     assert all(h.is_pinned() for h in buffers._host)
     for _ in range(5):
-        plans = [as_shared_memory(ref.random_plan(rng, i)) for i in range(3)]
-        wants = [ref.inputs(p) for p in plans]  # before later plans change the reference
+        plans, wants = [], []
+        for i in range(3):
+            plans.append(as_shared_memory(ref.random_plan(rng, i)))
+            # Now: the next plan may give up a row this one reads (KeyError: 10 on the H100).
+            wants.append(ref.inputs(plans[-1]))
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # a few tenths of a second of GPU time
         results: list[StepInputs] = []

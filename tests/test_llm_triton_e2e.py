@@ -1,7 +1,9 @@
 """`LLM.generate` on the Triton path against Hugging Face transformers, at TP = 2 (gloo, CPU).
 
 The Triton path is the project's paged-attention kernels and, following them, the fused layer
-kernels (add+RMSNorm, q/k norm + rotary, SiLU·mul): interpreted on CPU, native on a GPU. TP = 1
+kernels (add+RMSNorm, q/k norm + rotary, SiLU·mul): interpreted on CPU, native on a GPU. The
+engine runs the GPU's data paths here (`gpu_data_paths`): the kernels get the device-side
+gather's strided block tables, and inputs are double-buffered as on a GPU. TP = 1
 is covered by test_model_tp.py (every checkpoint, plan by plan) and test_attention_backends.py
 (the engine, against the torch path). A module of its own: test_llm_e2e.py keeps a process
 group open for the whole of its module, and a process can hold only one.
@@ -47,7 +49,10 @@ def test_triton_kernels_match_hf_tp2(checkpoint, references):
     with LLM(
         checkpoint, tensor_parallel_size=2, attention_backend="triton", block_size=4,
         num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=32, async_scheduling=True,
+        gpu_data_paths=True,
     ) as llm:  # fmt: skip
         llm.ckpt_name = CKPT
-        assert llm.engine.runner.layer_kernels == "triton"
+        runner = llm.engine.runner
+        assert runner.layer_kernels == "triton"
+        assert runner.block_tables.has_device_copy and runner.input_buffers.double_buffered
         check_matches_hf(llm, references)

@@ -65,6 +65,8 @@ class EngineConfig:
     # Mixture-of-experts models (Qwen3-MoE): place whole experts on ranks instead of a slice of
     # every expert on every rank (vLLM's --enable-expert-parallel). No effect on dense models.
     enable_expert_parallel: bool = False
+    # Testing: take the GPU's data paths on CPU too (`RunnerConfig.gpu_data_paths`).
+    gpu_data_paths: bool = False
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")

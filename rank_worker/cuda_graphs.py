@@ -231,6 +231,16 @@ class DecodeGraphRunner:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
+    def release(self) -> None:
+        """Drop the graphs (and with the last of them their memory pool), their outputs and the
+        static buffers; `run` cannot be called again."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.kv_caches = []
+        self.model = None  # type: ignore[assignment]
+
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states `[b, hidden]` of a decode-only step that `can_run`, from its prepared

@@ -13,8 +13,10 @@ Sizing. Rank 0's block manager needs one block count that holds on every rank, s
 computes what fits and the minimum over ranks wins (`all_reduce_min_int`, in the model runner):
 - a fixed `RunnerConfig.num_kv_blocks` wins everywhere (tests that force preemption use it);
 - on CPU, `kv_cache_memory_bytes` (default 1 GiB) divided by the bytes per block;
-- on GPU, measured: `total * gpu_memory_utilization - peak memory of a warm-up forward at the
-  largest batch`, divided by the bytes per block.
+- on GPU, measured: `total * gpu_memory_utilization - the engine's own peak in a warm-up
+  forward at the largest batch - memory outside torch`, divided by the bytes per block
+  (`gpu_kv_budget_bytes`: the engine's own use only, so a second engine in a process sizes
+  itself as the first did once the first has released its memory).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rank_worker.device_memory import DeviceMemory, MemoryReading
 from rank_worker.layers.linear import local_kv_heads
 from rank_worker.qwen3 import KVCachePair, head_dim_of
 from rank_worker.tp import TPInfo
@@ -100,34 +103,50 @@ def cpu_num_blocks(
     return blocks_from_bytes(spec, budget, "kv_cache_memory_bytes")
 
 
-def gpu_kv_budget_bytes(total_bytes: int, utilization: float, peak_used_bytes: int) -> int:
-    """What is left for the KV cache of the GPU share the engine may use."""
-    return int(total_bytes * utilization) - peak_used_bytes
+def gpu_kv_budget_bytes(
+    reading: MemoryReading, utilization: float, baseline_allocated: int, scratch_bytes: int
+) -> int:
+    """Bytes for the KV cache, from a reading taken after the warm-up.
+
+    The engine may use `utilization` of the device. Its own use is its peak over the warm-up
+    (weights, activations, the sampler's workspace) minus what this process's tensors held
+    before the engine started (`baseline_allocated`: a previous engine not shut down, the
+    user's tensors) and minus the scratch cache (the real cache takes its place); memory outside
+    torch (CUDA context, NCCL, other processes) counts as used. What the baseline tensors
+    occupy is not the engine's, but it is not free either: the budget never exceeds what the
+    device could still hand out (free, plus what torch caches unused).
+    """
+    own_peak = reading.peak_allocated - baseline_allocated - scratch_bytes
+    budget = int(reading.total * utilization) - own_peak - reading.outside_torch
+    available = reading.free + reading.reserved - reading.allocated
+    return min(budget, available)
 
 
 def measure_gpu_num_blocks(
     spec: KVCacheSpec,
     warmup: Callable[[], int],
     utilization: float,
-    device: torch.device,
+    memory: DeviceMemory,
+    baseline_allocated: int,
 ) -> int:
     """Run `warmup` (a forward at the largest batch) and size the cache from what is left.
 
-    `warmup` returns the bytes of scratch KV cache it allocated; they are not counted as used,
-    since the real cache takes their place. Peak use = torch's peak allocation during the
-    warm-up plus memory torch does not manage (CUDA context, NCCL and cuBLAS buffers): all that
-    is used on the device outside torch's cache, other processes on the same GPU included.
+    `warmup` returns the bytes of scratch KV cache it allocated (and freed). The arithmetic is
+    `gpu_kv_budget_bytes`; `memory` is the device's (`CudaMemory`) or a test's stand-in.
     """
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    memory.reset_peak()
     scratch_bytes = warmup()
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    non_torch = (total - free) - torch.cuda.memory_reserved(device)
-    peak = torch.cuda.max_memory_allocated(device) - scratch_bytes + non_torch
-    budget = gpu_kv_budget_bytes(total, utilization, peak)
-    return blocks_from_bytes(
-        spec,
-        budget,
-        f"gpu_memory_utilization={utilization} of {total} bytes with a peak use of {peak} bytes",
+    reading = memory.read()
+    budget = gpu_kv_budget_bytes(reading, utilization, baseline_allocated, scratch_bytes)
+    where = (
+        f"gpu_memory_utilization={utilization} of {reading.total} bytes, with "
+        f"{reading.peak_allocated - baseline_allocated - scratch_bytes} bytes of weights and "
+        f"activations at the peak, {reading.outside_torch} bytes outside torch and "
+        f"{reading.free} bytes free"
     )
+    if baseline_allocated:
+        where += (
+            f" ({baseline_allocated} bytes of tensors were alive in this process before the "
+            "engine started: a previous LLM that was not shut down?)"
+        )
+    return blocks_from_bytes(spec, budget, where)

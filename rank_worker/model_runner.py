@@ -18,6 +18,7 @@ runs eagerly.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -32,6 +33,7 @@ from rank_worker.architectures import build_model
 from rank_worker.attention.selection import get_backend, select_backend, select_layer_kernels
 from rank_worker.block_tables import BlockTables
 from rank_worker.cuda_graphs import DecodeGraphRunner, disabled_reason
+from rank_worker.device_memory import CudaMemory, DeviceMemory
 from rank_worker.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.kv_cache import (
     KVCacheSpec,
@@ -84,7 +86,12 @@ class ModelRunner:
         config: RunnerConfig,
         tp: TPInfo,
         device: torch.device | str,
+        *,
+        memory: DeviceMemory | None = None,
     ) -> None:
+        """`memory`: what the KV-cache sizing reads of the device; None = `CudaMemory` on a
+        GPU, and on CPU no measurement (the cache takes `kv_cache_memory_bytes`). Tests pass a
+        stand-in to run the GPU's sizing on CPU."""
         start = time.perf_counter()
         self.config = config
         self.tp = tp
@@ -94,6 +101,11 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             # Triton launches on the current device, whatever device its tensors are on.
             torch.cuda.set_device(self.device)
+            memory = memory or CudaMemory(self.device)
+        self.memory = memory
+        # Bytes of this process's tensors before this runner made any: not the engine's, and
+        # left out of its measured use (`gpu_kv_budget_bytes`).
+        self.baseline_allocated = memory.read().allocated if memory is not None else 0
         torch.manual_seed(config.seed)
         self.hf_config = load_hf_config(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
@@ -169,7 +181,7 @@ class ModelRunner:
     def _determine_num_kv_blocks(self, profile_sampling: ProfileSampling | None) -> int:
         if self.config.num_kv_blocks is not None:
             local = self.config.num_kv_blocks
-        elif self.device.type == "cuda":
+        elif self.memory is not None:
             # What is left of the device after every rank's weights (the measurement counts
             # other processes' memory as used), split between the ranks that share the device.
             local = (
@@ -177,7 +189,8 @@ class ModelRunner:
                     self.kv_spec,
                     lambda: self._warmup(profile_sampling),
                     self.config.gpu_memory_utilization,
-                    self.device,
+                    self.memory,
+                    self.baseline_allocated,
                 )
                 // self.tp.ranks_on_device
             )
@@ -217,6 +230,23 @@ class ModelRunner:
         self.graph_runner.capture()
         self.startup_s["capture"] = time.perf_counter() - start
 
+    def release(self) -> None:
+        """Give back every device tensor this runner holds: weights, KV cache, graphs and their
+        pool, staging buffers, tables. The process's device memory returns to what it was
+        before the runner (another engine may then size itself in it); the runner cannot run
+        again. Idempotent."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+        self.graph_runner = None
+        self.kv_caches = None
+        self.model = None  # type: ignore[assignment]
+        self.input_buffers = None  # type: ignore[assignment]
+        self.block_tables = None  # type: ignore[assignment]
+        gc.collect()  # modules hold reference cycles (parent <-> submodules via hooks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     @torch.inference_mode()
     def execute(
         self, plan: StepPlan, last_sampled: torch.Tensor | None = None
@@ -231,7 +261,7 @@ class ModelRunner:
         if plan.command != Command.RUN:
             raise ValueError(f"step {plan.step_id}: execute takes RUN plans, got {plan.command!r}")
         if self.kv_caches is None:
-            raise RuntimeError("execute before init_kv_cache")
+            raise RuntimeError("execute before init_kv_cache, or after release")
         inputs = self._prepare(plan, last_sampled)
         if self.graph_runner is not None and self.graph_runner.can_run(plan):
             hidden = self.graph_runner.run(inputs)  # [B, hidden], one row per sequence

@@ -705,18 +705,22 @@ class LLMEngine:
     # -- shutdown --------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Tell the workers to exit and release the channel. Idempotent."""
+        """Tell the workers to exit, release the channel and give back this rank's device
+        memory (weights, KV cache, graphs, buffers). Idempotent."""
         self.grammars.shutdown()
-        if self.channel is None:
-            return
-        channel, self.channel = self.channel, None
+        self._in_flight = None  # its tensors live on the device
         try:
-            if self._dead is None:
-                channel.publish(StepPlan.exit(self.step_id))
-        except ChannelError as exc:
-            logger.warning("workers could not be told to exit: %s", exc)
+            if self.channel is not None:
+                channel, self.channel = self.channel, None
+                try:
+                    if self._dead is None:
+                        channel.publish(StepPlan.exit(self.step_id))
+                except ChannelError as exc:
+                    logger.warning("workers could not be told to exit: %s", exc)
+                finally:
+                    channel.close()
         finally:
-            channel.close()
+            self.runner.release()
 
 
 def _demo_model_dir() -> Path:

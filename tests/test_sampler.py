@@ -9,6 +9,7 @@ checked exactly for seeded rows (same generator, same draws) and statistically o
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections import Counter
@@ -45,8 +46,17 @@ class _Builder:
 
     def build(self, seqs: list[Sequence]) -> SamplingBatch:
         batch = RunningBatch(len(seqs), 1, 10_000)
-        rows = np.array([batch.add(seq) for seq in seqs], dtype=np.int32)
-        return self.builder.build(batch, rows)
+        # A sequence runs in one row at a time: a list that repeats one gets copies.
+        seen: set[int] = set()
+        running = []
+        for seq in seqs:
+            running.append(copy.copy(seq) if id(seq) in seen else seq)
+            seen.add(id(seq))
+        rows = np.array([batch.add(seq) for seq in running], dtype=np.int32)
+        built = self.builder.build(batch, rows)
+        for seq in running:  # they stop running (the test may build them into another batch)
+            batch.remove(seq)
+        return built
 
 
 def builder(seed: int = 0) -> _Builder:

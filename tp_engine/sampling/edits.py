@@ -12,20 +12,24 @@ N below is the number of (row, token) pairs of an edit, R the number of its rows
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from tp_engine.sampling.grammar_mask import apply_token_bitmask
 from tp_engine.sampling.penalties import apply_penalties
-from tp_engine.sampling.tensors import GrammarMask, PenaltyTensors
+from tp_engine.sampling.tensors import GrammarMask, LogitsEdit, PenaltyTensors
 
 _NEG_INF = float("-inf")
 
-
-class LogitsEdit(Protocol):
-    def apply(self, logits: torch.Tensor) -> None:
-        """Change `logits [B, V]` (float32) in place, on this edit's rows only."""
+__all__ = [
+    "AddBias",
+    "AllowOnly",
+    "BanTokens",
+    "ForceTokens",
+    "LogitsEdit",
+    "MaskByGrammar",
+    "Penalize",
+]
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,9 @@ B = rows of gathered logits that are sampled this step, V = vocabulary size.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from tp_engine.sampling.edits import LogitsEdit
 
 # vLLM's default cap on logprobs per token; the engine refuses requests above it.
 MAX_NUM_LOGPROBS = 20
@@ -54,6 +51,13 @@ class GrammarMask:
     bitmask: torch.Tensor
     # The rows of the batch with a constraint (on the host: the kernel takes a list).
     rows: tuple[int, ...]
+
+
+class LogitsEdit(Protocol):
+    """One logits processor's change of one step's logits (`tp_engine.sampling.edits`)."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Change `logits [B, V]` (float32) in place, on this edit's rows only."""
 
 
 @dataclass(frozen=True)

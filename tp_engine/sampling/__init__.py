@@ -1,6 +1,6 @@
-"""Rank 0's sampling, batched over the step: logits processors (bias, allowed tokens, bad words,
-penalties, structured-output masks, ...), temperature,
-min-p, top-k/top-p, seeded per-request generators and raw logprobs.
+"""Rank 0's sampling, batched over the step: logits processors (logit bias, allowed tokens, bad
+words, min_tokens, penalties, structured-output masks, a forced token), temperature, min-p,
+top-k/top-p, seeded per-request generators and raw logprobs.
 
 Only rank 0 samples (the logits are gathered to it), so this lives with rank 0's control plane
 rather than in `rank_worker`. Two layers:

@@ -4,10 +4,10 @@ A processor keeps its own state for the rows of the running batch that ask for i
 for the others. The sampling builder forwards it the batch's row events (a sequence takes a
 row: `add_row`; gives it back: `remove_row`), so a processor decides once, when a sequence
 starts running, whether that row asks; each step it is asked for an edit of the step's rows
-that ask (`edit`), which it builds from its state and the sequences' tokens so far (it reads the
-tokens appended since the last step there, for its rows only). A processor none of whose rows
-sample this step costs a dict lookup; the edits' tensors cover their own rows only
-(`tp_engine.sampling.edits`).
+that ask (`edit`), which it builds from its state and, where it depends on them, its sequences'
+tokens so far (read on the host for its rows only: penalties, bad words, min_tokens, the
+thinking budget). A processor with no rows costs a truth test per step; the edits' tensors
+cover their own rows only (`tp_engine.sampling.edits`).
 
 Order, as vLLM's sampler (allowed_token_ids, bad_words, then the processors that can move the
 argmax: min_tokens, logit_bias; then penalties), with structured-output masks and the forced

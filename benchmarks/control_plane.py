@@ -136,7 +136,7 @@ def time_decode_steps(
         return [t1 - t0, t2 - t1, t3 - t2, t6 - t5, t4 - t3, t5 - t4], n, out
 
     # Prefill everything (untimed; the worker side replays every plan) until all decode.
-    while any(s.is_prefill for s in sched.running) or sched.waiting:
+    while any(sched.batch.is_prefill(s.row) for s in sched.running) or sched.waiting:
         step()
     times, sizes = [], []
     for _ in range(num_steps):

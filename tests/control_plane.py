@@ -65,6 +65,8 @@ class StepView:
     samples: list[bool]
     # For a decode whose input is the in-flight step's sample: that sample's row; else None.
     input_rows: list[int | None]
+    # Each sequence's computed tokens when the step was scheduled (its batch row's).
+    num_computed: list[int]
 
     @classmethod
     def of(cls, step: ScheduledStep, batch: RunningBatch) -> StepView:
@@ -78,6 +80,7 @@ class StepView:
             step.starts.tolist(),
             step.samples.tolist(),
             [r if p else None for r, p in zip(rows, step.reads_placeholder.tolist(), strict=True)],
+            batch.num_computed[step.rows].tolist(),
         )
 
     @property
@@ -113,8 +116,10 @@ def reference_plan_arrays(
             for s, n in zip(in_flight.scheduled, in_flight.num_scheduled_tokens, strict=True)
         }
     ids, pos, slots, qsl, lens, logits = [], [], [], [0], [], []
-    for seq, n, samples in zip(out.scheduled, out.num_scheduled_tokens, out.samples, strict=True):
-        start = seq.num_computed_tokens + pending_tokens.get(id(seq), 0)
+    for seq, n, samples, computed in zip(
+        out.scheduled, out.num_scheduled_tokens, out.samples, out.num_computed, strict=True
+    ):
+        start = computed + pending_tokens.get(id(seq), 0)
         for p in range(start, start + n):
             if p < seq.num_tokens:
                 ids.append(seq.token_ids[p])
@@ -253,21 +258,19 @@ class Stepper:
         raise AssertionError(f"not finished after {max_steps} steps")
 
     def check(self) -> None:
-        self.sched.block_manager.check_integrity(self.sched.running)
+        self.sched.check_integrity()
         for seq in self.sched.waiting:
             assert seq.block_table == [] and seq.num_computed_tokens == 0, seq
             assert seq.num_inflight_tokens == seq.num_placeholders == 0, seq
             assert seq.row is None, seq
         batch = self.sched.batch
         for seq in self.sched.running:
-            # At most the step in flight and the one just scheduled.
-            assert 0 <= seq.num_placeholders <= 2, seq
-            assert seq.num_computed_tokens + seq.num_inflight_tokens <= (
-                seq.num_tokens + seq.num_placeholders
-            ), seq
             # The row mirrors the sequence.
             row = seq.row
             assert row is not None and batch.seqs[row] is seq and batch.serial[row] == seq.serial
+            # At most the step in flight and the one just scheduled.
+            assert 0 <= batch.num_placeholders[row] <= 2, seq
+            assert batch.scheduled_end(row) <= seq.num_tokens + batch.num_placeholders[row], seq
             assert batch.num_tokens[row] == seq.num_tokens, seq
             assert batch.last_token[row] == seq.token_ids[-1], seq
             assert batch.block_table[row, : batch.num_blocks[row]].tolist() == seq.block_table

@@ -28,3 +28,57 @@ def test_control_plane_imports_no_cuda_or_process_groups():
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == ""
+
+
+def _project_imports() -> dict[str, set[str]]:
+    """Module -> the project's modules it imports, read from the source: every import
+    statement, at module level, under `if TYPE_CHECKING:` or inside a function."""
+    import ast
+
+    modules = {}
+    for package in ("tp_engine", "rank_worker", "shm_ipc", "kernels", "launch"):
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            modules[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    if submodule in modules:
+                        deps.add(submodule)  # `from pkg import module`
+                    elif node.module in modules:
+                        deps.add(node.module)
+        deps.discard(name)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycles():
+    # Type-only and deferred imports count too: a cycle among them still means two modules
+    # that cannot be understood (or split) one without the other.
+    graph = _project_imports()
+    assert "tp_engine.sequence" in graph and "tp_engine.running_batch" in graph
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep) :] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)

@@ -9,6 +9,7 @@ checked exactly for seeded rows (same generator, same draws) and statistically o
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections import Counter
@@ -45,8 +46,17 @@ class _Builder:
 
     def build(self, seqs: list[Sequence]) -> SamplingBatch:
         batch = RunningBatch(len(seqs), 1, 10_000)
-        rows = np.array([batch.add(seq) for seq in seqs], dtype=np.int32)
-        return self.builder.build(batch, rows)
+        # A sequence runs in one row at a time: a list that repeats one gets copies.
+        seen: set[int] = set()
+        running = []
+        for seq in seqs:
+            running.append(copy.copy(seq) if id(seq) in seen else seq)
+            seen.add(id(seq))
+        rows = np.array([batch.add(seq) for seq in running], dtype=np.int32)
+        built = self.builder.build(batch, rows)
+        for seq in running:  # they stop running (the test may build them into another batch)
+            batch.remove(seq)
+        return built
 
 
 def builder(seed: int = 0) -> _Builder:
@@ -445,3 +455,105 @@ def test_a_spent_thinking_budget_forces_the_end_of_thinking() -> None:
     # The logprob reported is the forced token's own (raw) one.
     assert out.logprobs is not None and out.logprobs.token_ids[0, 0] == 4
     torch.testing.assert_close(out.logprobs.logprobs[0, 0], torch.log_softmax(logits[3], -1)[4])
+
+
+# -- logits processors: logit_bias, allowed_token_ids, bad_words -------------------------------
+
+
+def test_logit_bias_plus_100_is_taken_and_minus_100_never() -> None:
+    logits = 3.0 * torch.randn(4, V, generator=torch.Generator().manual_seed(3))
+    top = logits.argmax(-1).tolist()
+    seqs = [
+        make_seq(SamplingParams(temperature=0.0, logit_bias={11: 100.0}), [1]),
+        make_seq(SamplingParams(temperature=0.0, logit_bias={str(top[1]): -100}), [1]),
+        make_seq(SamplingParams(temperature=1.0, logit_bias={top[2]: -100.0, 5: 0.5}), [1]),
+        make_seq(SamplingParams(temperature=0.0), [1]),
+    ]
+    md = builder().build(seqs).metadata
+    got = process_logits(logits, md)
+    torch.testing.assert_close(got[0, 11], logits[0, 11] + 100)
+    torch.testing.assert_close(got[2, 5], logits[2, 5] + 0.5)
+    assert torch.equal(got[3], logits[3])  # a row that asks for nothing is untouched
+    tokens = sample_batch(logits, md).token_ids.tolist()
+    assert tokens[0] == 11 and tokens[1] != top[1] and tokens[3] == top[3]
+    draws = sample_batch(
+        logits[2:3].expand(2000, V).contiguous(), builder().build([seqs[2]] * 2000).metadata
+    )
+    assert top[2] not in draws.token_ids.tolist()
+
+
+def test_allowed_token_ids_mask_only_the_rows_that_ask() -> None:
+    logits = 3.0 * torch.randn(3, V, generator=torch.Generator().manual_seed(4))
+    allowed = [2, 9, 30]
+    seqs = [
+        make_seq(SamplingParams(temperature=0.0), [1]),
+        make_seq(SamplingParams(temperature=1.0, allowed_token_ids=allowed), [1]),
+        make_seq(SamplingParams(temperature=0.0, allowed_token_ids=[30, 30]), [1]),
+    ]
+    md = builder().build(seqs).metadata
+    with _Calls() as calls:
+        got = process_logits(logits, md)
+    # One [2, V] mask for the two rows that ask, none for the third row.
+    assert calls.shapes("masked_fill") == [(2, V)] and got.shape == (3, V)
+    assert torch.equal(got[0], logits[0])
+    assert torch.isfinite(got[1]).nonzero().flatten().tolist() == allowed
+    torch.testing.assert_close(got[1, allowed], logits[1, allowed] / 1.0)
+    assert torch.isfinite(got[2]).nonzero().flatten().tolist() == [30]
+    # Flat logits: every allowed token is drawn, nothing else.
+    tokens = sample_batch(torch.zeros(500, V), builder().build([seqs[1]] * 500).metadata)
+    assert set(tokens.token_ids.tolist()) == set(allowed)
+
+
+def test_bad_words_ban_the_last_token_after_the_rest_was_generated() -> None:
+    logits = torch.zeros(4, V)
+    # Sequences: [5, 6] (two tokens), [8] (one token, always banned), [5, 6, 9].
+    words = [[5, 6], [8], [5, 6, 9]]
+    seqs = [
+        make_seq(SamplingParams(temperature=0.0, bad_words_token_ids=words), [1], [3, 5]),
+        make_seq(SamplingParams(temperature=0.0, bad_words_token_ids=words), [1], [5, 6]),
+        make_seq(SamplingParams(temperature=0.0, bad_words_token_ids=words), [5], []),
+        make_seq(SamplingParams(temperature=0.0), [1], [5]),
+    ]
+    got = process_logits(logits, builder().build(seqs).metadata)
+    banned = [torch.isinf(row).nonzero().flatten().tolist() for row in got]
+    # Output ends with 5: 6 banned; ends with 5, 6: 9 banned; the prompt's 5 does not count
+    # (vLLM's rule looks at output tokens); the last row asked for nothing.
+    assert banned == [[6, 8], [8, 9], [8], []]
+
+
+def test_bias_applies_before_penalties_and_masks_win() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 4] = 2.0
+    params = SamplingParams(
+        temperature=0.0,
+        logit_bias={4: 2.0, 6: 50.0},
+        repetition_penalty=2.0,
+        allowed_token_ids=[4, 5],
+    )
+    got = process_logits(logits, builder().build([make_seq(params, [4])]).metadata)
+    # (2 + 2) / 2 = 2 (vLLM's order: bias, then the penalty); 6's bias cannot undo its mask.
+    assert got[0, 4].item() == 2.0 and got[0, 5].item() == 0.0
+    assert torch.isinf(got[0, 6]) and int(torch.isfinite(got[0]).sum()) == 2
+
+
+def test_no_row_asking_means_no_edit() -> None:
+    _, seqs = case_batch(["greedy", "temperature", "top_k"])
+    assert builder().build(seqs).metadata.logits_edits == ()
+
+
+def test_processors_follow_rows_that_change_hands() -> None:
+    b = SamplingBatchBuilder(V, [EOS], torch.device("cpu"), 0)
+    batch = RunningBatch(2, 1, 10_000)
+    biased = make_seq(SamplingParams(temperature=0.0, logit_bias={3: 100.0}), [1])
+    plain = make_seq(SamplingParams(temperature=0.0), [1])
+    logits = torch.zeros(1, V)
+    row = batch.add(biased)
+    rows = np.array([row])
+    assert sample_batch(logits, b.build(batch, rows).metadata).token_ids.tolist() == [3]
+    batch.remove(biased)
+    assert batch.add(plain) == row  # the same row, another sequence: no bias left behind
+    assert b.build(batch, rows).metadata.logits_edits == ()
+    # A row whose sequence stopped since the step was scheduled gets no edit either.
+    batch.remove(plain)
+    batch.add(biased)
+    assert b.build(batch, rows, np.array([False])).metadata.logits_edits == ()

@@ -435,3 +435,94 @@ def test_skip_special_tokens_in_text(llm):
         sample.token_ids = [*words, end]
         sample.finish_reason = "length"
         assert llm._text(sample) == expected
+
+
+# -- logit_bias, allowed_token_ids, bad_words ---------------------------------------------------
+
+
+def test_logit_bias_plus_100_forces_and_minus_100_bans(llm):
+    prompts = [prompt_of(7, 40), prompt_of(5, 41), prompt_of(9, 42)]
+    free = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
+    favourite = 123  # not what the model picks anywhere (checked below)
+    assert all(favourite not in ids for ids in free)
+    first = free[1][0]
+    params = [
+        greedy(6, logit_bias={favourite: 100.0}),
+        greedy(6, logit_bias={str(first): -100}),  # JSON's string keys work too
+        greedy(6),  # a row that asks for nothing in the same batch
+    ]
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert out[0] == [favourite] * 6
+    assert first not in out[1] and out[1] != free[1]
+    assert out[2] == free[2]
+    check_integrity(llm)
+
+
+def test_allowed_token_ids_confine_every_token(llm):
+    allowed = [3, 50, 77, 400, 641]
+    prompts = [prompt_of(6, 43), prompt_of(8, 44)]
+    params = [
+        greedy(8, allowed_token_ids=allowed),
+        SamplingParams(
+            temperature=1.5, seed=3, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed
+        ),
+    ]
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert all(len(ids) == n for ids, n in zip(out, (8, 24), strict=True))
+    assert set(out[0]) <= set(allowed) and set(out[1]) <= set(allowed)
+    assert len(set(out[1])) > 1  # sampled among them, not stuck on one
+    check_integrity(llm)
+
+
+def _first_completion(output: list[int], banned: list[list[int]]) -> int | None:
+    """The output position where a banned sequence first completes, if any."""
+    for end in range(len(output)):
+        for ids in banned:
+            start = end + 1 - len(ids)
+            if start >= 0 and output[start : end + 1] == ids:
+                return end
+    return None
+
+
+def test_bad_words_never_complete_while_their_prefix_appears(llm):
+    from tp_engine.sampling_params import tokenize_bad_words
+
+    tokenizer = llm.engine.tokenizer
+    prompt = prompt_of(8, 45)
+    free = llm.generate([prompt], greedy(16), use_tqdm=False)[0].outputs[0].token_ids
+    # A phrase of two of the free output's tokens that tokenizes back to them.
+    pairs = [free[i : i + 2] for i in range(1, len(free) - 1)]
+    pair = next(
+        p
+        for p in pairs
+        if tokenizer(tokenizer.decode(p), add_special_tokens=False)["input_ids"] == p
+    )
+    word = tokenizer.decode(pair)
+    banned = tokenize_bad_words(SamplingParams(bad_words=[word]), tokenizer).bad_words_token_ids
+    assert pair in banned
+    end = _first_completion(free, banned)
+    assert end is not None and end >= 1
+    out = llm.generate([prompt], greedy(16, bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    ids = out.token_ids
+    assert _first_completion(ids, banned) is None
+    # Greedy: the same tokens up to the banned one, its prefix included, then another token.
+    assert ids[:end] == free[:end] and ids[end] != free[end]
+    check_integrity(llm)
+
+
+def test_token_constraints_are_refused_with_the_field_named(llm):
+    vocab = llm.engine.vocab_size
+    cases = {
+        "logit_bias": greedy(2, logit_bias={vocab: 1.0}),
+        "allowed_token_ids": greedy(2, allowed_token_ids=[1, vocab + 3]),
+    }
+    for field, params in cases.items():
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{field} .*outside the vocabulary"):
+            llm.generate([[1, 2]], params, use_tqdm=False)
+    # Nothing left to sample at the first step: the only allowed token is EOS while
+    # min_tokens holds EOS back.
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    nothing = SamplingParams(max_tokens=3, min_tokens=2, allowed_token_ids=[eos])
+    with pytest.raises(ValueError, match=r"SamplingParams\.allowed_token_ids leaves no token"):
+        llm.generate([[1, 2]], nothing, use_tqdm=False)
+    assert not llm.engine.has_unfinished()

@@ -17,7 +17,7 @@ from tp_engine.sequence import SequenceStatus
 
 
 def batch(out) -> list[tuple[str, int]]:
-    return [(s.request_id, n) for s, n in zip(out.scheduled, out.num_scheduled_tokens, strict=True)]
+    return [(s.seq_id, n) for s, n in zip(out.scheduled, out.num_scheduled_tokens, strict=True)]
 
 
 def test_empty_step_is_a_normal_result():
@@ -34,16 +34,16 @@ def test_chunked_prefill_across_block_boundaries():
 
     out, _ = st.step()
     assert batch(out) == [("a", 6)] and out.samples == [False]
-    assert seq.num_computed_tokens == 6 and seq.block_table == [0, 1]
+    assert sched.batch.num_computed[seq.row] == 6 and seq.block_table == [0, 1]
     assert seq.num_output_tokens == 0
 
     out, _ = st.step()
     assert batch(out) == [("a", 6)] and out.samples == [False]
-    assert seq.num_computed_tokens == 12 and seq.block_table == [0, 1, 2]
+    assert sched.batch.num_computed[seq.row] == 12 and seq.block_table == [0, 1, 2]
 
     out, _ = st.step()  # the last 2 prompt tokens: logits sampled
     assert batch(out) == [("a", 2)] and out.samples == [True]
-    assert seq.num_computed_tokens == 14 and seq.block_table == [0, 1, 2, 3]
+    assert sched.batch.num_computed[seq.row] == 14 and seq.block_table == [0, 1, 2, 3]
     assert seq.num_output_tokens == 1
 
     out, finished = st.step()  # decode
@@ -88,8 +88,8 @@ def test_max_num_seqs_caps_the_running_set():
     for i in range(3):
         sched.add(make_seq(f"r{i}", [1 + i, 2, 3], max_tokens=5))
     out, _ = Stepper(sched).step()
-    assert [s.request_id for s in out.scheduled] == ["r0", "r1"]
-    assert [s.request_id for s in sched.waiting] == ["r2"]
+    assert [s.seq_id for s in out.scheduled] == ["r0", "r1"]
+    assert [s.seq_id for s in sched.waiting] == ["r2"]
 
 
 def test_preemption_recomputes_and_rehits_the_prefix_cache():
@@ -105,17 +105,17 @@ def test_preemption_recomputes_and_rehits_the_prefix_cache():
         if not sched.has_unfinished():
             break
         out, done = st.step()
-        preempted += [s.request_id for s in out.preempted]
+        preempted += [s.seq_id for s in out.preempted]
         finished += done
     assert not sched.has_unfinished()
     # Both want 5 blocks at the end (8 + 12 - 1 = 19 slots), 10 > 6: b, the most recently
     # admitted, is preempted, and on readmission its prompt comes back from the prefix cache.
     assert preempted and set(preempted) == {"b"}
-    b = next(s for s in finished if s.request_id == "b")
+    b = next(s for s in finished if s.seq_id == "b")
     assert b.num_preemptions >= 1 and b.num_cached_tokens > 0
     assert sched.block_manager.prefix_cache_hits >= b.num_cached_tokens
     for seq in finished:
-        assert seq.output_token_ids == expected_output(prompts[seq.request_id], 12, 64)
+        assert seq.output_token_ids == expected_output(prompts[seq.seq_id], 12, 64)
     assert sched.block_manager.usage == 0.0
 
 
@@ -130,8 +130,8 @@ def test_preempted_sequence_goes_to_the_front_of_the_queue():
     out, _ = st.step()  # a and b decode token 7: fits in their second block
     assert batch(out) == [("a", 1), ("b", 1)]
     out, _ = st.step()  # token 8 needs a third block each: b is preempted, a proceeds
-    assert batch(out) == [("a", 1)] and [s.request_id for s in out.preempted] == ["b"]
-    assert [s.request_id for s in sched.waiting] == ["b", "c"]
+    assert batch(out) == [("a", 1)] and [s.seq_id for s in out.preempted] == ["b"]
+    assert [s.seq_id for s in sched.waiting] == ["b", "c"]
     b = sched.get("b")
     assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
 
@@ -148,9 +148,9 @@ def test_a_sequence_that_cannot_grow_preempts_itself_when_it_is_the_newest():
     # a still fits in block 0; b's token 8 needs a fourth block. Every other running sequence
     # is already in this step, so b, the newest, steps aside itself.
     assert batch(out) == [("a", 1)]
-    assert [s.request_id for s in out.preempted] == ["b"]
+    assert [s.seq_id for s in out.preempted] == ["b"]
     done = st.run_to_completion()
-    assert {s.request_id for s in done} == {"a", "b"}
+    assert {s.seq_id for s in done} == {"a", "b"}
 
 
 @pytest.mark.parametrize("state", ["waiting", "running", "mid_prefill"])
@@ -164,7 +164,7 @@ def test_abort_in_every_state_frees_blocks(state):
         st.step()
         x = sched.get("x")
         assert x.status == SequenceStatus.RUNNING and x.block_table
-        assert x.is_prefill == (state == "mid_prefill")
+        assert sched.batch.is_prefill(x.row) == (state == "mid_prefill")
     seq = sched.abort("x")
     assert seq is not None and seq.status == SequenceStatus.FINISHED_ABORTED
     assert seq.finish_reason == "abort" and seq.block_table == []
@@ -181,9 +181,9 @@ def test_abort_between_schedule_and_update_discards_the_step():
     out = sched.schedule()
     a = sched.abort("a")
     result = sched.update(out, [11, 12])
-    assert result.finished == [] and [s.request_id for s in result.sampled] == ["b"]
+    assert result.finished == [] and [s.seq_id for s in result.sampled] == ["b"]
     assert sched.get("b").output_token_ids == [12] and a.output_token_ids == []
-    sched.block_manager.check_integrity(sched.running)
+    sched.check_integrity()
 
 
 def test_finish_on_eos_stop_token_and_min_tokens():
@@ -234,7 +234,7 @@ def test_requests_that_can_never_fit_are_refused_with_a_reason():
     sched.add(make_seq("ok", list(range(1, 11)), max_tokens=3))  # 12 slots: exactly 3 blocks
     with pytest.raises(RequestRejectedError, match="already in use"):
         sched.add(make_seq("ok", [1]))
-    assert [s.request_id for s in sched.waiting] == ["ok"]
+    assert [s.seq_id for s in sched.waiting] == ["ok"]
     done = Stepper(sched).run_to_completion()
     assert done[0].output_token_ids == expected_output(list(range(1, 11)), 3, 16)
 
@@ -266,7 +266,7 @@ def test_fake_model_outputs_do_not_depend_on_scheduling():
         for rid, prompt in prompts.items():
             sched.add(make_seq(rid, prompt, max_tokens=9))
         done = Stepper(sched, sample=next_token).run_to_completion()
-        results.append({s.request_id: s.output_token_ids for s in done})
+        results.append({s.seq_id: s.output_token_ids for s in done})
     expected = {rid: expected_output(p, 9, 64) for rid, p in prompts.items()}
     assert all(r == expected for r in results)
 
@@ -284,16 +284,17 @@ def test_async_decode_reads_the_in_flight_sample_as_a_placeholder():
 
     first, _ = st.step()  # both prefills launched; nothing applied yet
     assert first.samples == [True, True] and a.num_output_tokens == 0
-    assert (a.num_inflight_tokens, a.num_placeholders) == (3, 1)
+    rb = sched.batch  # a is running: its counters are its row's
+    assert (rb.num_inflight[a.row], rb.num_placeholders[a.row]) == (3, 1)
 
     second, finished = st.step()  # decodes of the tokens still being sampled; step 1 applied
     assert batch(second) == [("a", 1), ("b", 1)] and finished == []
     assert second.input_rows == [0, 1] and second.starts == [3, 2]
-    assert a.num_output_tokens == 1 and a.num_computed_tokens == 3
-    assert (a.num_inflight_tokens, a.num_placeholders) == (1, 1)
+    assert a.num_output_tokens == 1 and rb.num_computed[a.row] == 3
+    assert (rb.num_inflight[a.row], rb.num_placeholders[a.row]) == (1, 1)
 
     done = st.run_to_completion()
-    assert sorted(s.request_id for s in done) == ["a", "b"]
+    assert sorted(s.seq_id for s in done) == ["a", "b"]
     assert a.output_token_ids == expected_output([5, 6, 7], 3, 64)
     assert b.output_token_ids == expected_output([8, 9], 3, 64)
     assert sched.block_manager.usage == 0.0
@@ -325,7 +326,7 @@ def test_async_eos_discards_the_row_scheduled_behind_it():
     st.step()  # prefills
     st.step()  # decode 1 of both; prefill tokens applied
     out, finished = st.step()  # decode 2 launched; decode 1 (EOS for a) applied
-    assert [s.request_id for s in out.scheduled] == ["a", "keep"]
+    assert [s.seq_id for s in out.scheduled] == ["a", "keep"]
     assert finished == [a] and a.output_token_ids[-1] == EOS and a.block_table == []
     _, finished = st.step()  # a's extra row is discarded
     assert a.num_output_tokens == 2 and a.finish_reason == "stop"
@@ -402,7 +403,7 @@ def test_prompt_logprobs_take_at_most_max_num_seqs_logits_rows_per_step():
     out, _ = st.step()
     assert batch(out) == [("a", 2), ("b", 2)]  # plain is done; b gets the 2 rows left
     done = st.run_to_completion()
-    assert {s.request_id for s in done} == {"a", "b"} and plain.finish_reason == "length"
+    assert {s.seq_id for s in done} == {"a", "b"} and plain.finish_reason == "length"
     assert a.output_token_ids == expected_output(list(range(1, 11)), 2, 64)
 
 
@@ -417,7 +418,7 @@ def test_a_prompt_only_sequence_computes_its_prompt_and_samples_nothing(async_sc
     steps = []
     while st.has_work():
         out, finished = st.step()
-        steps.append((batch(out), out.samples, [s.request_id for s in finished]))
+        steps.append((batch(out), out.samples, [s.seq_id for s in finished]))
     last = [([("a", 2)], [False], [] if async_scheduling else ["a"])]
     # Asynchronous: the last chunk is applied by the next (empty) step, which schedules nothing.
     tail = [([], [], ["a"])] if async_scheduling else []

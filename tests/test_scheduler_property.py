@@ -84,7 +84,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sched.has_unfinished())
     @rule(data=st.data())
     def abort(self, data):
-        live = [s.request_id for s in list(self.sched.waiting) + self.sched.running]
+        live = [s.seq_id for s in list(self.sched.waiting) + self.sched.running]
         rid = data.draw(st.sampled_from(live))
         seq = self.sched.abort(rid)
         assert seq is not None and seq.status == SequenceStatus.FINISHED_ABORTED
@@ -103,8 +103,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Drain: everything left finishes in bounded steps, with the same output as alone.
         self.finished += self.stepper.run_to_completion(max_steps=2_000)
         for seq in self.finished:
-            if seq.request_id in self.requests:
-                prompt, max_tokens = self.requests[seq.request_id]
+            if seq.seq_id in self.requests:
+                prompt, max_tokens = self.requests[seq.seq_id]
                 assert seq.output_token_ids == expected_output(prompt, max_tokens, MAX_MODEL_LEN)
         bm = self.sched.block_manager
         assert bm.num_free_blocks == bm.num_blocks and bm.usage == 0.0

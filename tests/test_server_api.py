@@ -325,7 +325,6 @@ INVALID = [
     ("seed-string", COMPLETIONS, {"prompt": "Hi", "seed": "x"}, AUTH, 400),
     ("stream-string", COMPLETIONS, {"prompt": "Hi", "stream": "yes"}, AUTH, 400),
     ("stream-options-without-stream", COMPLETIONS, {"prompt": "Hi", "stream_options": {"include_usage": True}}, AUTH, 400),
-    ("logit-bias", COMPLETIONS, {"prompt": "Hi", "logit_bias": {"1": 5.0}}, AUTH, 400),
     ("unknown-model", COMPLETIONS, {"prompt": "Hi", "model": "gpt-4"}, AUTH, 404),
     ("missing-api-key", COMPLETIONS, {"prompt": "Hi"}, {}, 401),
     ("wrong-api-key", COMPLETIONS, {"prompt": "Hi"}, {"Authorization": "Bearer nope"}, 401),
@@ -355,6 +354,107 @@ def test_invalid_request_is_refused_with_an_openai_error(server, path, body, hea
     error = resp["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
+
+
+# -- logit_bias, allowed_token_ids, bad_words ---------------------------------------------------
+
+
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{server.host}:{server.port}/v1", api_key=API_KEY)
+
+
+def test_openai_clients_logit_bias_works_unchanged(server, llm):
+    client = openai_client(server)
+    _, free = greedy_reference(llm, ["Once upon a time"], 6)[0]
+    favourite = next(t for t in range(100, 600) if t not in free)
+    kwargs = {"model": MODEL, "max_tokens": 6, "temperature": 0,
+              "extra_body": {"ignore_eos": True, "return_token_ids": True}}  # fmt: skip
+    forced = client.completions.create(
+        prompt="Once upon a time", logit_bias={str(favourite): 100}, **kwargs
+    )
+    assert forced.choices[0].model_extra["token_ids"] == [favourite] * 6
+    banned = client.completions.create(
+        prompt="Once upon a time", logit_bias={str(free[0]): -100}, **kwargs
+    )
+    assert free[0] not in banned.choices[0].model_extra["token_ids"]
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}], logit_bias={str(favourite): 100}, **kwargs
+    )
+    assert chat.choices[0].model_extra["token_ids"] == [favourite] * 6
+
+
+def test_allowed_token_ids_and_bad_words_on_both_endpoints(server, llm):
+    from tp_engine import SamplingParams
+
+    allowed = [11, 222, 333]
+    body = {"max_tokens": 5, "allowed_token_ids": allowed, "return_token_ids": True}
+    resp = complete(server, prompt="Hello, my name is", **body)
+    assert set(resp["choices"][0]["token_ids"]) <= set(allowed)
+    status, resp = server.post(
+        "/v1/chat/completions",
+        {"messages": USER_HI, "temperature": 1.0, "seed": 1, "ignore_eos": True, **body},
+        AUTH,
+    )
+    assert status == 200 and set(resp["choices"][0]["token_ids"]) <= set(allowed), resp
+    # A word of the free output that is one token (with or without its leading space) never
+    # appears once banned.
+    from tp_engine.sampling_params import tokenize_bad_words
+
+    _, free = greedy_reference(llm, ["The capital of France is"], 8)[0]
+    tokenizer = llm.engine.tokenizer
+
+    def single_tokens(word: str) -> set[int]:
+        params = tokenize_bad_words(SamplingParams(bad_words=[word]), tokenizer)
+        return {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
+
+    words = (tokenizer.decode([t]).strip() for t in free)
+    word = next(w for w in words if w and set(free) & single_tokens(w))
+    resp = complete(
+        server, prompt="The capital of France is", max_tokens=8, bad_words=[word],
+        return_token_ids=True,
+    )  # fmt: skip
+    assert not set(resp["choices"][0]["token_ids"]) & single_tokens(word)
+
+
+BAD_CONSTRAINTS = [
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": -100.5}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"logit_bias": {str(10**6): 1}}, "logit_bias"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias.5"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [5, 10**6]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"bad_words": "abc"}, "bad_words"),
+    ({"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 1}, "allowed_token_ids"),
+]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize(("fields", "param"), BAD_CONSTRAINTS, ids=[p for _, p in BAD_CONSTRAINTS])
+def test_bad_token_constraints_are_400s_naming_the_field(server, path, fields, param):
+    prompt = {"prompt": "Hi"} if path == COMPLETIONS else {"messages": USER_HI}
+    status, resp = server.post(path, {"model": MODEL, "max_tokens": 3, **prompt, **fields}, AUTH)
+    assert status == 400, resp
+    assert resp["error"]["param"] == param, resp
+    assert param.split(".")[0] in resp["error"]["message"]
+
+
+def test_nothing_left_at_the_first_step_is_a_400_from_rank_0_too(server, llm):
+    """EOS held back by min_tokens: only rank 0 knows the EOS ids, and it refuses too."""
+    eos = min(llm.engine.eos_token_ids)
+    status, resp = server.post(
+        COMPLETIONS,
+        {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "min_tokens": 1,
+         "allowed_token_ids": [eos]},
+        AUTH,
+    )  # fmt: skip
+    assert status == 400, resp
+    assert "allowed_token_ids leaves no token" in resp["error"]["message"]
+    assert complete(server, prompt="Still there?", max_tokens=2)["usage"]["completion_tokens"] == 2
 
 
 def test_the_server_keeps_serving_after_invalid_requests(server):

@@ -258,24 +258,34 @@ class BlockManager:
     # -- allocation --------------------------------------------------------------------------------
 
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] | None = None
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_prefix: list[KVBlock] | None = None,
+        *,
+        start: int | None = None,
     ) -> bool:
-        """Give `seq` blocks for `num_new_tokens` more tokens; False (nothing changed) if short.
+        """Give `seq` blocks for `num_new_tokens` more tokens from position `start` (where its
+        next scheduled token starts: a running sequence's comes from its batch row, which owns
+        its counters; None: the sequence's own, it is not running); False (nothing changed) if
+        short.
 
         `cached_prefix` is passed at admission only (from `find_cached_prefix`, possibly empty):
         its blocks gain a reference, its tokens count as computed, and the prefix-cache counters
         record the query.
         """
+        if start is None:
+            start = seq.num_computed_tokens + seq.num_inflight_tokens
         admitting = cached_prefix is not None
         if not admitting:
             # The common case, a running sequence: often its last block has room already.
-            num_needed = -(-(seq.num_scheduled_end + num_new_tokens) // self.block_size)
+            num_needed = -(-(start + num_new_tokens) // self.block_size)
             if num_needed <= len(seq.block_table):
                 return True
         cached_prefix = cached_prefix or []
         if admitting and seq.block_table:
-            raise ValueError(f"{seq.request_id}: admission needs an empty block table")
-        num_computed = seq.num_scheduled_end + len(cached_prefix) * self.block_size
+            raise ValueError(f"{seq.seq_id}: admission needs an empty block table")
+        num_computed = start + len(cached_prefix) * self.block_size
         num_needed = self.blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = max(0, num_needed - len(seq.block_table) - len(cached_prefix))
         # Unreferenced hits sit in the free queue; taking them shrinks what is left to allocate.
@@ -411,11 +421,15 @@ class BlockManager:
 
     # -- checking ----------------------------------------------------------------------------------
 
-    def check_integrity(self, sequences: Iterable[Sequence] = ()) -> None:
+    def check_integrity(
+        self, sequences: Iterable[Sequence] = (), num_computed: Iterable[int] | None = None
+    ) -> None:
         """Raise AssertionError if any invariant is broken; cheap enough for every test step.
 
         With `sequences` (every sequence holding blocks), also checks that each block's ref_cnt
-        equals the number of block tables that hold it.
+        equals the number of block tables that hold it, and that each sequence has blocks for
+        its computed tokens (`num_computed`, one per sequence: running sequences' are their
+        batch rows'; None: the sequences' own, none of them running).
         """
         in_queue = list(self.free_queue)
         assert len(in_queue) == len(self.free_queue), "free queue length out of sync"
@@ -443,9 +457,11 @@ class BlockManager:
         sequences = list(sequences)
         if sequences:
             refs = [0] * self.num_blocks
-            for seq in sequences:
+            if num_computed is None:
+                num_computed = [seq.num_computed_tokens for seq in sequences]
+            for seq, computed in zip(sequences, num_computed, strict=True):
                 assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} repeats a block"
-                assert len(seq.block_table) >= self.blocks_needed(seq.num_computed_tokens), (
+                assert len(seq.block_table) >= self.blocks_needed(computed), (
                     f"{seq} has fewer blocks than computed tokens"
                 )
                 for block_id in seq.block_table:

@@ -24,8 +24,9 @@ Step t's decodes read step t-1's tokens on the device (placeholder input ids, se
 `plan_builder`). A step whose tokens will never be applied (an exception on the way) is undone
 with `Scheduler.discard`.
 
-Sampling stays on rank 0: `SamplingBatchBuilder` turns the running batch's parameter arrays into
-one step's tensors and `tp_engine.sampling` draws from the gathered logits. Logprobs (raw:
+Sampling stays on rank 0: `SamplingBatchBuilder` turns the running batch's parameter arrays and
+its logits processors' per-row state (it follows the batch's rows) into one step's tensors, and
+`tp_engine.sampling` draws from the gathered logits. Logprobs (raw:
 log_softmax of the model's logits) are recorded on the sequences; prompt logprobs ask the plan
 for more logits rows (every prompt position of the chunk), placed after the sampled ones.
 
@@ -84,7 +85,7 @@ from tp_engine.sampling.logprob_records import (
     record_sample_logprobs,
 )
 from tp_engine.sampling.profiling import profile_sampling
-from tp_engine.sampling_params import SamplingParams
+from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
 from tp_engine.scheduler import RequestRejectedError, ScheduledStep, Scheduler
 from tp_engine.sequence import Sequence, SequenceStatus
 from tp_engine.step_timeline import StepTimeline, gpu_phase_or_null, phase_or_null
@@ -235,6 +236,7 @@ class LLMEngine:
         self.sampling = SamplingBatchBuilder(
             self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed
         )
+        self.sampling.follow(self.scheduler.batch)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -259,6 +261,10 @@ class LLMEngine:
         samples differ), and only sample 0 computes prompt logprobs (they would be the same).
         """
         self._check_request(request_id, prompt_token_ids, params)
+        # Bad words become token sequences here unless the API server did it already.
+        params = tokenize_bad_words(params, self.tokenizer)
+        params.check_vocab(self.vocab_size)
+        params.check_first_step(self.vocab_size, self.eos_token_ids)
         if needs_think_tokens(params):
             # A thinking budget given without the think token ids (`LLM.generate`): this
             # tokenizer's, and where the prompt leaves thinking (ValueError if it has none).
@@ -281,22 +287,22 @@ class LLMEngine:
                 seq.group_id = request_id
                 seq.sample_index = i
                 seqs.append(seq)
-        taken = [s.request_id for s in seqs if self._is_known(s.request_id)]
+        taken = [s.seq_id for s in seqs if self._is_known(s.seq_id)]
         if taken:
             raise RequestRejectedError(f"request id {taken[0]!r} is already in use")
         self.scheduler.check_fits(seqs[0])  # the siblings are the same size
         if params.structured_outputs is not None:
             future = self.grammars.submit(params.structured_outputs)
-            self._compiling[seqs[0].request_id] = (future, seqs)
+            self._compiling[seqs[0].seq_id] = (future, seqs)
         else:
             self._admit(seqs)
-        return [seq.request_id for seq in seqs]
+        return [seq.seq_id for seq in seqs]
 
     def _admit(self, seqs: list[Sequence]) -> None:
         """Queue a request's first sequence and hold its siblings (see the module docstring)."""
         self.scheduler.add(seqs[0])
         if len(seqs) > 1:
-            self._held[seqs[0].request_id] = (seqs[0], seqs[1:])
+            self._held[seqs[0].seq_id] = (seqs[0], seqs[1:])
 
     def _check_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -325,7 +331,7 @@ class LLMEngine:
 
     def _is_known(self, seq_id: str) -> bool:
         return self.scheduler.get(seq_id) is not None or any(
-            seq.request_id == seq_id for seq in self._queued_outside()
+            seq.seq_id == seq_id for seq in self._queued_outside()
         )
 
     def _queued_outside(self) -> Iterator[Sequence]:
@@ -349,7 +355,7 @@ class LLMEngine:
             seqs for _, seqs in self._compiling.values()
         ]:
             for seq in waiting:
-                if seq.request_id == seq_id:
+                if seq.seq_id == seq_id:
                     waiting.remove(seq)
                     seq.status = status
                     seq.stop_reason = stop_reason
@@ -439,8 +445,8 @@ class LLMEngine:
             assert seq.grammar is not None
             if not seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens):
                 logger.error("request %r: output token %d breaks its constraint; aborted",
-                             seq.request_id, seq.token_ids[-1])  # fmt: skip
-                self.scheduler.finish(seq.request_id, SequenceStatus.FINISHED_ABORTED)
+                             seq.seq_id, seq.token_ids[-1])  # fmt: skip
+                self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
                 self._constrained.discard(seq)
 
     # -- stepping --------------------------------------------------------------------------------
@@ -539,7 +545,7 @@ class LLMEngine:
         with self._phase("sample", step.step_id):
             if num_sampled:
                 rows = scheduled.rows[scheduled.samples]
-                live = self.scheduler.batch.serial[rows] == scheduled.serials[scheduled.samples]
+                live = self.scheduler.batch.live(rows, scheduled.serials[scheduled.samples])
                 batch = self.sampling.build(self.scheduler.batch, rows, live)
                 generator_states = {
                     id(seq): (seq, seq.generator.get_state())
@@ -605,7 +611,7 @@ class LLMEngine:
         if params.logprobs is not None:
             new_logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(new) :]
         return SequenceOutput(
-            seq_id=seq.request_id,
+            seq_id=seq.seq_id,
             request_id=seq.group_id,
             index=seq.sample_index,
             new_token_ids=new,
@@ -689,6 +695,7 @@ class LLMEngine:
         self.scheduler = self._build_scheduler(config, num_blocks)
         # Rows given up since the last plan: the workers' mirrors still have to hear of it.
         self.scheduler.batch.changes = pending
+        self.sampling.follow(self.scheduler.batch)
         self.async_scheduling = self._resolve_async(config)
 
     def _resolve_async(self, config: EngineConfig) -> bool:

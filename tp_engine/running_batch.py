@@ -19,8 +19,14 @@ persistent batch of vLLM v1 and SGLang's request-to-token pool, for this engine.
       has_stop_ids[r], wants_prompt_logprobs[r]: what the stop checks and the scheduler read
       temperature[r], top_k[r], top_p[r], min_p[r], needs_python[r]: what sampling reads
 
-`Sequence` reads its counters from its row while it runs (`Sequence.row`) and keeps them
-itself otherwise, so the row is the one copy of the truth while the sequence is RUNNING.
+The batch alone owns a running sequence's counters (num_computed, num_inflight,
+num_placeholders): `add` moves them in from the `Sequence`, `remove` moves them back, and in
+between the Sequence refuses to answer for them (`Sequence.row` is set). Code that plans or
+applies a step reads them here, by row (`scheduled_end`, `num_uncomputed`). `live` is the one
+test of whether a row still holds the sequence a step was scheduled for (rows are reused).
+
+Per-row state kept elsewhere (the sampling builder's logits processors) follows the rows
+through `row_listeners`, told of every row taken and given back.
 
 Rows are handed out lowest first and given back when their sequence stops running; `order`
 lists the occupied rows in admission order (the scheduler preempts from its end). Every change
@@ -32,7 +38,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -43,6 +49,14 @@ if TYPE_CHECKING:
 
 # top_k of a row without top-k: larger than any vocabulary.
 TOP_K_OFF = np.iinfo(np.int64).max
+
+
+class RowListener(Protocol):
+    """Told when a sequence takes a row (`add_row`) and when it gives it back (`remove_row`)."""
+
+    def add_row(self, row: int, seq: Sequence) -> None: ...
+
+    def remove_row(self, row: int) -> None: ...
 
 
 @dataclass
@@ -102,9 +116,11 @@ class RunningBatch:
         self.top_k = np.zeros(r, dtype=np.int64)  # TOP_K_OFF where off
         self.top_p = np.ones(r, dtype=np.float32)
         self.min_p = np.zeros(r, dtype=np.float32)
-        # Rows whose sampling needs their Sequence (penalties, min_tokens bans, a seed,
-        # logprobs, a thinking budget): the sampling builder visits these in Python.
+        # Rows whose sampling needs their Sequence (a seed, logprobs): the sampling builder
+        # visits these in Python. (Changes of the logits are its processors', which keep their
+        # own rows: `row_listeners`.)
         self.needs_python = np.zeros(r, dtype=bool)
+        self.row_listeners: list[RowListener] = []
         # Occupied rows in admission order. Row indices are intp throughout the batch: numpy
         # gathers and scatters with intp indices directly, with int32 ones it first converts
         # them (three times slower at a few hundred rows; the decode path does dozens a step).
@@ -129,12 +145,15 @@ class RunningBatch:
         """Give `seq` a row (it is being admitted): its counters move into the row."""
         if not self._free:
             raise RuntimeError(f"no free row in a batch of {self.max_rows}")
+        if seq.row is not None:
+            raise ValueError(f"{seq} runs in a batch row already")
         row = heapq.heappop(self._free)
         p = seq.sampling_params
         self.seqs[row] = seq
         self.serial[row] = seq.serial
         self.num_blocks[row] = 0
         self.num_tokens[row] = seq.num_tokens
+        # Before `seq.row` is set: from then on the row owns them.
         self.num_computed[row] = seq.num_computed_tokens
         self.num_inflight[row] = seq.num_inflight_tokens
         self.num_placeholders[row] = seq.num_placeholders
@@ -152,20 +171,12 @@ class RunningBatch:
         self.top_k[row] = p.top_k if p.top_k > 0 else TOP_K_OFF
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
-        self.needs_python[row] = (
-            p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0
-            or p.repetition_penalty != 1.0
-            or p.min_tokens > 0
-            or p.seed is not None
-            or p.logprobs is not None
-            or p.thinking_token_budget is not None
-            or p.structured_outputs is not None
-        )
+        self.needs_python[row] = p.seed is not None or p.logprobs is not None
         self._count_flags(row, 1)
         self.order = np.append(self.order, row)
         seq.row = row
-        seq.batch = self
+        for listener in self.row_listeners:
+            listener.add_row(row, seq)
         return row
 
     def remove(self, seq: Sequence) -> None:
@@ -174,10 +185,11 @@ class RunningBatch:
         row = seq.row
         assert row is not None and self.seqs[row] is seq
         seq.row = None
-        seq.batch = None
         seq.num_computed_tokens = int(self.num_computed[row])
         seq.num_inflight_tokens = int(self.num_inflight[row])
         seq.num_placeholders = int(self.num_placeholders[row])
+        for listener in self.row_listeners:
+            listener.remove_row(row)
         self._count_flags(row, -1)
         self.num_removals += 1
         self.seqs[row] = None
@@ -231,3 +243,21 @@ class RunningBatch:
 
     def is_greedy(self, rows: np.ndarray) -> np.ndarray:
         return self.temperature[rows] <= GREEDY_EPSILON
+
+    def live(self, rows: np.ndarray, serials: np.ndarray) -> np.ndarray:
+        """Which of `rows` still hold the sequences whose serials were `serials` (when a step
+        was scheduled); the others were aborted, preempted or finished since."""
+        return self.serial[rows] == serials
+
+    def scheduled_end(self, row: int) -> int:
+        """Where the row's next scheduled token starts: computed plus in-flight tokens."""
+        return int(self.num_computed[row]) + int(self.num_inflight[row])
+
+    def num_uncomputed(self, row: int) -> int:
+        """Tokens still to schedule before the row's next sample: the prompt's rest, or 1 in
+        decode (counting in-flight steps: their tokens as scheduled, their samples as tokens)."""
+        return int(self.num_tokens[row]) + int(self.num_placeholders[row]) - self.scheduled_end(row)
+
+    def is_prefill(self, row: int) -> bool:
+        """True while more than one token waits to be computed (prompt or recompute)."""
+        return self.num_uncomputed(row) > 1

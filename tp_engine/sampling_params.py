@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,18 @@ class SamplingParams:
     # of its fields is accepted). See `tp_engine.structured_outputs`; with the think token ids
     # set, the constraint applies after the thinking.
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to that token's logit before
+    # temperature (and before penalties, as vLLM). String keys (JSON's) are read as ids.
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled (the others are set to -inf); not empty.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never to complete. Each is tokenized with and without a leading space
+    # (`tokenize_bad_words`); the last token of such a sequence is banned whenever the output
+    # ends with the rest of it (a single-token word is always banned).
+    bad_words: list[str] | None = None
+    # The token sequences of `bad_words`, filled from the tokenizer by `tokenize_bad_words`
+    # (the engine and the API server do it; set by hand only to ban token sequences directly).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +101,15 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        self.logit_bias = _coerce_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
         self._validate()
 
     @classmethod
@@ -111,6 +132,56 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def as_fields(self) -> dict[str, Any]:
+        """The fields by name, for a msgpack message (`SamplingParams(**fields)` rebuilds it):
+        `logit_bias` keys as strings, since msgpack maps here take string keys only."""
+        fields = dataclasses.asdict(self)
+        if self.logit_bias is not None:
+            fields["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return fields
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the field for a token id at or above `vocab_size`."""
+        for name, ids in (
+            ("logit_bias", self.logit_bias or ()),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            _require(
+                not bad,
+                name,
+                f"has token ids outside the vocabulary [0, {vocab_size}): {sorted(bad)[:5]}",
+            )
+        for ids in self.bad_words_token_ids or ():
+            _require(
+                all(t < vocab_size for t in ids),
+                "bad_words",
+                f"tokenize to ids outside the vocabulary [0, {vocab_size}): {ids}",
+            )
+
+    def check_first_step(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
+        """ValueError naming the field when the request's constraints leave no token to sample
+        at its first step: `allowed_token_ids` minus single-token `bad_words`, minus the stop
+        and EOS ids while `min_tokens` holds them back. (A grammar's own first-step mask is
+        xgrammar's to check when it compiles.)"""
+        banned = {ids[0] for ids in self.bad_words_token_ids or () if len(ids) == 1}
+        if self.min_tokens > 0:
+            banned.update(self.stop_token_ids)
+            if not self.ignore_eos:
+                banned.update(eos_token_ids)
+        if self.allowed_token_ids is not None:
+            num_left = len(set(self.allowed_token_ids) - banned)
+            field_name = "allowed_token_ids"
+        else:
+            num_left = vocab_size - len({t for t in banned if t < vocab_size})
+            field_name = "bad_words" if self.bad_words_token_ids else "min_tokens"
+        _require(
+            num_left > 0,
+            field_name,
+            "leaves no token that may be sampled at the first step "
+            "(with bad_words, min_tokens' stop and EOS ids)",
+        )
 
     def _validate(self) -> None:
         _require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
@@ -188,6 +259,47 @@ class SamplingParams:
                     _is_int(value) and value >= 0, name, f"must be an integer >= 0, got {value!r}"
                 )
         self._validate_thinking()
+        self._validate_token_constraints()
+
+    def _validate_token_constraints(self) -> None:
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                _require(
+                    _is_int(token) and 0 <= token < _INT64_LIMIT,
+                    "logit_bias",
+                    f"keys must be token ids (integers >= 0), got {token!r}",
+                )
+                _require(
+                    _is_real(bias) and -100.0 <= bias <= 100.0,
+                    "logit_bias",
+                    f"values must be in [-100, 100], got {bias!r} for token {token}",
+                )
+        if self.allowed_token_ids is not None:
+            _require(
+                len(self.allowed_token_ids) > 0,
+                "allowed_token_ids",
+                "must not be empty (leave it unset to allow every token)",
+            )
+            _require(
+                all(_is_int(t) and 0 <= t < _INT64_LIMIT for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must be a list of non-negative integers",
+            )
+        if self.bad_words is not None:
+            _require(
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words",
+                "must be a list of strings that are not empty or only spaces",
+            )
+        if self.bad_words_token_ids is not None:
+            _require(
+                all(
+                    ids and all(_is_int(t) and 0 <= t < _INT64_LIMIT for t in ids)
+                    for ids in self.bad_words_token_ids
+                ),
+                "bad_words_token_ids",
+                "must be a list of non-empty lists of non-negative integers",
+            )
 
     def _validate_thinking(self) -> None:
         for name in ("thinking_token_budget", "think_start_token_id", "think_end_token_id"):
@@ -203,6 +315,47 @@ class SamplingParams:
             "thinking_in_prompt",
             f"must be a boolean, got {self.thinking_in_prompt!r}",
         )
+
+
+def tokenize_bad_words(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """`params` with `bad_words_token_ids` filled from `bad_words` (a copy), or `params` itself
+    when it has no bad words or they are tokenized already.
+
+    Each word is tokenized as it is (a word at the start of the text) and after a space (in the
+    middle of a text), as vLLM does, since the two give different tokens in BPE vocabularies;
+    the second is kept when it differs from the first.
+    """
+    if not params.bad_words or params.bad_words_token_ids is not None:
+        return params
+    sequences: list[list[int]] = []
+    for word in params.bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return dataclasses.replace(params, bad_words_token_ids=sequences)
+
+
+def _coerce_logit_bias(value: Any) -> Any:
+    """A mapping with JSON's string keys ("42") or int keys -> {int: bias}; anything else is
+    left for validation to refuse."""
+    if value is None or not isinstance(value, Mapping):
+        if value is not None:
+            raise ValueError(
+                f"SamplingParams.logit_bias must be a map of token id -> bias, got {value!r}"
+            )
+        return None
+    out: dict[Any, Any] = {}
+    for key, bias in value.items():
+        if isinstance(key, str):
+            try:
+                key = int(key)
+            except ValueError:
+                raise ValueError(
+                    f"SamplingParams.logit_bias keys must be token ids, got {key!r}"
+                ) from None
+        out[key] = float(bias) if _is_int(bias) else bias
+    return out
 
 
 # Seeds and token ids cross process boundaries as msgpack / int64 tensors.

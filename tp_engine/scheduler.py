@@ -166,7 +166,7 @@ class Scheduler:
             config.max_model_len,
         )
         self.waiting: deque[Sequence] = deque()
-        self._requests: dict[str, Sequence] = {}
+        self._seqs: dict[str, Sequence] = {}
         # Read-only ones and zeros that a decode step's arrays are slices of (an np.ones call
         # costs a microsecond or so, a slice a fifth of that).
         self._ones = _read_only(np.ones(self.batch.max_rows, dtype=np.int32))
@@ -182,33 +182,40 @@ class Scheduler:
         seqs = self.batch.seqs
         return [seqs[row] for row in self.batch.order.tolist()]  # type: ignore[misc]
 
+    def check_integrity(self) -> None:
+        """The block manager's invariants, with the running sequences' tables and counters
+        (AssertionError if one is broken; for tests)."""
+        self.block_manager.check_integrity(
+            self.running, self.batch.num_computed[self.batch.order].tolist()
+        )
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or len(self.batch) > 0
 
-    def get(self, request_id: str) -> Sequence | None:
-        return self._requests.get(request_id)
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._seqs.get(seq_id)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence, or raise RequestRejectedError if it could never be served."""
         self.check_fits(seq)
-        if seq.request_id in self._requests:
-            raise RequestRejectedError(f"request id {seq.request_id!r} is already in use")
+        if seq.seq_id in self._seqs:
+            raise RequestRejectedError(f"sequence id {seq.seq_id!r} is already in use")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-        self._requests[seq.request_id] = seq
+        self._seqs[seq.seq_id] = seq
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """End a request in any state and free its blocks; None if it is unknown or finished."""
-        return self.finish(request_id, SequenceStatus.FINISHED_ABORTED)
+    def abort(self, seq_id: str) -> Sequence | None:
+        """End a sequence in any state and free its blocks; None if it is unknown or finished."""
+        return self.finish(seq_id, SequenceStatus.FINISHED_ABORTED)
 
     def finish(
-        self, request_id: str, status: SequenceStatus, stop_reason: int | str | None = None
+        self, seq_id: str, status: SequenceStatus, stop_reason: int | str | None = None
     ) -> Sequence | None:
         """End a request from outside the step loop (an abort, or a stop string the caller saw);
         None if it is unknown or finished already."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
-        seq = self._requests.pop(request_id, None)
+        seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return None
         if seq.status == SequenceStatus.WAITING:
@@ -298,7 +305,7 @@ class Scheduler:
                 break
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = min(b.num_uncomputed(row), budget)
             takes_rows = rows_left is not None and seq.needs_prompt_logits
             if takes_rows:
                 # Prompt logprobs need a [vocab] logits row per prompt token computed. With
@@ -364,7 +371,8 @@ class Scheduler:
         comes to that) until they fit. False if `seq` itself had to step aside."""
         bm = self.block_manager
         in_step: set[int] | None = None
-        while not bm.allocate_slots(seq, num_tokens):
+        assert seq.row is not None
+        while not bm.allocate_slots(seq, num_tokens, start=self.batch.scheduled_end(seq.row)):
             if in_step is None:
                 in_step = in_step_rows()
             victim = self._pick_victim(in_step)
@@ -411,8 +419,8 @@ class Scheduler:
         """Plan `num_tokens` of running `seq` in this step (the one-by-one path)."""
         b, row = self.batch, seq.row
         assert row is not None
-        start = seq.num_scheduled_end
-        samples = num_tokens == seq.num_uncomputed_tokens and not seq.is_prompt_only
+        start = b.scheduled_end(row)
+        samples = num_tokens == b.num_uncomputed(row) and not seq.is_prompt_only
         placeholder = start >= seq.num_tokens  # the sample of the step in flight
         entries.rows.append(row)
         entries.serials.append(seq.serial)
@@ -528,7 +536,7 @@ class Scheduler:
         # Rows still running the sequence they held when the step was scheduled; the others
         # were aborted, preempted or finished meanwhile, and their entries are discarded.
         if step.num_removals != b.num_removals:  # else no row has changed hands since
-            live = b.serial[rows] == step.serials
+            live = b.live(rows, step.serials)
             if np.count_nonzero(live) < live.size:
                 sampled_live = live[step.samples]
                 sampled, tokens = sampled[sampled_live], tokens[sampled_live]
@@ -605,7 +613,7 @@ class Scheduler:
         assert seq is not None
         self._retire(seq)
         seq.status = status
-        del self._requests[seq.request_id]
+        del self._seqs[seq.seq_id]
         return seq
 
     def discard(self, step: ScheduledStep) -> None:
@@ -613,6 +621,6 @@ class Scheduler:
         (an exception, or Ctrl-C, between scheduling and update): its sequences compute those
         tokens again."""
         b = self.batch
-        live = b.serial[step.rows] == step.serials
+        live = b.live(step.rows, step.serials)
         b.num_inflight[step.rows[live]] -= step.num_scheduled[live]
         b.num_placeholders[step.rows[step.samples & live]] -= 1

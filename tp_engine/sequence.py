@@ -19,8 +19,9 @@ flight, so the scheduler plans with `num_tokens + num_placeholders` tokens of wh
 placeholder reads it on the device from the in-flight step's sampled rows.
 
 While a sequence is RUNNING it owns a row of rank 0's `RunningBatch` (`row`), and these three
-counters live there, where the scheduler updates every running sequence at once; the properties
-below read and write the row then, and the sequence's own fields otherwise.
+counters live there alone, where the scheduler updates every running sequence at once
+(`RunningBatch.num_computed[row]`, ...). The sequence holds them only while it is not running;
+asking it for them while it runs is an error, so no code can read a stale copy.
 
 Status machine:
 
@@ -43,7 +44,6 @@ from tp_engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from tp_engine.running_batch import RunningBatch
     from tp_engine.structured_outputs import GrammarState
 
 # Serials start at 1: a RunningBatch row whose serial is 0 is free.
@@ -100,14 +100,16 @@ class Sequence:
 
     def __init__(
         self,
-        request_id: str,
+        seq_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
         if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        self.request_id = request_id
+            raise ValueError(f"request {seq_id!r}: the prompt is empty")
+        # The engine's id of this sequence: its request's id, or `f"{i}_{request_id}"` for
+        # sample i of an n > 1 request (the request's id is `group_id`).
+        self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params or SamplingParams()
@@ -115,9 +117,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         # Unique for the engine's life: tells apart the sequences that used one batch row.
         self.serial = next(_serials)
-        # The RunningBatch row holding the counters below while RUNNING; None otherwise.
+        # The RunningBatch row that owns the counters below while RUNNING; None otherwise.
         self.row: int | None = None
-        self.batch: RunningBatch | None = None
         self._num_computed = 0
         # Tokens scheduled in steps not yet applied by `Scheduler.update`, and the samples those
         # steps will append (see the module docstring).
@@ -139,7 +140,7 @@ class Sequence:
         # -- sampling state (rank 0 only) --
         # The request it belongs to (its own id unless it is one of n > 1 samples) and which of
         # its request's samples this is (`CompletionOutput.index`).
-        self.group_id = request_id
+        self.group_id = seq_id
         self.sample_index = 0
         # Seconds from arrival to its first admission; whether the engine has reported on it.
         self.queue_time_s: float | None = None
@@ -162,42 +163,39 @@ class Sequence:
 
     @property
     def num_computed_tokens(self) -> int:
-        if self.batch is not None:
-            return int(self.batch.num_computed[self.row])
+        self._refuse_while_running("num_computed")
         return self._num_computed
 
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None:
-        if self.batch is not None:
-            self.batch.num_computed[self.row] = value
-        else:
-            self._num_computed = value
+        self._refuse_while_running("num_computed")
+        self._num_computed = value
 
     @property
     def num_inflight_tokens(self) -> int:
-        if self.batch is not None:
-            return int(self.batch.num_inflight[self.row])
+        self._refuse_while_running("num_inflight")
         return self._num_inflight
 
     @num_inflight_tokens.setter
     def num_inflight_tokens(self, value: int) -> None:
-        if self.batch is not None:
-            self.batch.num_inflight[self.row] = value
-        else:
-            self._num_inflight = value
+        self._refuse_while_running("num_inflight")
+        self._num_inflight = value
 
     @property
     def num_placeholders(self) -> int:
-        if self.batch is not None:
-            return int(self.batch.num_placeholders[self.row])
+        self._refuse_while_running("num_placeholders")
         return self._num_placeholders
 
     @num_placeholders.setter
     def num_placeholders(self, value: int) -> None:
-        if self.batch is not None:
-            self.batch.num_placeholders[self.row] = value
-        else:
-            self._num_placeholders = value
+        self._refuse_while_running("num_placeholders")
+        self._num_placeholders = value
+
+    def _refuse_while_running(self, name: str) -> None:
+        if self.row is not None:
+            raise RuntimeError(
+                f"{self.seq_id!r} is running: its {name} is RunningBatch.{name}[{self.row}]"
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -214,22 +212,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        """Tokens still to schedule before the next sample: the prompt's rest, or 1 in decode
-        (counting in-flight steps: their tokens as scheduled, their samples as tokens)."""
-        return (
-            len(self.token_ids)
-            + self.num_placeholders
-            - self.num_computed_tokens
-            - self.num_inflight_tokens
-        )
-
-    @property
-    def is_prefill(self) -> bool:
-        """True while more than one token waits to be computed (prompt or recompute)."""
-        return self.num_uncomputed_tokens > 1
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -261,13 +243,9 @@ class Sequence:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
-    @property
-    def num_scheduled_end(self) -> int:
-        """Where the next scheduled token starts: computed plus in-flight tokens."""
-        return self.num_computed_tokens + self.num_inflight_tokens
-
     def __repr__(self) -> str:
+        where = f"row={self.row}" if self.row is not None else f"computed={self._num_computed}"
         return (
-            f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+            f"Sequence({self.seq_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"{where}, blocks={self.block_table})"
         )

@@ -1,15 +1,17 @@
-"""Rank 0's sampling, batched over the step: penalties, structured-output masks, temperature,
-min-p, top-k/top-p, seeded per-request generators and raw logprobs.
+"""Rank 0's sampling, batched over the step: logits processors (logit bias, allowed tokens, bad
+words, min_tokens, penalties, structured-output masks, a forced token), temperature, min-p,
+top-k/top-p, seeded per-request generators and raw logprobs.
 
 Only rank 0 samples (the logits are gathered to it), so this lives with rank 0's control plane
 rather than in `rank_worker`. Two layers:
 
 - tensors in, tensors out: `sampler` holds the pipeline and its order, `filters`,
-  `penalties`, `grammar_mask` and `logprob_tensors` are its stages, `tensors` the per-step
-  inputs and outputs (`SamplingMetadata`, `LogprobsTensors`), `profiling` its worst case for
-  the memory warm-up;
-- requests to tensors and back: `batch` builds a step's `SamplingMetadata` from the sequences
-  that sample, and `logprob_records` turns logprob tensors into entries on the sequences.
+  `edits` (the logits processors' per-step changes, with `penalties` and `grammar_mask`) and
+  `logprob_tensors` are its stages, `tensors` the per-step inputs and outputs
+  (`SamplingMetadata`, `LogprobsTensors`), `profiling` its worst case for the memory warm-up;
+- requests to tensors and back: `processors` keep each logits change's per-row state and make
+  its edits, `batch` builds a step's `SamplingMetadata` from the rows that sample, and
+  `logprob_records` turns logprob tensors into entries on the sequences.
 """
 
 from tp_engine.sampling.logprob_tensors import compute_logprobs, gather_logprobs

@@ -1,5 +1,6 @@
-"""Logit changes that can move the argmax, so they apply to greedy rows too: penalties and the
-min_tokens ban. Both work on the raw logits, before temperature, as in vLLM.
+"""Penalties: a logit change that can move the argmax, so it applies to greedy rows too. It
+works on the raw logits, before temperature, as in vLLM (`processors.Penalties` makes its
+tensors).
 
 - repetition penalty r (CTRL, Keskar et al. 2019, as in vLLM and transformers): every token seen
   in the prompt or the output so far has its logit divided by r if positive, multiplied by r if
@@ -37,9 +38,3 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> None:
     rows -= pen.frequency.unsqueeze(1) * output_counts
     rows -= pen.presence.unsqueeze(1) * (output_counts > 0)
     logits[pen.rows] = rows
-
-
-def apply_bans(logits: torch.Tensor, banned: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Set the (row, token) pairs of `banned` to -inf in place (min_tokens not reached yet)."""
-    rows, token_ids = banned
-    logits[rows, token_ids] = float("-inf")

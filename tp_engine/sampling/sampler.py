@@ -3,8 +3,9 @@
 Order, as in vLLM's v1 sampler:
 
 1. raw logprobs (log_softmax of the untouched logits) for rows that asked for logprobs;
-2. min_tokens bans, penalties, then structured-output masks: each can move the argmax, so
-   greedy rows get them too;
+2. the logits processors' edits (allowed_token_ids, bad_words, min_tokens, logit_bias,
+   penalties, structured-output masks, a forced token; `tp_engine.sampling.processors`): each
+   can move the argmax, so greedy rows get them too;
 3. greedy rows take the argmax here; a batch of greedy rows only stops at this point, without
    a softmax or a sort;
 4. temperature, min-p, then top-k/top-p on the rows that use them (only those rows are sorted);
@@ -20,9 +21,7 @@ from __future__ import annotations
 import torch
 
 from tp_engine.sampling.filters import apply_min_p, apply_top_k_top_p
-from tp_engine.sampling.grammar_mask import apply_token_bitmask
 from tp_engine.sampling.logprob_tensors import gather_logprobs
-from tp_engine.sampling.penalties import apply_bans, apply_penalties
 from tp_engine.sampling.tensors import SamplerOutput, SamplingMetadata
 from tp_engine.sampling_params import GREEDY_EPSILON
 
@@ -40,15 +39,11 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 def penalised_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Step 2 on a float32 copy of `logits`; the input itself when there is nothing to change
     (the common case; later steps never write into it)."""
-    if md.banned is None and md.penalties is None and md.grammar is None:
+    if not md.logits_edits:
         return logits.float()
     logits = logits.to(torch.float32, copy=True)  # [B, V]
-    if md.banned is not None:
-        apply_bans(logits, md.banned)
-    if md.penalties is not None:
-        apply_penalties(logits, md.penalties)
-    if md.grammar is not None:
-        apply_token_bitmask(logits, md.grammar)
+    for edit in md.logits_edits:
+        edit.apply(logits)
     return logits
 
 
@@ -78,10 +73,6 @@ def sample_batch(
         noise.clamp_(min=torch.finfo(torch.float32).tiny)
         sampled = (probs / noise).argmax(dim=-1)  # [B]
         tokens = torch.where(md.temperature <= GREEDY_EPSILON, greedy, sampled)
-
-    if md.forced is not None:
-        rows, token_ids = md.forced
-        tokens = tokens.index_put((rows,), token_ids)
     logprobs = None
     if raw_logprobs is not None:
         assert md.logprob_rows is not None

@@ -12,6 +12,7 @@ B = rows of gathered logits that are sampled this step, V = vocabulary size.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -52,6 +53,13 @@ class GrammarMask:
     rows: tuple[int, ...]
 
 
+class LogitsEdit(Protocol):
+    """One logits processor's change of one step's logits (`tp_engine.sampling.edits`)."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Change `logits [B, V]` (float32) in place, on this edit's rows only."""
+
+
 @dataclass(frozen=True)
 class SamplingMetadata:
     """One step's sampling controls for a batch of B rows."""
@@ -72,15 +80,9 @@ class SamplingMetadata:
     # Rows (non-greedy) with min-p on, [M] int64, and their min_p values, [M] fp32.
     min_p_rows: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
-    penalties: PenaltyTensors | None = None
-    # ([N] rows, [N] token ids) int64 pairs forced to -inf this step: EOS and stop token ids of
-    # rows that have not reached min_tokens.
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None
-    # ([F] rows, [F] token ids) int64: rows whose token this step is decided in advance (a
-    # thinking budget that is spent forces `</think>`), whatever their logits say.
-    forced: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Rows with a structured-output constraint: the tokens their grammar allows next.
-    grammar: GrammarMask | None = None
+    # The logits processors' edits of this step, in the order they apply (each touches only
+    # its own rows; empty when no row asks for any: `tp_engine.sampling.processors`).
+    logits_edits: tuple[LogitsEdit, ...] = ()
     # row -> that request's own generator (requests with a seed). Other rows draw from the
     # generator passed to the sampler, so a seeded row's draws never depend on its neighbours.
     generators: dict[int, torch.Generator] = field(default_factory=dict)

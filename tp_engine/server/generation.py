@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from tp_engine.detokenizer import IncrementalDetokenizer
@@ -122,7 +122,7 @@ class Generation:
         if client.draining:
             raise APIError(503, "the server is shutting down; retry elsewhere")
         for p, engine_id in enumerate(self.engine_ids):
-            params = asdict(self._params_for(p))
+            params = self._params_for(p).as_fields()
             client.add(self._queue, engine_id, self.prompts[p].token_ids, params)
         pending = set(self.engine_ids)
         rejection: Rejected | None = None

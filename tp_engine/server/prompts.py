@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tp_engine.sampling_params import SamplingParams
+from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
 from tp_engine.server.chat_parsers import ChatParsing
 from tp_engine.server.generation import PromptInput, StopOptions
 from tp_engine.server.http_errors import APIError, bad_request
@@ -249,11 +249,19 @@ class PromptBuilder:
             "ignore_eos": req.ignore_eos,
             "min_tokens": req.min_tokens,
             "skip_special_tokens": req.skip_special_tokens,
+            "logit_bias": req.logit_bias or None,
+            "allowed_token_ids": req.allowed_token_ids,
+            "bad_words": req.bad_words or None,
             **(extra or {}),
         }
         try:
             # Unset (None) fields take the checkpoint's generation-config defaults, as in vLLM.
             params = SamplingParams.from_optional(self.generation_defaults, **fields)
+            # Here rather than on rank 0: tokenizing is the API process's work.
+            params = tokenize_bad_words(params, self.tokenizer)
+            params.check_vocab(self.vocab_size)
+            # Without the EOS ids, which rank 0 adds to this check (its refusal is a 400 too).
+            params.check_first_step(self.vocab_size)
         except ValueError as exc:
             raise _sampling_error(exc) from None
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
@@ -296,8 +304,6 @@ def check_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> None:
 
 def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Features clients may ask for that this server does not implement: say so, never ignore."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be given with stream=true", "stream_options")
     if isinstance(req, CompletionRequest):

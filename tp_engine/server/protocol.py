@@ -76,13 +76,16 @@ class _GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Refused unless empty: biasing logits is not implemented.
+    # OpenAI's: token id (a string key, as JSON has them) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     # vLLM's extras, passed to SamplingParams.
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's: the only tokens that may be sampled, and words never to complete.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True

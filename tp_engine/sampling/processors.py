@@ -1,0 +1,316 @@
+"""Logits processors: every per-row change of the logits before sampling, one interface.
+
+A processor keeps its own state for the rows of the running batch that ask for it, and nothing
+for the others. The sampling builder forwards it the batch's row events (a sequence takes a
+row: `add_row`; gives it back: `remove_row`), so a processor decides once, when a sequence
+starts running, whether that row asks; each step it is asked for an edit of the step's rows
+that ask (`edit`), which it builds from its state and, where it depends on them, its sequences'
+tokens so far (read on the host for its rows only: penalties, bad words, min_tokens, the
+thinking budget). A processor with no rows costs a truth test per step; the edits' tensors
+cover their own rows only (`tp_engine.sampling.edits`).
+
+Order, as vLLM's sampler (allowed_token_ids, bad_words, then the processors that can move the
+argmax: min_tokens, logit_bias; then penalties), with structured-output masks and the forced
+end of thinking after them:
+
+    AllowedTokens  BadWords  MinTokens  LogitBias  Penalties  GrammarMasks  ThinkingBudget
+
+The masks set tokens to -inf, which biases and penalties leave at -inf, so where a mask sits
+among them changes no result; the forced token overrides everything and so comes last.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from tp_engine.sampling.edits import (
+    AddBias,
+    AllowOnly,
+    BanTokens,
+    ForceTokens,
+    LogitsEdit,
+    MaskByGrammar,
+    Penalize,
+)
+from tp_engine.sampling.tensors import GrammarMask, PenaltyTensors
+from tp_engine.sequence import Sequence
+from tp_engine.structured_outputs import fill_bitmasks
+from tp_engine.thinking import forced_think_end
+from tp_engine.transfers import to_device_async
+
+
+class Tensors:
+    """Host arrays to tensors on the sampling device, without a pageable copy (one would wait
+    for the forward pass that rank 0 overlaps with)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def ints(self, values: list[int] | np.ndarray) -> torch.Tensor:
+        return self.put(torch.as_tensor(np.asarray(values, dtype=np.int64)))
+
+    def floats(self, values: list[float] | np.ndarray) -> torch.Tensor:
+        return self.put(torch.as_tensor(np.asarray(values, dtype=np.float32)))
+
+    def padded(self, id_lists: list[list[int]]) -> torch.Tensor:
+        """Token id lists -> `[P, L]` int64 padded with V (see PenaltyTensors)."""
+        width = max((len(ids) for ids in id_lists), default=0)
+        arr = np.full((len(id_lists), max(width, 1)), self.vocab_size, dtype=np.int64)
+        for row, ids in enumerate(id_lists):
+            arr[row, : len(ids)] = ids
+        return self.put(torch.from_numpy(arr))
+
+    def put(self, host: torch.Tensor) -> torch.Tensor:
+        return to_device_async(host, self.device)
+
+
+class LogitsProcessor(ABC):
+    """Per-row state of one kind of logits change (see the module docstring)."""
+
+    def __init__(self, tensors: Tensors) -> None:
+        self.t = tensors
+        self.vocab_size = tensors.vocab_size
+        # Batch row -> this processor's state for the sequence in it (rows that ask only), and
+        # the same as a mask over rows for the step's gather.
+        self.state: dict[int, Any] = {}
+        self._asks = np.zeros(0, dtype=bool)
+
+    def reset(self, max_rows: int) -> None:
+        self.state.clear()
+        self._asks = np.zeros(max_rows, dtype=bool)
+
+    def add_row(self, row: int, seq: Sequence) -> None:
+        state = self.state_for(seq)
+        if state is not None:
+            self.state[row] = state
+            self._asks[row] = True
+
+    def remove_row(self, row: int) -> None:
+        if self.state.pop(row, None) is not None:
+            self._asks[row] = False
+
+    def edit(self, rows: np.ndarray, live: np.ndarray) -> LogitsEdit | None:
+        """The edit of this step, whose sampled rows are the batch rows `rows` (`live` False:
+        the row's sequence stopped running since; nothing is applied to it)."""
+        if not self.state:
+            return None
+        positions = np.flatnonzero(self._asks[rows] & live)
+        if positions.size == 0:
+            return None
+        states = [self.state[row] for row in rows[positions].tolist()]
+        return self.make_edit(positions, states, rows.size)
+
+    @abstractmethod
+    def state_for(self, seq: Sequence) -> Any | None:
+        """This processor's state for `seq`, now taking a row; None if it does not ask."""
+
+    @abstractmethod
+    def make_edit(
+        self, positions: np.ndarray, states: list[Any], num_rows: int
+    ) -> LogitsEdit | None:
+        """The edit for the step's rows `positions` (of `num_rows`) with states `states`."""
+
+    def _ban(
+        self, positions: Iterable[int], token_lists: Iterable[Iterable[int]]
+    ) -> LogitsEdit | None:
+        rows: list[int] = []
+        ids: list[int] = []
+        for pos, tokens in zip(positions, token_lists, strict=True):
+            tokens = list(tokens)
+            rows += [pos] * len(tokens)
+            ids += tokens
+        if not rows:
+            return None
+        return BanTokens(self.t.ints(rows), self.t.ints(ids))
+
+
+class AllowedTokens(LogitsProcessor):
+    """`allowed_token_ids`: every other token is -inf. State: the allowed ids."""
+
+    def state_for(self, seq: Sequence) -> np.ndarray | None:
+        allowed = seq.sampling_params.allowed_token_ids
+        if allowed is None:
+            return None
+        return np.unique(np.asarray(allowed, dtype=np.int64))
+
+    def make_edit(
+        self, positions: np.ndarray, states: list[np.ndarray], num_rows: int
+    ) -> LogitsEdit:
+        row_of = np.repeat(np.arange(len(states)), [ids.size for ids in states])
+        return AllowOnly(
+            self.t.ints(positions), self.t.ints(row_of), self.t.ints(np.concatenate(states))
+        )
+
+
+class BadWords(LogitsProcessor):
+    """`bad_words`: a word's last token is banned when the output ends with the tokens before it
+    (vLLM's rule, on output tokens); single-token words always. State: the sequence, its
+    single-token words and its longer ones as (prefix, last token)."""
+
+    def state_for(self, seq: Sequence) -> tuple | None:
+        sequences = seq.sampling_params.bad_words_token_ids
+        if not sequences:
+            return None
+        singles = sorted({ids[0] for ids in sequences if len(ids) == 1})
+        longer = [(list(ids[:-1]), ids[-1]) for ids in sequences if len(ids) > 1]
+        return seq, singles, longer
+
+    def make_edit(
+        self, positions: np.ndarray, states: list[tuple], num_rows: int
+    ) -> LogitsEdit | None:
+        banned = []
+        for seq, singles, longer in states:
+            tokens = set(singles)
+            num_output = seq.num_output_tokens
+            for prefix, last in longer:
+                if (
+                    len(prefix) <= num_output
+                    and seq.token_ids[len(seq.token_ids) - len(prefix) :] == prefix
+                ):
+                    tokens.add(last)
+            banned.append(sorted(tokens))
+        return self._ban(positions.tolist(), banned)
+
+
+class MinTokens(LogitsProcessor):
+    """EOS (unless ignore_eos) and stop token ids of rows below min_tokens, as vLLM's min-tokens
+    processor: the sample about to be drawn would be output token `num_output_tokens + 1`, which
+    may stop the sequence only past min_tokens. State: the sequence and its banned ids."""
+
+    def __init__(self, tensors: Tensors, eos_token_ids: Iterable[int]) -> None:
+        super().__init__(tensors)
+        self.eos_token_ids = sorted(eos_token_ids)
+
+    def state_for(self, seq: Sequence) -> tuple | None:
+        p = seq.sampling_params
+        if p.min_tokens == 0 or seq.num_output_tokens >= p.min_tokens:
+            return None
+        banned = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            banned.update(self.eos_token_ids)
+        banned_ids = sorted(t for t in banned if t < self.vocab_size)
+        return (seq, banned_ids) if banned_ids else None
+
+    def make_edit(
+        self, positions: np.ndarray, states: list[tuple], num_rows: int
+    ) -> LogitsEdit | None:
+        return self._ban(
+            positions.tolist(),
+            (
+                ids if seq.num_output_tokens < seq.sampling_params.min_tokens else ()
+                for seq, ids in states
+            ),
+        )
+
+
+class LogitBias(LogitsProcessor):
+    """`logit_bias`: added to the raw logits. State: the ids and their biases."""
+
+    def state_for(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
+        bias = seq.sampling_params.logit_bias
+        if not bias:
+            return None
+        return np.fromiter(bias, dtype=np.int64), np.fromiter(bias.values(), dtype=np.float32)
+
+    def make_edit(self, positions: np.ndarray, states: list[tuple], num_rows: int) -> LogitsEdit:
+        rows = np.repeat(positions, [ids.size for ids, _ in states])
+        ids = np.concatenate([ids for ids, _ in states])
+        bias = np.concatenate([values for _, values in states])
+        return AddBias(self.t.ints(rows), self.t.ints(ids), self.t.floats(bias))
+
+
+class Penalties(LogitsProcessor):
+    """Repetition, frequency and presence penalties over the tokens so far. State: the
+    sequence (its tokens are read each step)."""
+
+    def state_for(self, seq: Sequence) -> Sequence | None:
+        p = seq.sampling_params
+        if p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0:
+            return None
+        return seq
+
+    def make_edit(self, positions: np.ndarray, states: list[Sequence], num_rows: int) -> LogitsEdit:
+        params = [seq.sampling_params for seq in states]
+        output_ids = self.t.padded([seq.token_ids[seq.num_prompt_tokens :] for seq in states])
+        prompt_ids = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            prompt_ids = self.t.padded([seq.token_ids[: seq.num_prompt_tokens] for seq in states])
+        return Penalize(
+            PenaltyTensors(
+                rows=self.t.ints(positions),
+                output_ids=output_ids,
+                prompt_ids=prompt_ids,
+                presence=self.t.floats([p.presence_penalty for p in params]),
+                frequency=self.t.floats([p.frequency_penalty for p in params]),
+                repetition=self.t.floats([p.repetition_penalty for p in params]),
+            )
+        )
+
+
+class GrammarMasks(LogitsProcessor):
+    """Structured outputs: the token bitmask of the rows whose constraint masks their next
+    token, filled by their matchers (which have followed every token applied so far). State:
+    the sequence (its matcher is `seq.grammar`)."""
+
+    def state_for(self, seq: Sequence) -> Sequence | None:
+        return seq if seq.grammar is not None else None
+
+    def make_edit(
+        self, positions: np.ndarray, states: list[Sequence], num_rows: int
+    ) -> LogitsEdit | None:
+        chosen = [
+            (int(pos), seq.grammar)
+            for pos, seq in zip(positions, states, strict=True)
+            if seq.grammar.masks_next
+        ]
+        if not chosen:
+            return None
+        # Rows of the whole step, so the mask's row i is logits row i; only `chosen` are filled.
+        bitmask = torch.empty((num_rows, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        rows = [pos for pos, _ in chosen]
+        fill_bitmasks([g for _, g in chosen], bitmask, rows)
+        return MaskByGrammar(GrammarMask(self.t.put(bitmask), tuple(rows)))
+
+
+class ThinkingBudget(LogitsProcessor):
+    """Rows whose thinking budget is spent: their next token is `</think>`. State: the
+    sequence."""
+
+    def state_for(self, seq: Sequence) -> Sequence | None:
+        p = seq.sampling_params
+        return (
+            seq
+            if p.thinking_token_budget is not None and p.think_end_token_id is not None
+            else None
+        )
+
+    def make_edit(
+        self, positions: np.ndarray, states: list[Sequence], num_rows: int
+    ) -> LogitsEdit | None:
+        forced = {
+            int(pos): token
+            for pos, seq in zip(positions, states, strict=True)
+            if (token := forced_think_end(seq.output_token_ids, seq.sampling_params)) is not None
+        }
+        if not forced:
+            return None
+        return ForceTokens(self.t.ints(list(forced)), self.t.ints(list(forced.values())))
+
+
+def builtin_processors(tensors: Tensors, eos_token_ids: Iterable[int]) -> list[LogitsProcessor]:
+    """The engine's processors, in the order they apply (see the module docstring)."""
+    return [
+        AllowedTokens(tensors),
+        BadWords(tensors),
+        MinTokens(tensors, eos_token_ids),
+        LogitBias(tensors),
+        Penalties(tensors),
+        GrammarMasks(tensors),
+        ThinkingBudget(tensors),
+    ]

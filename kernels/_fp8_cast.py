@@ -17,8 +17,11 @@ import triton.language as tl
 def to_e4m3(x, out_ty: tl.constexpr, INTERPRETED: tl.constexpr):
     """`x` fp32, already within ±448, as `out_ty` (tl.float8e4nv)."""
     if INTERPRETED:
-        c = x * 1048577.0  # 2**20 + 1: hi keeps 24 - 20 = 4 significant bits
-        normal = c - (c - x)
-        subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14: an ulp of 2**-9
-        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+        # On the magnitude, so that a tiny negative value rounds to -0 as the cast does.
+        a = tl.abs(x)
+        c = a * 1048577.0  # 2**20 + 1: hi keeps 24 - 20 = 4 significant bits
+        normal = c - (c - a)
+        subnormal = (a + 24576.0) - 24576.0  # 1.5 * 2**14: an ulp of 2**-9
+        rounded = tl.where(a < 0.015625, subnormal, normal)
+        x = tl.where(x < 0, -rounded, rounded)
     return x.to(out_ty)

@@ -29,6 +29,10 @@ MAX_TOKENS = 8
 # TP size and placement; the planted error of test_fp8_e2e (two layers' block scales x4) gives
 # gaps up to 10 nats, most above 1, and diverges on its first token.
 NEAR_TIE_NATS = 0.25
+# The same with the fp8 KV cache on top of fp8 weights (a second quantization, of K and V at
+# e4m3's 3 mantissa bits): 0.35 measured at the worst divergence (MoE, Triton path), where an
+# expert choice flipped. Still a fraction of the planted error's gaps (most above 1 nat).
+NEAR_TIE_NATS_FP8_KV = 0.5
 
 DENSE = dict(
     hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,

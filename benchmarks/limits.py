@@ -159,6 +159,16 @@ class ModelShape:
             + embedding
         )
 
+    def decode_linear_params(self, batch: int) -> float:
+        """The part of `decode_weight_params` in the decoder layers' linear weights (attention
+        and MLP or experts; not the router, norms, embedding or head): what an FP8 checkpoint
+        stores in e4m3."""
+        experts = self.expected_experts(batch) if self.num_experts else 0.0
+        sparse = self.attention_params_per_layer + experts * self.params_per_expert
+        return self.num_dense_layers * self.linear_params_per_layer + (
+            self.num_sparse_layers * sparse if self.num_experts else 0
+        )
+
     @property
     def kv_values_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
@@ -263,7 +273,15 @@ def offline_limit(
     bytes_per_value: int,
     peaks: Peaks,
     tp_size: int = 1,
+    linear_bytes_per_value: float | None = None,
+    kv_bytes_per_value: float | None = None,
 ) -> Limit:
+    """The workload's time at the peaks. Bytes are those stored: `bytes_per_value` for every
+    weight and KV value, except the decoder layers' linear weights at `linear_bytes_per_value`
+    (an FP8 checkpoint: 1 byte plus its share of the block scales) and KV values at
+    `kv_bytes_per_value` (an fp8 cache: 1) when given."""
+    linear_bpv = bytes_per_value if linear_bytes_per_value is None else linear_bytes_per_value
+    kv_bpv = bytes_per_value if kv_bytes_per_value is None else kv_bytes_per_value
     steps = decode_steps(prompt_lens, output_lens, max_num_seqs)
     prefill = sum(shape.prefill_flops(p) for p in prompt_lens)
     decode_flops = sum(
@@ -272,9 +290,14 @@ def offline_limit(
         for k in range(2, o + 1)
     )
     weight_bytes = round(
-        sum(shape.decode_weight_params(running) for running, _ in steps) * bytes_per_value
+        sum(
+            (shape.decode_weight_params(running) - shape.decode_linear_params(running))
+            * bytes_per_value
+            + shape.decode_linear_params(running) * linear_bpv
+            for running, _ in steps
+        )
     )
-    kv_bytes = sum(kv for _, kv in steps) * shape.kv_values_per_token * bytes_per_value
+    kv_bytes = round(sum(kv for _, kv in steps) * shape.kv_values_per_token * kv_bpv)
     return Limit(
         prefill_flops=prefill,
         decode_flops=decode_flops,

@@ -13,6 +13,9 @@ import torch
 import triton
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# An fp8 KV cache (`--kv-cache-dtype fp8`): e4m3, as vLLM's "fp8" on NVIDIA GPUs.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -100,9 +103,52 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} differs from k_cache "
             f"{tuple(k_cache.shape)} {k_cache.dtype}"
         )
-    check_float("k_cache", k_cache)
+    if k_cache.dtype != FP8_KV_DTYPE:
+        check_float("k_cache", k_cache)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
+
+
+def check_kv_scales(
+    k_cache: torch.Tensor, query_dtype: torch.dtype, kv_scales: torch.Tensor | None
+) -> torch.Tensor:
+    """The `kv_scales` pointer a kernel gets: a `[2]` fp32 `(k_scale, v_scale)` tensor on the
+    cache's device for an fp8 cache (required), and for any other cache, which must then have
+    the query's dtype, the cache itself (the kernel never reads it; a stand-in pointer)."""
+    if k_cache.dtype != FP8_KV_DTYPE:
+        if query_dtype != k_cache.dtype:
+            raise ValueError(f"query is {query_dtype} but the cache is {k_cache.dtype}")
+        return k_cache
+    if kv_scales is None:
+        raise ValueError("an fp8 KV cache needs kv_scales, a [2] float32 (k_scale, v_scale)")
+    if (
+        kv_scales.dtype != torch.float32
+        or tuple(kv_scales.shape) != (2,)
+        or not kv_scales.is_contiguous()
+        or kv_scales.device != k_cache.device
+    ):
+        raise ValueError(
+            f"kv_scales must be a contiguous [2] float32 tensor on {k_cache.device}, got "
+            f"{kv_scales.dtype} {tuple(kv_scales.shape)} on {kv_scales.device}"
+        )
+    return kv_scales
+
+
+def quantized(x: torch.Tensor, kv_scales: torch.Tensor | None, which: int, dtype: torch.dtype):
+    """`x` as stored in a cache of `dtype`: for fp8, `x / scale` saturated to e4m3's range
+    (`which` 0: K's scale, 1: V's); otherwise `x` cast to `dtype`."""
+    if dtype != FP8_KV_DTYPE:
+        return x.to(dtype)
+    assert kv_scales is not None
+    return (x.float() / kv_scales[which]).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+
+
+def dequantized(cached: torch.Tensor, kv_scales: torch.Tensor | None, which: int) -> torch.Tensor:
+    """fp32 values of cache entries (`quantized`'s inverse up to e4m3 rounding)."""
+    if cached.dtype != FP8_KV_DTYPE:
+        return cached.float()
+    assert kv_scales is not None
+    return cached.float() * kv_scales[which]
 
 
 def dot_options(dtype: torch.dtype, interpret: bool) -> dict[str, object]:

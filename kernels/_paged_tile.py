@@ -24,6 +24,8 @@ def attend_tile(
     block_table_row_ptr,  # [W] this sequence's physical block ids
     kv_head,
     qk_scale,  # softmax scale * log2(e): scores go straight to exp2
+    k_scale,  # KV_FP8: fp32 dequantization scale of this layer's K (cache value * k_scale)
+    v_scale,  # KV_FP8: the same for V
     stride_cb,
     stride_cs,
     stride_ch,
@@ -34,6 +36,7 @@ def attend_tile(
     MASKED: tl.constexpr,  # False for tiles every row sees whole (no causal or length mask)
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the caches hold float8_e4m3fn: dequantized to q's dtype on load
 ):
     n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     d = tl.arange(0, BLOCK_D)
@@ -49,6 +52,10 @@ def attend_tile(
     kv_ptrs = kv_off[:, None] + d[None, :]  # [BLOCK_N, BLOCK_D]
     k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    if KV_FP8:
+        # Dequantized in registers: the cache's bytes are what is read from memory.
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     if UPCAST_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)

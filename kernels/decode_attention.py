@@ -28,12 +28,15 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    FP8_KV_DTYPE,
     check_device,
     check_float,
     check_index,
     check_kv_cache,
+    check_kv_scales,
     check_last_dim_contiguous,
     check_out,
+    dequantized,
     dot_options,
     interpreting,
     next_pow2,
@@ -73,6 +76,7 @@ def _decode_split_kernel(
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
     seq_lens_ptr,  # [B] int32 context length including the new token
     block_table_ptr,  # [B, W] int32 physical block ids, row stride stride_bt
+    kv_scale_ptr,  # [2] fp32 (k_scale, v_scale) of an fp8 cache (KV_FP8; else unused)
     qk_scale,  # softmax scale * log2(e)
     stride_qb,
     stride_qh,
@@ -91,6 +95,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,17 +126,19 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    k_scale = tl.load(kv_scale_ptr)
+    v_scale = tl.load(kv_scale_ptr + 1)
     for tile in range(start, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, tile, seq_len, k_cache_ptr, v_cache_ptr, table_row,
-            kv_head, qk_scale, stride_cb, stride_cs, stride_ch,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, UPCAST_DOT, DOT_PRECISION,
+            kv_head, qk_scale, k_scale, v_scale, stride_cb, stride_cs, stride_ch,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, UPCAST_DOT, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
     for tile in range(tl.maximum(start, full_end), end, BLOCK_N):  # the ragged last tile
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, tile, seq_len, k_cache_ptr, v_cache_ptr, table_row,
-            kv_head, qk_scale, stride_cb, stride_cs, stride_ch,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, UPCAST_DOT, DOT_PRECISION,
+            kv_head, qk_scale, k_scale, v_scale, stride_cb, stride_cs, stride_ch,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, UPCAST_DOT, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
 
     # An empty slice (short context, or seq_len == 0) has l_i == 0: output 0, lse -inf, so the
@@ -234,6 +241,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `query [B, num_heads, head_dim]` (one new token per sequence, already stored
     in the cache) over each sequence's `seq_lens[i]` cached tokens; returns `out`, or a new
@@ -244,6 +252,8 @@ def paged_decode_attention(
     count from the batch size and `W * block_size`, an upper bound of the longest context read
     from shapes alone: no device sync, and a CUDA graph captured for a fixed W keeps its grid.
     `out`: the query's shape and dtype, last dim dense (e.g. rows of a larger output).
+    An fp8 cache (float8_e4m3fn, any query dtype) needs `kv_scales [2]` fp32: `(k_scale,
+    v_scale)`, the cache holds `K / k_scale` (`kernels._common.check_kv_scales`).
     """
     check_device(_decode_split_kernel, query, k_cache, v_cache, seq_lens, block_table)
     check_kv_cache(k_cache, v_cache)
@@ -255,8 +265,7 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"query is {query.dtype} but the cache is {k_cache.dtype}")
+    kv_scales = check_kv_scales(k_cache, query.dtype, kv_scales)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
     for name, t, ndim in (("seq_lens", seq_lens, 1), ("block_table", block_table, 2)):
@@ -311,6 +320,7 @@ def paged_decode_attention(
         v_cache,
         seq_lens,
         block_table,
+        kv_scales,
         scale * _LOG2E,
         query.stride(0),
         query.stride(1),
@@ -320,6 +330,7 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
         **meta,
     )
     if num_splits > 1:
@@ -347,6 +358,7 @@ def paged_decode_attention_ref(
     block_table: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch `paged_decode_attention` (no splits): one sequence at a time, fp32 softmax.
     A sequence with `seq_len == 0` gets zeros, as in the kernel."""
@@ -360,8 +372,9 @@ def paged_decode_attention_ref(
             continue
         pos = torch.arange(seq_len, device=query.device)
         blocks = block_table[i].long()[pos // block_size]
-        k = k_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
-        v = v_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
+        k = dequantized(k_cache[blocks, pos % block_size], kv_scales, 0)
+        v = dequantized(v_cache[blocks, pos % block_size], kv_scales, 1)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale  # [heads, seq_len]
         out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v).to(query.dtype)
     return out

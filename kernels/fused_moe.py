@@ -43,6 +43,7 @@ from kernels._common import (
     dot_options,
     interpreting,
 )
+from kernels.fp8_gemm import FP8_DTYPE, GROUP, fp8_linear_ref, per_token_group_quant_fp8
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -52,6 +53,8 @@ def _moe_gate_up_kernel(
     w13_ptr,  # [E, 2 * INTER, HIDDEN] contiguous: rows [0, INTER) gate, [INTER, 2 INTER) up
     sorted_ids_ptr,  # [num_blocks * BLOCK_M] int32 pair ids grouped by expert; >= num_pairs: pad
     block_expert_ptr,  # [num_blocks] int32 the local expert of each block, -1 = nothing to do
+    x_scale_ptr,  # FP8: [T, HIDDEN // 128] fp32 scales of x's token groups (else unused)
+    w_scale_ptr,  # FP8: [E, 2 * INTER // 128, HIDDEN // 128] fp32 block scales (else unused)
     num_pairs,  # P = T * TOP_K (varies per step: not specialised on)
     stride_xt,
     HIDDEN: tl.constexpr,
@@ -62,6 +65,7 @@ def _moe_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,  # x and w13 float8_e4m3fn with 128-group scales; BLOCK_K divides 128
 ):
     # Grid: (num_blocks, cdiv(INTER, BLOCK_N)).
     pid_m = tl.program_id(0)
@@ -79,6 +83,12 @@ def _moe_gate_up_kernel(
     x_rows = x_ptr + token[:, None] * stride_xt  # [BLOCK_M, 1]
     gate_cols = w_expert + n[None, :] * HIDDEN  # [1, BLOCK_N]: column j of the tile is row j of W
     up_cols = gate_cols + INTER * HIDDEN
+    # FP8: the scales of each row's token groups and of each column's weight blocks.
+    groups = HIDDEN // 128
+    x_scales = x_scale_ptr + token * groups  # [BLOCK_M]
+    w_scale_expert = w_scale_ptr + expert.to(tl.int64) * (2 * INTER // 128) * groups
+    gate_scales = w_scale_expert + (n // 128) * groups  # [BLOCK_N]
+    up_scales = w_scale_expert + ((INTER + n) // 128) * groups
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
@@ -88,12 +98,21 @@ def _moe_gate_up_kernel(
         b_mask = k_ok[:, None] & col_ok[None, :]
         b_gate = tl.load(gate_cols + kk[:, None], mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
         b_up = tl.load(up_cols + kk[:, None], mask=b_mask, other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b_gate = b_gate.to(tl.float32)
-            b_up = b_up.to(tl.float32)
-        acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+        if FP8:
+            # One K step lies in one group: fp8 dot of the step, then both groups' scales.
+            g = k0 // 128
+            sa = tl.load(x_scales + g, mask=row_ok, other=0.0)[:, None]  # [BLOCK_M, 1]
+            sg = tl.load(gate_scales + g, mask=col_ok, other=0.0)[None, :]  # [1, BLOCK_N]
+            su = tl.load(up_scales + g, mask=col_ok, other=0.0)[None, :]
+            acc_gate += tl.dot(a, b_gate) * sa * sg
+            acc_up += tl.dot(a, b_up) * sa * su
+        else:
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+                b_gate = b_gate.to(tl.float32)
+                b_up = b_up.to(tl.float32)
+            acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
     out_ty = act_ptr.dtype.element_ty
     gate = acc_gate.to(out_ty).to(tl.float32)
     up = acc_up.to(out_ty).to(tl.float32)
@@ -110,6 +129,8 @@ def _moe_down_kernel(
     topk_weights_ptr,  # [P] fp32 routing weight of each pair
     sorted_ids_ptr,  # [num_blocks * BLOCK_M] int32, as in _moe_gate_up_kernel
     block_expert_ptr,  # [num_blocks] int32, as in _moe_gate_up_kernel
+    act_scale_ptr,  # FP8: [P, INTER // 128] fp32 scales of act's row groups (else unused)
+    w_scale_ptr,  # FP8: [E, HIDDEN // 128, INTER // 128] fp32 block scales (else unused)
     num_pairs,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
@@ -118,6 +139,7 @@ def _moe_down_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,  # act and w2 float8_e4m3fn with 128-group scales; BLOCK_K divides 128
 ):
     # Grid: (num_blocks, cdiv(HIDDEN, BLOCK_N)).
     pid_m = tl.program_id(0)
@@ -132,16 +154,25 @@ def _moe_down_kernel(
     k = tl.arange(0, BLOCK_K)
     w_cols = w2_ptr + expert.to(tl.int64) * (HIDDEN * INTER) + n[None, :] * INTER
     a_rows = act_ptr + pair64[:, None] * INTER
+    groups = INTER // 128
+    a_scales = act_scale_ptr + pair64 * groups  # [BLOCK_M]
+    w_scales = w_scale_ptr + expert.to(tl.int64) * (HIDDEN // 128) * groups + (n // 128) * groups
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         kk = k0 + k
         k_ok = kk < INTER
         a = tl.load(a_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if FP8:
+            g = k0 // 128
+            sa = tl.load(a_scales + g, mask=row_ok, other=0.0)[:, None]  # [BLOCK_M, 1]
+            sb = tl.load(w_scales + g, mask=col_ok, other=0.0)[None, :]  # [1, BLOCK_N]
+            acc += tl.dot(a, b) * sa * sb
+        else:
+            if UPCAST_DOT:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     out_ty = pair_out_ptr.dtype.element_ty
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)  # [BLOCK_M] fp32
     y = acc.to(out_ty).to(tl.float32) * weight[:, None]
@@ -223,6 +254,8 @@ def fused_moe(
     local_ids: torch.Tensor,
     *,
     all_local: bool = False,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's experts' part of the MoE output: new `[T, H]` in x's dtype.
 
@@ -230,12 +263,21 @@ def fused_moe(
     contiguous, x's dtype; topk_weights `[T, top_k]` fp32; local_ids `[T, top_k]` int32/int64,
     this rank's expert of each pair or -1. `all_local`: the caller knows no id is -1 (tensor
     parallel), so every pair's output row is written and needs no zero fill.
+
+    FP8 experts (Qwen3-MoE FP8 checkpoints): w13 and w2 float8_e4m3fn with their 128×128 block
+    scales `w13_scale [E, 2I/128, H/128]` and `w2_scale [E, H/128, I/128]` fp32 (H and I
+    multiples of 128). x is then quantized per token and 128-column group before the first
+    GEMM, and the activation per pair and group before the second (`kernels.fp8_gemm`).
     """
+    fp8 = w13_scale is not None
+    if fp8 != (w2_scale is not None):
+        raise ValueError("give both w13_scale and w2_scale (fp8 experts) or neither")
     check_device(_moe_gate_up_kernel, x, w13, w2, topk_weights, local_ids)
-    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
-        check_float(name, t)
-        if t.dtype != x.dtype:
-            raise ValueError(f"{name} is {t.dtype}, x is {x.dtype}")
+    check_float("x", x)
+    for name, t in (("w13", w13), ("w2", w2)):
+        want = FP8_DTYPE if fp8 else x.dtype
+        if t.dtype != want:
+            raise ValueError(f"{name} is {t.dtype}, expected {want}")
     check_last_dim_contiguous("x", x)
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("w13 and w2 must be contiguous")
@@ -255,27 +297,62 @@ def fused_moe(
             f"topk_weights {tuple(topk_weights.shape)} and local_ids {tuple(local_ids.shape)} "
             f"must both be [T={num_tokens}, top_k]"
         )
+    if fp8:
+        _check_fp8_scales(w13_scale, w2_scale, num_experts, hidden, inter)
     top_k = local_ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_pairs == 0 or num_experts == 0:
         return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=x.device)
     meta = launch_meta(x.dtype, interpreting(_moe_gate_up_kernel))
+    if fp8:
+        # The fp8 dot takes its operands as they are, even under the interpreter (which
+        # multiplies e4m3 exactly); only 16-bit operands need the interpreter's upcast.
+        meta["UPCAST_DOT"] = False
     block_m = meta["BLOCK_M"]
     sorted_ids, block_expert = moe_align(local_ids, num_experts, block_m)
     num_blocks = block_expert.shape[0]
+    if fp8:
+        x_in, x_scale = per_token_group_quant_fp8(x)  # [T, H] e4m3, [T, H / 128] fp32
+    else:
+        x_in, x_scale, w13_scale, w2_scale = x, x, w13, w2  # scale pointers unused
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, meta["BLOCK_N"]))](
-        act, x, w13, sorted_ids, block_expert, num_pairs, x.stride(0),
-        HIDDEN=hidden, INTER=inter, TOP_K=top_k, **meta,
+        act, x_in, w13, sorted_ids, block_expert, x_scale, w13_scale, num_pairs, x_in.stride(0),
+        HIDDEN=hidden, INTER=inter, TOP_K=top_k, FP8=fp8, **meta,
     )  # fmt: skip
+    if fp8:
+        # Rows of pairs in no block (another rank's experts) are garbage here; the down
+        # kernel never reads them.
+        act, act_scale = per_token_group_quant_fp8(act)  # [P, I] e4m3, [P, I / 128] fp32
+    else:
+        act_scale = act
     # [P, H]; other ranks' pairs are in no block, so their rows must start at zero.
     alloc = torch.empty if all_local else torch.zeros
     pair_out = alloc((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](
-        pair_out, act, w2, topk_weights, sorted_ids, block_expert, num_pairs,
-        HIDDEN=hidden, INTER=inter, **meta,
+        pair_out, act, w2, topk_weights, sorted_ids, block_expert, act_scale, w2_scale,
+        num_pairs, HIDDEN=hidden, INTER=inter, FP8=fp8, **meta,
     )  # fmt: skip
     return pair_out.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def _check_fp8_scales(
+    w13_scale: torch.Tensor, w2_scale: torch.Tensor, num_experts: int, hidden: int, inter: int
+) -> None:
+    if hidden % GROUP or inter % GROUP:
+        raise ValueError(
+            f"fp8 experts need hidden ({hidden}) and intermediate ({inter}) sizes that are "
+            f"multiples of {GROUP}"
+        )
+    expected = (
+        ("w13_scale", w13_scale, (num_experts, 2 * inter // GROUP, hidden // GROUP)),
+        ("w2_scale", w2_scale, (num_experts, hidden // GROUP, inter // GROUP)),
+    )
+    for name, t, shape in expected:
+        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
+            raise ValueError(
+                f"{name} must be contiguous float32 {shape}, got {t.dtype} {tuple(t.shape)}"
+            )
 
 
 def fused_moe_ref(
@@ -284,9 +361,13 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     local_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same in plain torch, one expert at a time as the eager model computes it (it reads
-    which experts are hit on the host)."""
+    which experts are hit on the host). FP8 experts: each GEMM is `fp8_linear_ref` (the
+    activations quantized per token and 128-group, then everything dequantized)."""
     num_tokens, hidden = x.shape
     inter = w2.shape[2]
     out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
@@ -294,7 +375,11 @@ def fused_moe_ref(
         if expert < 0:
             continue
         token, slot = (local_ids == expert).nonzero(as_tuple=True)
-        gate, up = F.linear(x[token], w13[expert]).split(inter, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+        if w13_scale is None or w2_scale is None:
+            gate, up = F.linear(x[token], w13[expert]).split(inter, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+        else:
+            gate, up = fp8_linear_ref(x[token], w13[expert], w13_scale[expert]).split(inter, -1)
+            y = fp8_linear_ref(F.silu(gate) * up, w2[expert], w2_scale[expert])  # [n, H]
         out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype).float())
     return out.to(x.dtype)

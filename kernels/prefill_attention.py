@@ -30,12 +30,15 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    FP8_KV_DTYPE,
     check_device,
     check_float,
     check_index,
     check_kv_cache,
+    check_kv_scales,
     check_last_dim_contiguous,
     check_out,
+    dequantized,
     dot_options,
     interpreting,
     next_pow2,
@@ -59,6 +62,7 @@ def _prefill_attention_kernel(
     query_start_loc_ptr,  # [B + 1] int32 prefix sums of new tokens per sequence
     seq_lens_ptr,  # [B] int32 context length after this step (cached + new)
     block_table_ptr,  # [B, W] int32 physical block ids, row stride stride_bt
+    kv_scale_ptr,  # [2] fp32 (k_scale, v_scale) of an fp8 cache (KV_FP8; else unused)
     qk_scale,
     stride_qt,
     stride_qh,
@@ -77,6 +81,7 @@ def _prefill_attention_kernel(
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Grid: (cdiv(max_query_len, BLOCK_M), B, num_kv_heads).
     m_block = tl.program_id(0)
@@ -109,22 +114,24 @@ def _prefill_attention_kernel(
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    k_scale = tl.load(kv_scale_ptr)
+    v_scale = tl.load(kv_scale_ptr + 1)
 
     # Keys below first_pos are visible to every row (rows past q_len are junk, never stored).
     full_end = (first_pos // BLOCK_N) * BLOCK_N
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, table_row,
-            kv_head, qk_scale, stride_cb, stride_cs, stride_ch,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, UPCAST_DOT, DOT_PRECISION,
+            kv_head, qk_scale, k_scale, v_scale, stride_cb, stride_cs, stride_ch,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, False, UPCAST_DOT, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
     # The diagonal: up to the last row's own position, and never past the context.
     causal_end = tl.minimum(seq_len, first_pos + BLOCK_M)
     for start in range(full_end, causal_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, start, seq_len, k_cache_ptr, v_cache_ptr, table_row,
-            kv_head, qk_scale, stride_cb, stride_cs, stride_ch,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, UPCAST_DOT, DOT_PRECISION,
+            kv_head, qk_scale, k_scale, v_scale, stride_cb, stride_cs, stride_ch,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, True, UPCAST_DOT, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
 
     # Every real row saw key 0, so l_i > 0 there; junk rows are masked out of the store.
@@ -182,6 +189,7 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for new tokens; returns `out`, or a new `[T, num_heads, head_dim]`
     tensor when `out` is None (the query's shape and dtype, last dim dense).
@@ -190,7 +198,8 @@ def paged_prefill_attention(
     `[num_blocks, block_size, num_kv_heads, head_dim]` contiguous, same dtype as the query;
     query_start_loc `[B+1]`, seq_lens `[B]`, block_table `[B, W]`, all int32. `max_query_len`
     must be at least the longest `q_len` of the batch (the grid is sized from it without reading
-    the device); rows of a sequence beyond it would be left unwritten.
+    the device); rows of a sequence beyond it would be left unwritten. An fp8 cache needs
+    `kv_scales`, as in `paged_decode_attention`.
     """
     check_device(
         _prefill_attention_kernel,
@@ -210,8 +219,7 @@ def paged_prefill_attention(
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"query is {query.dtype} but the cache is {k_cache.dtype}")
+    kv_scales = check_kv_scales(k_cache, query.dtype, kv_scales)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
     for name, t, ndim in (
@@ -251,6 +259,7 @@ def paged_prefill_attention(
         query_start_loc,
         seq_lens,
         block_table,
+        kv_scales,
         scale * _LOG2E,
         query.stride(0),
         query.stride(1),
@@ -260,6 +269,7 @@ def paged_prefill_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
         **meta,
     )
     return out
@@ -280,6 +290,7 @@ def paged_prefill_attention_ref(
     block_table: torch.Tensor,
     max_query_len: int,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch `paged_prefill_attention`: one sequence at a time, fp32 softmax."""
     del max_query_len  # the reference reads the lengths themselves
@@ -292,8 +303,9 @@ def paged_prefill_attention_ref(
         if end == start:
             continue
         q = query[start:end].float()  # [q_len, num_heads, head_dim]
-        k = _gather(k_cache, block_table[i], seq_len).float().repeat_interleave(group, dim=1)
-        v = _gather(v_cache, block_table[i], seq_len).float().repeat_interleave(group, dim=1)
+        k = dequantized(_gather(k_cache, block_table[i], seq_len), kv_scales, 0)
+        v = dequantized(_gather(v_cache, block_table[i], seq_len), kv_scales, 1)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, seq_len]
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)

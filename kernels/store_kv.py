@@ -14,12 +14,18 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    FP8_KV_DTYPE,
+    FP8_KV_MAX,
     check_device,
     check_index,
     check_kv_cache,
+    check_kv_scales,
     check_last_dim_contiguous,
+    interpreting,
     next_pow2,
+    quantized,
 )
+from kernels._fp8_cast import to_e4m3
 
 
 @triton.jit
@@ -29,10 +35,14 @@ def _store_kv_kernel(
     k_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim] contiguous
     v_cache_ptr,  # [num_blocks * block_size, num_kv_heads, head_dim] contiguous
     slot_mapping_ptr,  # [T] int32/int64 flat slot per token, negative = skip
+    kv_scale_ptr,  # [2] fp32 (k_scale, v_scale) of an fp8 cache (KV_FP8; else unused)
     stride_kt,
     stride_vt,
     ROW: tl.constexpr,  # num_kv_heads * head_dim: elements of one token's K (or V)
     BLOCK: tl.constexpr,  # elements copied per program, a power of two
+    KV_FP8: tl.constexpr,  # the caches are float8_e4m3fn: store K / k_scale, saturated
+    FP8_MAX: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # see kernels._fp8_cast
 ):
     # Grid: (T, cdiv(ROW, BLOCK)); one program copies one chunk of one token's K and V rows.
     # int64 so that token * stride stays exact for any step size.
@@ -45,6 +55,12 @@ def _store_kv_kernel(
     mask = offs < ROW
     k = tl.load(key_ptr + token * stride_kt + offs, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + offs, mask=mask)
+    if KV_FP8:
+        # Through fp32: e4m3 has no infinity, and an out-of-range value would become NaN.
+        k = tl.clamp(k.to(tl.float32) / tl.load(kv_scale_ptr), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / tl.load(kv_scale_ptr + 1), -FP8_MAX, FP8_MAX)
+        k = to_e4m3(k, k_cache_ptr.dtype.element_ty, INTERPRETED)
+        v = to_e4m3(v, v_cache_ptr.dtype.element_ty, INTERPRETED)
     # int64: slot * ROW passes 2**31 once a layer's cache holds more than 2**31 elements.
     tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
     tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
@@ -56,13 +72,16 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Copy `key`/`value` `[T, num_kv_heads, head_dim]` into `k_cache`/`v_cache` (in place).
 
     Caches are `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous, of the same dtype
     as key/value (no silent cast). `slot_mapping [T]` is int32 or int64; rows with a negative
     slot are skipped. key/value may be strided views (e.g. slices of a fused QKV output) as long
-    as each token's heads are dense.
+    as each token's heads are dense. An fp8 cache (float8_e4m3fn) takes key/value of any float
+    dtype and stores `key / k_scale` (and `value / v_scale`) saturated to ±448, with
+    `kv_scales [2]` fp32 `(k_scale, v_scale)`.
     """
     check_device(_store_kv_kernel, key, value, k_cache, v_cache, slot_mapping)
     check_kv_cache(k_cache, v_cache)
@@ -75,8 +94,7 @@ def store_kv(
                 f"{name} must be [{num_tokens}, {num_kv_heads}, {head_dim}] to match "
                 f"slot_mapping and the cache, got {tuple(t.shape)}"
             )
-        if t.dtype != k_cache.dtype:
-            raise ValueError(f"{name} is {t.dtype} but the cache is {k_cache.dtype}")
+        kv_scales = check_kv_scales(k_cache, t.dtype, kv_scales)
         check_last_dim_contiguous(name, t)
         if t.stride(1) != head_dim:
             raise ValueError(f"{name}'s heads must be dense (stride {head_dim}), got {t.stride()}")
@@ -91,10 +109,14 @@ def store_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        kv_scales,
         key.stride(0),
         value.stride(0),
         ROW=row,
         BLOCK=block,
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
+        FP8_MAX=FP8_KV_MAX,
+        INTERPRETED=interpreting(_store_kv_kernel),
         num_warps=4,
     )
 
@@ -105,10 +127,15 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Plain-torch `store_kv`: same arguments, same in-place effect."""
     slots = slot_mapping.long()  # [T]
     keep = slots >= 0
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = key[keep]
-    v_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = value[keep]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = quantized(
+        key[keep], kv_scales, 0, k_cache.dtype
+    )
+    v_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = quantized(
+        value[keep], kv_scales, 1, v_cache.dtype
+    )

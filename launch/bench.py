@@ -38,6 +38,7 @@ from benchmarks.results import environment, write_json
 from benchmarks.triton_launches import compiled_binaries
 from benchmarks.workload import NANO_VLLM_OUTPUT_TOKENS, random_workload
 from tp_engine import LLM, SamplingParams
+from tp_engine.config import KV_CACHE_DTYPES
 from tp_engine.step_timeline import StepTimeline
 
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -69,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8: an e4m3 KV cache with per-layer scales (the limit then counts 1 byte a value)",
+    )
     p.add_argument(
         "--enable-expert-parallel",
         action="store_true",
@@ -113,6 +120,14 @@ def _bytes_per_value(dtype: str, hf_config: dict) -> int:
             else "float32"
         )
     return _BYTES[dtype.removeprefix("torch.")]
+
+
+def _linear_bytes_per_value(hf_config: dict) -> float | None:
+    """An FP8 checkpoint's linear weights: 1 byte each plus a 4-byte scale per 128×128 block;
+    None for an unquantized one (the model dtype's bytes)."""
+    if (hf_config.get("quantization_config") or {}).get("quant_method") != "fp8":
+        return None
+    return 1 + 4 / (128 * 128)
 
 
 def startup_record(llm: LLM, total_s: float) -> dict:
@@ -164,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         enable_expert_parallel=args.enable_expert_parallel,
+        kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
     )  # ranks other than 0 serve inside this call and exit
@@ -223,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         bytes_per_value=_bytes_per_value(args.dtype, hf_config),
         peaks=peaks,
         tp_size=tp_size,
+        linear_bytes_per_value=_linear_bytes_per_value(hf_config),
+        kv_bytes_per_value=1 if args.kv_cache_dtype == "fp8" else None,
     )
     throughput = generated / elapsed
     fraction = limit.time_s / elapsed

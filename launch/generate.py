@@ -15,7 +15,7 @@ import json
 import sys
 
 from tp_engine import LLM, SamplingParams
-from tp_engine.config import ATTENTION_BACKENDS
+from tp_engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 
 DEFAULT_PROMPTS = [
     "Hello, my name is",
@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8: an e4m3 KV cache with per-layer scales (half the bytes of bf16)",
+    )
+    p.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="MoE models: whole experts per rank instead of a slice of every expert",
@@ -80,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         enable_expert_parallel=args.enable_expert_parallel,
+        kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=args.async_scheduling,
     )
     prompts = args.prompt or DEFAULT_PROMPTS

@@ -58,7 +58,8 @@ def _expected_parts(model: nn.Module) -> dict[str, CheckpointPart]:
     """Every part the checkpoint must provide, keyed by checkpoint tensor name; `param` is the
     full parameter name, or None for a tensor this rank only checks (`CheckpointPart`)."""
     expected: dict[str, CheckpointPart] = {}
-    # Modules that name their own checkpoint tensors; their parameters are theirs to fill.
+    # Modules that name some of their checkpoint tensors (`checkpoint_parts`); the parameters
+    # those name are theirs to fill, the module's other parameters follow the generic rule.
     owned: set[str] = set()
     for prefix, module in model.named_modules():
         parts = getattr(module, "checkpoint_parts", None)
@@ -67,7 +68,8 @@ def _expected_parts(model: nn.Module) -> dict[str, CheckpointPart]:
         for ckpt_name, part in parts().items():
             param = None if part.param is None else f"{prefix}.{part.param}"
             expected[f"{prefix}.{ckpt_name}"] = part._replace(param=param)
-        owned.update(f"{prefix}.{name}" for name, _ in module.named_parameters())
+            if param is not None:
+                owned.add(param)
     mapping: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
     packed_by_param: dict[str, list[tuple[str, str | int]]] = {}
     for ckpt_module, (param_module, shard_id) in mapping.items():
@@ -127,7 +129,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
         raise WeightLoadError(
             f"unexpected checkpoint tensors (no matching parameter): {sorted(unexpected)}"
         )
-    missing = sorted(set(expected) - loaded)
+    missing = sorted(name for name in set(expected) - loaded if not expected[name].optional)
     if missing:
         raise WeightLoadError(f"checkpoint tensors missing for the model: {missing}")
 

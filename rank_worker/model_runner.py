@@ -77,6 +77,15 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     return ckpt if ckpt in _SUPPORTED_DTYPES else torch.float32
 
 
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """`RunnerConfig.kv_cache_dtype` -> the cache's torch dtype ("auto": the model's)."""
+    if name == "auto":
+        return dtype
+    if name == "fp8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {name!r}")
+
+
 class ModelRunner:
     """This rank's shard of the model plus its KV cache (see the module docstring)."""
 
@@ -109,6 +118,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.hf_config = load_hf_config(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # Checked before the weights load: a backend that cannot run fails in a second.
         self.attention_backend = get_backend(
             select_backend(
@@ -116,6 +126,7 @@ class ModelRunner:
                 device=self.device,
                 block_size=config.block_size,
                 dtype=self.dtype,
+                kv_cache_dtype=self.kv_cache_dtype,
             )
         )
         self.layer_kernels = select_layer_kernels(
@@ -132,7 +143,10 @@ class ModelRunner:
         )
         load_weights(self.model, model_dir)
         self.model.eval()
-        self.kv_spec = KVCacheSpec.for_model(self.hf_config, tp, config.block_size, self.dtype)
+        # An fp8 cache halves bytes_per_block (vs bf16), so the same budget holds twice the blocks.
+        self.kv_spec = KVCacheSpec.for_model(
+            self.hf_config, tp, config.block_size, self.kv_cache_dtype
+        )
         # Staging for every step's inputs, sized for the largest step (`input_prep`), and this
         # rank's mirror of rank 0's block tables, which the plans' edits keep up to date.
         # `gpu_data_paths` takes the GPU's layout on a CPU device too (tests); None = the

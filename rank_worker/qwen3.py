@@ -41,6 +41,8 @@ from rank_worker.layers import (
     VocabParallelEmbedding,
     rope_theta_from_config,
 )
+from rank_worker.layers.params import CheckpointPart
+from rank_worker.quantization import fp8_quant_of
 from rank_worker.tp import TPInfo
 
 # One layer's K and V caches, each [num_blocks, block_size, num_local_kv_heads, head_dim].
@@ -59,7 +61,12 @@ def head_dim_of(hf_config: Any) -> int:
 
 
 class Qwen3Attention(nn.Module):
-    """Self-attention of one layer on this rank's heads; one all-reduce (in o_proj)."""
+    """Self-attention of one layer on this rank's heads; one all-reduce (in o_proj).
+
+    `kv_scales [2]` fp32 `(k_scale, v_scale)`: how an fp8 KV cache stores this layer's K and V
+    (`K / k_scale`, e4m3). 1.0 unless the checkpoint gives `self_attn.k_scale` /
+    `self_attn.v_scale` (optional tensors); unused by a cache in the model dtype.
+    """
 
     def __init__(
         self,
@@ -75,6 +82,7 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         head_dim = head_dim_of(hf_config)
         bias = bool(getattr(hf_config, "attention_bias", False))
+        quant = fp8_quant_of(hf_config, fused)
         eps = hf_config.rms_norm_eps
         self.eps = eps
         self.fused = fused
@@ -89,6 +97,7 @@ class Qwen3Attention(nn.Module):
             bias=bias,
             dtype=dtype,
             device=device,
+            quant=quant,
         )
         self.num_local_heads = self.qkv_proj.num_local_heads
         self.num_local_kv_heads = self.qkv_proj.num_local_kv_heads
@@ -99,15 +108,27 @@ class Qwen3Attention(nn.Module):
             bias=bias,
             dtype=dtype,
             device=device,
+            quant=quant,
         )
         self.q_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
         self.k_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
         self.rotary = rotary  # shared by all layers: one cos/sin table per model
         self.backend = backend
+        self.kv_scales = nn.Parameter(
+            torch.ones(2, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.kv_scales.weight_loader = _load_kv_scale  # type: ignore[attr-defined]
         if fused:
             from kernels.qk_norm_rope import qk_norm_rope
 
             self._qk_norm_rope = qk_norm_rope
+
+    def checkpoint_parts(self) -> dict[str, CheckpointPart]:
+        """The optional KV-cache scales; the projections and norms load by their names."""
+        return {
+            "k_scale": CheckpointPart("kv_scales", 0, optional=True),
+            "v_scale": CheckpointPart("kv_scales", 1, optional=True),
+        }
 
     def forward(
         self,
@@ -133,8 +154,19 @@ class Qwen3Attention(nn.Module):
         v = v.view(num_tokens, self.num_local_kv_heads, self.head_dim)  # [T, kv_heads, d]
         if not self.fused:
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, heads, head_dim]
+        # [T, heads, head_dim]
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
         return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
+
+
+def _load_kv_scale(param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:
+    """A checkpoint's `k_scale` (shard 0) or `v_scale` (1): one positive number."""
+    if full.numel() != 1:
+        raise ValueError(f"a KV-cache scale must hold one number, got shape {tuple(full.shape)}")
+    value = float(full.reshape(()).float())
+    if not (value > 0.0 and value < float("inf")):
+        raise ValueError(f"a KV-cache scale must be positive and finite, got {value}")
+    param.data[shard_id] = value
 
 
 class Qwen3MLP(nn.Module):
@@ -153,12 +185,13 @@ class Qwen3MLP(nn.Module):
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (only silu)")
         inter = hf_config.intermediate_size
+        quant = fp8_quant_of(hf_config, fused)
         self.gate_up_proj = MergedColumnParallelLinear(
-            hf_config.hidden_size, [inter, inter], tp, dtype=dtype, device=device
+            hf_config.hidden_size, [inter, inter], tp, dtype=dtype, device=device, quant=quant
         )
         self.act = SiluAndMul(fused=fused)
         self.down_proj = RowParallelLinear(
-            inter, hf_config.hidden_size, tp, dtype=dtype, device=device
+            inter, hf_config.hidden_size, tp, dtype=dtype, device=device, quant=quant
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,8 @@ class RunnerConfig:
     # the project's kernels (triton, flash_attn), else torch. Like the attention backend, the
     # Triton path runs on CPU only under TRITON_INTERPRET=1 (tests, op counts).
     layer_kernels: str = "auto"
+    # KV cache storage: "auto" (the model dtype) or "fp8" (float8_e4m3fn, per-layer scales).
+    kv_cache_dtype: str = "auto"
     # Mixture-of-experts models: whole experts per rank instead of a slice of every expert
     # (`rank_worker.layers.moe`); no effect on dense models.
     enable_expert_parallel: bool = False

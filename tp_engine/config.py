@@ -16,6 +16,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # checks its choice again, with its device and dtype in hand, in
 # `rank_worker.attention.selection`, whose registry must list the same names (a test checks).
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+# The KV cache's dtype, vLLM's `--kv-cache-dtype` names: "auto" = the model's dtype, "fp8" =
+# float8_e4m3fn with per-layer scales (half the bytes of bf16).
+KV_CACHE_DTYPES = ("auto", "fp8")
 # flash-attn 2's paged KV cache accepts only page sizes that are multiples of 256.
 _FLASH_ATTN_BLOCK_MULTIPLE = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -65,6 +68,10 @@ class EngineConfig:
     # Mixture-of-experts models (Qwen3-MoE): place whole experts on ranks instead of a slice of
     # every expert on every rank (vLLM's --enable-expert-parallel). No effect on dense models.
     enable_expert_parallel: bool = False
+    # KV cache storage: "auto" (the model dtype) or "fp8" (e4m3 with per-layer k/v scales, 1.0
+    # unless the checkpoint gives them; twice the blocks in the same memory). Not with
+    # flash_attn, whose paged cache is 16-bit.
+    kv_cache_dtype: str = "auto"
     # Testing: take the GPU's data paths on CPU too (`RunnerConfig.gpu_data_paths`).
     gpu_data_paths: bool = False
 
@@ -88,6 +95,17 @@ class EngineConfig:
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
             f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
+        _check(
+            not (self.kv_cache_dtype == "fp8" and self.attention_backend == "flash_attn"),
+            "kv_cache_dtype",
+            "'fp8' cannot be read by attention_backend 'flash_attn' (flash-attn 2's paged cache "
+            "is fp16/bf16); use 'triton' or 'auto'",
         )
         if self.attention_backend == "flash_attn":
             _check(

@@ -165,6 +165,7 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         enforce_eager=config.enforce_eager,
         attention_backend=config.attention_backend,
         enable_expert_parallel=config.enable_expert_parallel,
+        kv_cache_dtype=config.kv_cache_dtype,
         gpu_data_paths=config.gpu_data_paths,
     )
 

@@ -13,6 +13,11 @@ with (`rank_worker.cuda_graphs` captures with `max_model_len` there).
 
 Cache layout (per layer, K and V alike): `[num_blocks, block_size, num_kv_heads, head_dim]`,
 token `i` of a sequence at `cache[block_table[i // block_size], i % block_size]`.
+
+FP8 cache (`kv_cache_dtype="fp8"`): the caches are float8_e4m3fn and hold `K / k_scale` and
+`V / v_scale`, saturated to ±448; `kv_scales [2]` fp32 `(k_scale, v_scale)` is the layer's
+(`Qwen3Attention.kv_scales`). Store quantizes, attend dequantizes as it reads. A cache in the
+model dtype ignores `kv_scales`. Which it is follows from the cache's dtype, fixed at start-up.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         """Write `key`/`value [T, num_kv_heads, head_dim]` into their slots (slot < 0: skip)."""
 
@@ -50,6 +56,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of `query [T, num_heads, head_dim]` over each sequence's cached
         context; returns `[T, num_heads, head_dim]`. Query heads map to KV heads in groups of
@@ -63,8 +70,9 @@ class AttentionBackend(ABC):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V for all tokens, then attend."""
         k_cache, v_cache = kv_cache
-        self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(query, k_cache, v_cache, meta, scale)
+        self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        return self.attend(query, k_cache, v_cache, meta, scale, kv_scales)

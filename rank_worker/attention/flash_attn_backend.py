@@ -43,7 +43,9 @@ class FlashAttnBackend(KernelStoreBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        del kv_scales  # selection refuses an fp8 cache for flash-attn 2
         if meta.max_query_len == 1:
             out = self._with_kvcache(
                 query.unsqueeze(1),  # [B, 1, heads, head_dim]

@@ -22,5 +22,6 @@ class KernelStoreBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
-        store_kv(key, value, k_cache, v_cache, slot_mapping)
+        store_kv(key, value, k_cache, v_cache, slot_mapping, kv_scales)

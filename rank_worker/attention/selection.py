@@ -69,9 +69,15 @@ def triton_interpreting() -> bool:
 
 
 def unusable_reason(
-    name: str, *, device: torch.device, block_size: int, dtype: torch.dtype
+    name: str,
+    *,
+    device: torch.device,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> str | None:
-    """Why backend `name` cannot run with these facts, or None when it can."""
+    """Why backend `name` cannot run with these facts, or None when it can. `kv_cache_dtype`:
+    the cache's dtype when it differs from `dtype` (an fp8 cache)."""
     if name == "torch":
         return None
     if name == "triton":
@@ -95,6 +101,8 @@ def unusable_reason(
             )
         if dtype not in _FLASH_ATTN_DTYPES:
             return f"flash-attn computes in float16 or bfloat16 only, got {dtype}"
+        if kv_cache_dtype not in (None, dtype):
+            return f"flash-attn 2's paged KV cache holds the model dtype, not {kv_cache_dtype}"
         if not flash_attn_importable():
             return "the flash_attn package is not installed (pip install flash-attn)"
         return None
@@ -102,13 +110,18 @@ def unusable_reason(
 
 
 def select_backend(
-    requested: str, *, device: torch.device | str, block_size: int, dtype: torch.dtype
+    requested: str,
+    *,
+    device: torch.device | str,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> str:
     """Resolve `requested` (one of BACKEND_NAMES) to the backend this rank runs."""
     if requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {requested!r}")
     device = torch.device(device)
-    facts = dict(device=device, block_size=block_size, dtype=dtype)
+    facts = dict(device=device, block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     if requested == "auto":
         if unusable_reason("flash_attn", **facts) is None:
             return "flash_attn"

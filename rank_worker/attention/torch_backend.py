@@ -3,7 +3,9 @@
 Correctness first, and fast enough for CPU tests: decodes (one query each) are attended in one
 batched step over contexts padded to the longest; every other sequence (a prefill, a prefill
 chunk, a prefill after a cached prefix) is attended on its own, so no batch is padded to the
-longest prompt. Scores and softmax are computed in fp32 whatever the cache dtype.
+longest prompt. Scores and softmax are computed in fp32 whatever the cache dtype. An fp8 cache
+stores `K / k_scale` saturated to e4m3's ±448 and is read back times the scale (the same
+arithmetic as the kernels and their references).
 """
 
 from __future__ import annotations
@@ -13,6 +15,30 @@ import torch
 
 from rank_worker.attention.backend import AttentionBackend
 from rank_worker.attention.metadata import AttentionMetadata
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
+
+
+def _scale(kv_scales: torch.Tensor | None, which: int, cache: torch.Tensor) -> torch.Tensor | None:
+    """K's (0) or V's (1) scale; an fp8 cache cannot do without."""
+    if cache.dtype == FP8_KV_DTYPE and kv_scales is None:
+        raise ValueError("an fp8 KV cache needs kv_scales, a [2] float32 (k_scale, v_scale)")
+    return None if kv_scales is None else kv_scales[which]
+
+
+def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """`x` as `cache` stores it."""
+    if cache.dtype != FP8_KV_DTYPE:
+        return x.to(cache.dtype)
+    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def from_cache(cached: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """fp32 values of cache entries."""
+    if cached.dtype != FP8_KV_DTYPE:
+        return cached.float()
+    return cached.float() * scale
 
 
 def gather_context(
@@ -72,14 +98,20 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         slots = slot_mapping.long()  # [T]
         keep = slots >= 0
         if not bool(keep.all()):
             key, value, slots = key[keep], value[keep], slots[keep]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+        k = to_cache(key, k_cache, _scale(kv_scales, 0, k_cache))
+        v = to_cache(value, v_cache, _scale(kv_scales, 1, v_cache))
+        if k_cache.dtype == FP8_KV_DTYPE:
+            # CPU torch has no index_copy_ for fp8: copy the bytes.
+            k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
     def attend(
         self,
@@ -88,12 +120,14 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _, num_heads, head_dim = query.shape  # [T, num_heads, head_dim]
         num_kv_heads = k_cache.shape[2]
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
         group = num_heads // num_kv_heads
+        k_scale, v_scale = _scale(kv_scales, 0, k_cache), _scale(kv_scales, 1, v_cache)
         out = torch.empty_like(query)  # [T, num_heads, head_dim]
         qsl = meta.query_start_loc_host
         query_lens = meta.query_lens_host  # [B]
@@ -107,8 +141,8 @@ class TorchAttentionBackend(AttentionBackend):
             q = query[rows].view(-1, 1, num_kv_heads, group, head_dim)  # [n, 1, kv, g, d]
             context = int(seq_lens[decodes].max())
             table = meta.block_table[idx]  # [n, W]
-            k = gather_context(k_cache, table, context)  # [n, L, kv, d]
-            v = gather_context(v_cache, table, context)
+            k = from_cache(gather_context(k_cache, table, context), k_scale)  # [n, L, kv, d]
+            v = from_cache(gather_context(v_cache, table, context), v_scale)
             o = _attend_padded(
                 q, k, v, torch.ones_like(idx), meta.seq_lens[idx].long(), scale
             )  # [n, 1, kv, g, d]
@@ -118,8 +152,8 @@ class TorchAttentionBackend(AttentionBackend):
             start, end, context = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
             q = query[start:end].view(1, end - start, num_kv_heads, group, head_dim)
             table = meta.block_table[i : i + 1]  # [1, W]
-            k = gather_context(k_cache, table, context)  # [1, L, kv, d]
-            v = gather_context(v_cache, table, context)
+            k = from_cache(gather_context(k_cache, table, context), k_scale)  # [1, L, kv, d]
+            v = from_cache(gather_context(v_cache, table, context), v_scale)
             lens = torch.tensor([end - start], device=device)
             o = _attend_padded(q, k, v, lens, torch.tensor([context], device=device), scale)
             out[start:end] = o.reshape(end - start, num_heads, head_dim).to(out.dtype)

@@ -40,25 +40,30 @@ class TritonAttentionBackend(KernelStoreBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.max_query_len == 1:
             # One row per sequence: query [B, num_heads, head_dim].
             return paged_decode_attention(
-                query, k_cache, v_cache, meta.seq_lens, meta.block_table, scale
-            )
+                query, k_cache, v_cache, meta.seq_lens, meta.block_table, scale,
+                kv_scales=kv_scales,
+            )  # fmt: skip
         n = meta.num_leading_decodes
         if n == 0:
-            return self._prefill(query, k_cache, v_cache, meta, meta.query_start_loc, 0, scale)
+            return self._prefill(
+                query, k_cache, v_cache, meta, meta.query_start_loc, 0, scale, kv_scales
+            )
         assert meta.prefill_query_start_loc is not None  # set by prepare_inputs when 0 < n < B
         # [T, num_heads, head_dim]; query may be a strided view (of the QKV projection).
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         paged_decode_attention(
             query[:n], k_cache, v_cache, meta.seq_lens[:n], meta.block_table[:n], scale,
-            out=out[:n],
+            out=out[:n], kv_scales=kv_scales,
         )  # fmt: skip
         self._prefill(
-            query[n:], k_cache, v_cache, meta, meta.prefill_query_start_loc, n, scale, out[n:]
-        )
+            query[n:], k_cache, v_cache, meta, meta.prefill_query_start_loc, n, scale,
+            kv_scales, out[n:],
+        )  # fmt: skip
         return out
 
     @staticmethod
@@ -70,6 +75,7 @@ class TritonAttentionBackend(KernelStoreBackend):
         query_start_loc: torch.Tensor,
         first_seq: int,
         scale: float,
+        kv_scales: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The prefill kernel over sequences `first_seq:` (their rows are `query`), into `out`
@@ -84,4 +90,5 @@ class TritonAttentionBackend(KernelStoreBackend):
             meta.max_query_len,
             scale,
             out=out,
+            kv_scales=kv_scales,
         )

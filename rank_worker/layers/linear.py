@@ -7,6 +7,12 @@ all-reduced. Pairing them (column then row) costs one all-reduce per pair, which
 attention block (QKV → o_proj) and the MLP (gate/up → down) are built.
 
 Weights follow `nn.Linear`: `[out_features, in_features]`, `y = x @ W.T + b`.
+
+Every layer takes `quant`: None keeps W in the model dtype and multiplies with `F.linear`; an
+`Fp8BlockQuant` (an FP8 checkpoint, `rank_worker.quantization`) makes W float8_e4m3fn with a
+`weight_scale_inv [cdiv(out, 128), cdiv(in, 128)]` fp32 parameter beside it, cut into shards
+with W (whole blocks only: a cut inside a block is refused when the layer is built), and
+multiplies with the W8A8 block GEMM. The choice is fixed here: `forward` does not branch.
 """
 
 from __future__ import annotations
@@ -18,6 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from rank_worker.layers.params import check_shape, make_param, reject_shard_id
+from rank_worker.quantization import (
+    FP8_DTYPE,
+    Fp8BlockQuant,
+    block_slice,
+    check_fp8_tensor,
+    check_scale_tensor,
+    fp8_linear_fn,
+    scale_shape,
+)
 from rank_worker.tp import TPInfo, all_reduce
 
 
@@ -27,7 +42,48 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-class ColumnParallelLinear(nn.Module):
+class _Linear(nn.Module):
+    """What the parallel linears share: W (quantized or not) and the matmul bound to it."""
+
+    def _make_weight(
+        self,
+        rows: int,
+        cols: int,
+        quant: Fp8BlockQuant | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        load_weight: Any,
+        load_scale: Any,
+    ) -> None:
+        """`weight [rows, cols]`, and for fp8 its `weight_scale_inv`; binds `self._matmul`."""
+        self.quant = quant
+        if quant is None:
+            self.weight = make_param((rows, cols), dtype=dtype, device=device,
+                                     weight_loader=load_weight)  # fmt: skip
+            self._matmul = lambda x: F.linear(x, self.weight)
+            return
+
+        def load_fp8(param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
+            check_fp8_tensor(full, type(self).__name__)
+            load_weight(param, full, shard_id)
+
+        def load_scale_checked(param: nn.Parameter, full: torch.Tensor, shard_id: Any = None):
+            check_scale_tensor(full, type(self).__name__)
+            load_scale(param, full, shard_id)
+
+        self.weight = make_param(
+            (rows, cols), dtype=FP8_DTYPE, device=device, weight_loader=load_fp8
+        )  # e4m3
+        self.weight_scale_inv = make_param(
+            scale_shape(rows, cols), dtype=torch.float32, device=device,
+            weight_loader=load_scale_checked,
+        )  # fmt: skip
+        fp8_linear = fp8_linear_fn(quant)
+        self._matmul = lambda x: fp8_linear(x, self.weight, self.weight_scale_inv)
+
+
+class ColumnParallelLinear(_Linear):
     """`y = x @ W.T (+ b)` with W split along its output rows.
 
     Split: rank r holds rows `[r * out/size, (r+1) * out/size)` of W `[out, in]` (and of b).
@@ -43,18 +99,22 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = False,
         dtype: torch.dtype,
         device: torch.device | str,
+        quant: Fp8BlockQuant | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.input_size = input_size
         self.output_size = output_size
         self.local_output_size = _divide(output_size, tp.size, "output size")
-        self.weight = make_param(
-            (self.local_output_size, input_size),
-            dtype=dtype,
-            device=device,
-            weight_loader=self._load_rows,
-        )
+        if quant is not None:
+            self._scale_rows = block_slice(
+                tp.rank * self.local_output_size, self.local_output_size, output_size,
+                "ColumnParallelLinear output",
+            )  # fmt: skip
+        self._make_weight(
+            self.local_output_size, input_size, quant, dtype=dtype, device=device,
+            load_weight=self._load_rows, load_scale=self._load_scale_rows,
+        )  # fmt: skip
         self.bias = (
             make_param(
                 (self.local_output_size,), dtype=dtype, device=device, weight_loader=self._load_rows
@@ -69,11 +129,17 @@ class ColumnParallelLinear(nn.Module):
         start = self.tp.rank * self.local_output_size
         param.data.copy_(full.narrow(0, start, self.local_output_size))
 
+    def _load_scale_rows(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any) -> None:
+        reject_shard_id(shard_id, type(self).__name__)
+        check_shape(full, scale_shape(self.output_size, self.input_size), "weight_scale_inv")
+        param.data.copy_(full.narrow(0, *self._scale_rows))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [num_tokens, out/size]
+        y = self._matmul(x)  # [num_tokens, out/size]
+        return y if self.bias is None else y + self.bias
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(_Linear):
     """Several column-parallel projections of the same input fused into one matmul.
 
     Used for the MLP's gate and up projections. Split: each part i (`output_sizes[i]` rows) is
@@ -91,16 +157,26 @@ class MergedColumnParallelLinear(nn.Module):
         bias: bool = False,
         dtype: torch.dtype,
         device: torch.device | str,
+        quant: Fp8BlockQuant | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.local_sizes = [_divide(n, tp.size, "merged output size") for n in output_sizes]
         self.local_offsets = [sum(self.local_sizes[:i]) for i in range(len(output_sizes))]
         total = sum(self.local_sizes)
-        self.weight = make_param(
-            (total, input_size), dtype=dtype, device=device, weight_loader=self._load_part
-        )
+        if quant is not None:
+            # Parts sit side by side in one weight, so each must be whole blocks (a partial
+            # last block of one part would share scale rows with the next part).
+            self._scale_rows = [
+                block_slice(tp.rank * n, n, None, f"MergedColumnParallelLinear part {i}")
+                for i, n in enumerate(self.local_sizes)
+            ]  # fmt: skip
+        self._make_weight(
+            total, input_size, quant, dtype=dtype, device=device,
+            load_weight=self._load_part, load_scale=self._load_scale_part,
+        )  # fmt: skip
         self.bias = (
             make_param((total,), dtype=dtype, device=device, weight_loader=self._load_part)
             if bias
@@ -122,11 +198,24 @@ class MergedColumnParallelLinear(nn.Module):
         shard = full.narrow(0, self.tp.rank * n, n)
         param.data.narrow(0, self.local_offsets[shard_id], n).copy_(shard)
 
+    def _load_scale_part(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any) -> None:
+        if shard_id not in self.shard_ids:
+            raise ValueError(
+                f"MergedColumnParallelLinear: shard_id must be one of {self.shard_ids}"
+            )
+        check_shape(
+            full, scale_shape(self.output_sizes[shard_id], self.input_size), "weight_scale_inv"
+        )
+        first, count = self._scale_rows[shard_id]
+        offset = self.local_offsets[shard_id] // self.quant.block
+        param.data.narrow(0, offset, count).copy_(full.narrow(0, first, count))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [num_tokens, sum(output_sizes)/size]
+        y = self._matmul(x)  # [num_tokens, sum(output_sizes)/size]
+        return y if self.bias is None else y + self.bias
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(_Linear):
     """The fused q/k/v projection, split by attention heads.
 
     Split: query heads are divided evenly (rank r holds heads `[r*h/size, (r+1)*h/size)`). KV
@@ -152,9 +241,11 @@ class QKVParallelLinear(nn.Module):
         bias: bool = False,
         dtype: torch.dtype,
         device: torch.device | str,
+        quant: Fp8BlockQuant | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.hidden_size = hidden_size
         self.head_dim = head_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -168,9 +259,22 @@ class QKVParallelLinear(nn.Module):
         self.q_size = self.num_local_heads * head_dim
         self.kv_size = self.num_local_kv_heads * head_dim
         total = self.q_size + 2 * self.kv_size
-        self.weight = make_param(
-            (total, hidden_size), dtype=dtype, device=device, weight_loader=self._load_part
-        )
+        if quant is not None:
+            # Whole blocks per part (see MergedColumnParallelLinear); with head_dim 128, as in
+            # every Qwen3, a head is a block.
+            q_rows = num_heads * head_dim
+            kv_rows = num_kv_heads * head_dim
+            self._scale_rows = {
+                "q": block_slice(tp.rank * self.q_size, self.q_size, None, "q_proj"),
+                "k": block_slice(self.kv_head_start * head_dim, self.kv_size, None, "k_proj"),
+                "v": block_slice(self.kv_head_start * head_dim, self.kv_size, None, "v_proj"),
+            }
+            self._scale_offsets = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}
+            self._scale_full_rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+        self._make_weight(
+            total, hidden_size, quant, dtype=dtype, device=device,
+            load_weight=self._load_part, load_scale=self._load_scale_part,
+        )  # fmt: skip
         self.bias = (
             make_param((total,), dtype=dtype, device=device, weight_loader=self._load_part)
             if bias
@@ -201,8 +305,22 @@ class QKVParallelLinear(nn.Module):
         shard = full.narrow(0, first_head * self.head_dim, rows)
         param.data.narrow(0, offset, rows).copy_(shard)
 
+    def _load_scale_part(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any) -> None:
+        if shard_id not in self.shard_ids:
+            raise ValueError(
+                f"QKVParallelLinear: shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
+            )
+        check_shape(
+            full, scale_shape(self._scale_full_rows[shard_id], self.hidden_size),
+            f"{shard_id}_proj weight_scale_inv",
+        )  # fmt: skip
+        first, count = self._scale_rows[shard_id]
+        offset = self._scale_offsets[shard_id] // self.quant.block
+        param.data.narrow(0, offset, count).copy_(full.narrow(0, first, count))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [num_tokens, q_size + 2 * kv_size]
+        y = self._matmul(x)  # [num_tokens, q_size + 2 * kv_size]
+        return y if self.bias is None else y + self.bias
 
 
 def local_kv_heads(num_kv_heads: int, tp: TPInfo) -> int:
@@ -217,7 +335,7 @@ def local_kv_heads(num_kv_heads: int, tp: TPInfo) -> int:
     return _divide(num_kv_heads, tp.size, "number of KV heads")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     """`y = x @ W.T (+ b)` with W split along its input columns.
 
     Split: rank r holds columns `[r * in/size, (r+1) * in/size)` of W `[out, in]`; the bias is
@@ -237,6 +355,7 @@ class RowParallelLinear(nn.Module):
         reduce_results: bool = True,
         dtype: torch.dtype,
         device: torch.device | str,
+        quant: Fp8BlockQuant | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -244,12 +363,16 @@ class RowParallelLinear(nn.Module):
         self.output_size = output_size
         self.local_input_size = _divide(input_size, tp.size, "input size")
         self.reduce_results = reduce_results
-        self.weight = make_param(
-            (output_size, self.local_input_size),
-            dtype=dtype,
-            device=device,
-            weight_loader=self._load_columns,
-        )
+        if quant is not None:
+            # The activation groups are 128 of this rank's input columns: whole groups only.
+            self._scale_cols = block_slice(
+                tp.rank * self.local_input_size, self.local_input_size, None,
+                "RowParallelLinear input",
+            )  # fmt: skip
+        self._make_weight(
+            output_size, self.local_input_size, quant, dtype=dtype, device=device,
+            load_weight=self._load_columns, load_scale=self._load_scale_columns,
+        )  # fmt: skip
         self.bias = (
             make_param((output_size,), dtype=dtype, device=device, weight_loader=self._load_bias)
             if bias
@@ -262,13 +385,18 @@ class RowParallelLinear(nn.Module):
         start = self.tp.rank * self.local_input_size
         param.data.copy_(full.narrow(1, start, self.local_input_size))
 
+    def _load_scale_columns(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any) -> None:
+        reject_shard_id(shard_id, "RowParallelLinear")
+        check_shape(full, scale_shape(self.output_size, self.input_size), "weight_scale_inv")
+        param.data.copy_(full.narrow(1, *self._scale_cols))
+
     def _load_bias(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
         reject_shard_id(shard_id, "RowParallelLinear bias")
         check_shape(full, (self.output_size,), "RowParallelLinear bias")
         param.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [num_tokens, out], a partial sum on each rank
+        y = self._matmul(x)  # [num_tokens, out], a partial sum on each rank
         if self.reduce_results:
             y = all_reduce(y, self.tp)
         if self.bias is not None:

@@ -32,6 +32,16 @@ from rank_worker.layers.params import (
     make_param,
     replicated_weight_loader,
 )
+from rank_worker.quantization import (
+    FP8_DTYPE,
+    Fp8BlockQuant,
+    block_slice,
+    check_fp8_tensor,
+    check_scale_tensor,
+    fp8_linear_fn,
+    fp8_quant_of,
+    scale_shape,
+)
 from rank_worker.tp import TPInfo, all_reduce
 
 
@@ -155,6 +165,13 @@ class FusedMoE(nn.Module):
     layer kernels on a GPU) that read is impossible, and the torch path runs every local
     expert over every token instead, with weight 0 where a token does not use it: the same
     sums, at the cost of reading every expert each step.
+
+    FP8 experts (`quant`, Qwen3-MoE FP8 checkpoints): w13 and w2 are float8_e4m3fn with their
+    128×128 block scales `w13_weight_scale_inv [E_local, 2 * I_local/128, hidden/128]` and
+    `w2_weight_scale_inv [E_local, hidden/128, I_local/128]`, cut with them; hidden and
+    I_local must be whole blocks (refused when built otherwise: tensor parallelism that cuts
+    an expert inside a block; expert parallelism keeps experts whole). Both paths then
+    quantize the activations per token and 128-group (`kernels.fp8_gemm`).
     """
 
     def __init__(
@@ -167,6 +184,7 @@ class FusedMoE(nn.Module):
         device: torch.device | str,
         fused: bool = False,
         reduce_results: bool = True,
+        quant: Fp8BlockQuant | None = None,
     ) -> None:
         super().__init__()
         self.placement = placement
@@ -174,15 +192,34 @@ class FusedMoE(nn.Module):
         self.tp = tp
         self.fused = fused
         self.reduce_results = reduce_results
+        self.quant = quant
         n_local, i_local = placement.num_local_experts, placement.local_intermediate_size
+        w_dtype = dtype if quant is None else FP8_DTYPE
         self.w13_weight = make_param(
-            (n_local, 2 * i_local, hidden_size), dtype=dtype, device=device,
+            (n_local, 2 * i_local, hidden_size), dtype=w_dtype, device=device,
             weight_loader=self._load_w13,
         )  # fmt: skip
         self.w2_weight = make_param(
-            (n_local, hidden_size, i_local), dtype=dtype, device=device,
+            (n_local, hidden_size, i_local), dtype=w_dtype, device=device,
             weight_loader=self._load_w2,
         )  # fmt: skip
+        self._linear = F.linear if quant is None else fp8_linear_fn(quant)
+        if quant is not None:
+            what = "moe_intermediate_size " + (
+                "(expert parallel)" if placement.expert_parallel else f"over {tp.size} ranks"
+            )
+            self._scale_rows = block_slice(
+                placement.intermediate_start, i_local, None, what, quant.block
+            )
+            block_slice(0, hidden_size, None, "hidden_size of the experts", quant.block)
+            self.w13_weight_scale_inv = make_param(
+                (n_local, *scale_shape(2 * i_local, hidden_size)), dtype=torch.float32,
+                device=device, weight_loader=self._load_w13_scale,
+            )  # fmt: skip
+            self.w2_weight_scale_inv = make_param(
+                (n_local, *scale_shape(hidden_size, i_local)), dtype=torch.float32,
+                device=device, weight_loader=self._load_w2_scale,
+            )  # fmt: skip
         # [num_experts] int32 checkpoint expert -> local index or -1.
         self.register_buffer("expert_map", placement.expert_map(device), persistent=False)
         if fused:
@@ -195,24 +232,29 @@ class FusedMoE(nn.Module):
         projection (`{e}.gate_proj.weight` ...), relative to this module. Every expert's
         tensors must be present; another rank's are only checked (`CheckpointPart`)."""
         hidden, inter = self.hidden_size, self.placement.intermediate_size
+        suffixes = ["weight"] if self.quant is None else ["weight", "weight_scale_inv"]
         parts: dict[str, CheckpointPart] = {}
         for expert in range(self.placement.num_experts):
             local = self.placement.local_id(expert)
-            for proj, shape in (("gate", (inter, hidden)), ("up", (inter, hidden))):
-                parts[f"{expert}.{proj}_proj.weight"] = (
-                    CheckpointPart("w13_weight", (expert, local, proj))
-                    if local is not None
-                    else CheckpointPart(None, shape=shape)
-                )
-            parts[f"{expert}.down_proj.weight"] = (
-                CheckpointPart("w2_weight", (expert, local, "down"))
-                if local is not None
-                else CheckpointPart(None, shape=(hidden, inter))
-            )
+            for proj, param, shape in (
+                ("gate", "w13", (inter, hidden)),
+                ("up", "w13", (inter, hidden)),
+                ("down", "w2", (hidden, inter)),
+            ):
+                for suffix in suffixes:
+                    if suffix == "weight_scale_inv":
+                        shape = scale_shape(*shape)
+                    parts[f"{expert}.{proj}_proj.{suffix}"] = (
+                        CheckpointPart(f"{param}_{suffix}", (expert, local, proj))
+                        if local is not None
+                        else CheckpointPart(None, shape=shape)
+                    )
         return parts
 
     def _load_w13(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
         expert, local, proj = shard_id
+        if self.quant is not None:
+            check_fp8_tensor(full, f"expert {expert} {proj}_proj")
         p = self.placement
         check_shape(full, (p.intermediate_size, self.hidden_size), f"expert {expert} {proj}_proj")
         rows = full.narrow(0, p.intermediate_start, p.local_intermediate_size)
@@ -221,9 +263,36 @@ class FusedMoE(nn.Module):
 
     def _load_w2(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
         expert, local, _ = shard_id
+        if self.quant is not None:
+            check_fp8_tensor(full, f"expert {expert} down_proj")
         p = self.placement
         check_shape(full, (self.hidden_size, p.intermediate_size), f"expert {expert} down_proj")
         param.data[local].copy_(full.narrow(1, p.intermediate_start, p.local_intermediate_size))
+
+    def _load_w13_scale(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any) -> None:
+        expert, local, proj = shard_id
+        what = f"expert {expert} {proj}_proj weight_scale_inv"
+        check_scale_tensor(full, what)
+        check_shape(full, scale_shape(self.placement.intermediate_size, self.hidden_size), what)
+        first, count = self._scale_rows
+        offset = 0 if proj == "gate" else count
+        param.data[local].narrow(0, offset, count).copy_(full.narrow(0, first, count))
+
+    def _load_w2_scale(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any) -> None:
+        expert, local, _ = shard_id
+        what = f"expert {expert} down_proj weight_scale_inv"
+        check_scale_tensor(full, what)
+        check_shape(full, scale_shape(self.hidden_size, self.placement.intermediate_size), what)
+        param.data[local].copy_(full.narrow(1, *self._scale_rows))
+
+    def _expert_weights(self, expert: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """`_linear`'s weight arguments for gate/up and for down of local expert `expert`."""
+        if self.quant is None:
+            return (self.w13_weight[expert],), (self.w2_weight[expert],)
+        return (
+            (self.w13_weight[expert], self.w13_weight_scale_inv[expert]),
+            (self.w2_weight[expert], self.w2_weight_scale_inv[expert]),
+        )
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -232,9 +301,14 @@ class FusedMoE(nn.Module):
         `[T, hidden]`, all-reduced."""
         local_ids = self.expert_map[topk_ids]  # [T, top_k] int32, -1: another rank's expert
         if self.fused:
+            scales = {}
+            if self.quant is not None:
+                scales = dict(
+                    w13_scale=self.w13_weight_scale_inv, w2_scale=self.w2_weight_scale_inv
+                )
             out = self._kernel(
                 x, self.w13_weight, self.w2_weight, topk_weights, local_ids,
-                all_local=not self.placement.expert_parallel,
+                all_local=not self.placement.expert_parallel, **scales,
             )  # fmt: skip
         else:
             out = self._forward_torch(x, topk_weights, local_ids)
@@ -254,8 +328,9 @@ class FusedMoE(nn.Module):
             if expert < 0:
                 continue
             token, slot = (local_ids == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.w13_weight[expert]).split(inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2_weight[expert])  # [n, hidden]
+            w13, w2 = self._expert_weights(expert)
+            gate, up = self._linear(x[token], *w13).split(inter, dim=-1)
+            y = self._linear(F.silu(gate) * up, *w2)  # [n, hidden]
             out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype).float())
         return out.to(x.dtype)
 
@@ -272,8 +347,9 @@ class FusedMoE(nn.Module):
         ).scatter_add_(1, column, topk_weights)[:, :num_local]  # [T, E_local] routing weights
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, hidden]
         for expert in range(num_local):
-            gate, up = F.linear(x, self.w13_weight[expert]).split(inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2_weight[expert])  # [T, hidden]
+            w13, w2 = self._expert_weights(expert)
+            gate, up = self._linear(x, *w13).split(inter, dim=-1)
+            y = self._linear(F.silu(gate) * up, *w2)  # [T, hidden]
             out += (y * per_expert[:, expert, None]).to(x.dtype).float()
         return out.to(x.dtype)
 
@@ -306,8 +382,9 @@ class Qwen3MoeSparseBlock(nn.Module):
             num_experts, int(hf_config.moe_intermediate_size), tp, expert_parallel
         )
         self.experts = FusedMoE(
-            placement, hf_config.hidden_size, tp, dtype=dtype, device=device, fused=fused
-        )
+            placement, hf_config.hidden_size, tp, dtype=dtype, device=device, fused=fused,
+            quant=fp8_quant_of(hf_config, fused),
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)  # [T, top_k] fp32, int64

@@ -58,8 +58,11 @@ class CheckpointPart(NamedTuple):
     """Where one checkpoint tensor goes: parameter `param` (relative to the module that names
     it), part `shard_id` of it. `param` None: a tensor the checkpoint must contain but this rank
     does not keep (an expert another rank holds under expert parallelism); the loader checks
-    its presence and `shape` from the file header without reading its data."""
+    its presence and `shape` from the file header without reading its data. `optional`: a
+    checkpoint may leave it out and the parameter keeps its initial value (an FP8 KV cache's
+    `k_scale`/`v_scale`, 1.0 unless given)."""
 
     param: str | None
     shard_id: Any = None
     shape: tuple[int, ...] | None = None
+    optional: bool = False

@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from tp_engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from tp_engine.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from tp_engine.server.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.engine_loop import LoopOptions
 
@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-expert-parallel", action="store_true", help="MoE: whole experts per rank"
     )
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument(
         "--num-kv-blocks", type=int, default=None, help="fix the KV pool size (blocks per rank)"
     )
@@ -146,6 +147,7 @@ def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         attention_backend=args.attention_backend,
         enable_expert_parallel=args.enable_expert_parallel,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

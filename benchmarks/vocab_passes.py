@@ -16,12 +16,15 @@ no views, allocations or no-op casts):
 
 `count_step` samples one step of `B` rows from `[B, V]` float32 logits through the engine's own
 path (`SamplingBatchBuilder` over a `RunningBatch`, then `sample_batch`), for each of the
-`SCENARIOS`; `python -m benchmarks.vocab_passes` prints and writes the table.
+`SCENARIOS`; `python -m benchmarks.vocab_passes [--kernels]` prints and writes the table
+(`--kernels`: the path a GPU takes, with the Triton sampling kernel under the interpreter; without
+it, on CPU, the kernel's plain-torch reference, which materialises its noise).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -122,10 +125,22 @@ SCENARIOS: dict[str, list[dict[str, Any]]] = {
 }
 
 
+def _kernel_path(kernels: bool) -> Any:
+    if not kernels:
+        return contextlib.nullcontext()
+    from tp_engine.sampling.sampler import sampling_kernels
+
+    return sampling_kernels()
+
+
 def count_step(
-    params: list[dict[str, Any]], num_rows: int = 8, vocab_size: int = QWEN3_VOCAB
+    params: list[dict[str, Any]],
+    num_rows: int = 8,
+    vocab_size: int = QWEN3_VOCAB,
+    kernels: bool = False,
 ) -> dict[str, Any]:
-    """Build one step's sampling of `num_rows` decoding rows (params cycled) and count it."""
+    """Build one step's sampling of `num_rows` decoding rows (params cycled) and count it;
+    `kernels`: on CPU too, the path a GPU takes (the Triton kernel, under the interpreter)."""
     import numpy as np
 
     from tp_engine.running_batch import RunningBatch
@@ -144,10 +159,11 @@ def count_step(
         seq.token_ids += [4, 5]  # two output tokens already (penalties have something to see)
         rows.append(batch.add(seq))
     built = builder.build(batch, np.asarray(rows, dtype=np.intp))
-    sample_batch(logits, built.metadata)  # first-call work (lazy imports) out of the count
-    counter = VocabBytes(vocab_size)
-    with torch.inference_mode(), counter:
-        sample_batch(logits, built.metadata)
+    with _kernel_path(kernels):
+        sample_batch(logits, built.metadata)  # first-call work (lazy imports) out of the count
+        counter = VocabBytes(vocab_size)
+        with torch.inference_mode(), counter:
+            sample_batch(logits, built.metadata)
     logits_bytes = logits.numel() * logits.element_size()
     return {
         "read_bytes": counter.read,
@@ -168,10 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=QWEN3_VOCAB)
     parser.add_argument("--label", default="after")
     parser.add_argument("--output-json", type=Path)
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="count the GPU's path: the sampling kernel (under the Triton interpreter on CPU)",
+    )
     args = parser.parse_args(argv)
-    results = {name: count_step(p, args.rows, args.vocab) for name, p in SCENARIOS.items()}
+    if args.kernels and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before `kernels` is imported
+    results = {
+        name: count_step(p, args.rows, args.vocab, args.kernels) for name, p in SCENARIOS.items()
+    }
     print(f"{args.label}: vocabulary-sized bytes per decode step, {args.rows} x {args.vocab} fp32")
-    print(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}")
+    print(f"kernels={args.kernels} TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}")
     print("(passes = bytes / the logits' size)")
     for name, r in results.items():
         print(f"  {name:48s} read {r['reads']:7.3f}  written {r['writes']:7.3f}")
@@ -179,7 +204,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"      {op}")
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"label": args.label, "rows": args.rows, "vocab": args.vocab, "results": results}
+        payload = {
+            "label": args.label,
+            "command": "python -m benchmarks.vocab_passes " + " ".join(argv or sys.argv[1:]),
+            "kernels": args.kernels,
+            "rows": args.rows,
+            "vocab": args.vocab,
+            "results": results,
+        }
         args.output_json.write_text(json.dumps(payload, indent=2) + "\n")
     return 0
 

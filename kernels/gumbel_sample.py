@@ -36,6 +36,8 @@ _M2 = 0x846CA68B
 # Mixed into the counter so that counter 0 and seed 0 do not make an all-zero key.
 _COUNTER_SALT = 0x9E3779B9
 _BLOCK = 1024
+# Rows per chunk of the reference (its int64 temporaries are ~8 bytes x V per row, each).
+_REF_ROWS = 16
 
 
 # -- the reference (plain torch, int64 holding uint32 values) ---------------------------------
@@ -78,7 +80,17 @@ def gumbel_sample_ref(
     seeds: torch.Tensor,
     counters: torch.Tensor,
 ) -> torch.Tensor:
-    """`gumbel_sample` in plain torch: the tokens of `logits[rows]` (`[G]` int64)."""
+    """`gumbel_sample` in plain torch: the tokens of `logits[rows]` (`[G]` int64). It builds
+    the noise as int64 tensors, so it goes `_REF_ROWS` rows at a time to bound its memory."""
+    if rows.shape[0] > _REF_ROWS:
+        parts = [
+            gumbel_sample_ref(
+                logits,
+                *(t[i : i + _REF_ROWS] for t in (rows, inv_temp, log_min_p, seeds, counters)),
+            )
+            for i in range(0, rows.shape[0], _REF_ROWS)
+        ]
+        return torch.cat(parts)
     x = logits.index_select(0, rows).float()  # [G, V]
     scaled = x * inv_temp.unsqueeze(1)
     floor = scaled.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)  # [G, 1]

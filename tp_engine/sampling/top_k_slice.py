@@ -12,10 +12,12 @@ all or none of it, min-p likewise, top-p a prefix by id). When top-k and min-p k
 its members outside the slice are counted over the row, and the group is drawn as one
 candidate of weight `tail_keep * p(low)`; if it wins, its member is its `j`-th token by id
 with `j` uniform, drawn from the row's noise at two positions past the vocabulary. That takes
-a few passes over the path's rows (an equality, a count, a running rank); they run whether or
-not a row's tail is kept, because deciding on the host would wait for the GPU. Ties across the
-slice's edge are compared on the unscaled logits (temperature is monotone, so it cannot reorder
-them; comparing scaled values could let rounding merge two distinct logits).
+two more passes over the path's rows (an equality and a running rank, which a binary search
+then reads for the member); they run whether or not a row's tail is kept, because deciding on
+the host would wait for the GPU (a kernel that skips rows without a kept tail is the next
+step). Ties across the slice's edge are compared on the unscaled logits (temperature is
+monotone, so it cannot reorder them; comparing scaled values could let rounding merge two
+distinct logits).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def sample_top_k(
         head &= values > low
         tail_kept = (low >= kth) & (scaled[:, -1:] >= floor)  # [G, 1]
         tail = x == low  # [G, V] the tail group
-        tail_count = tail.sum(dim=-1, keepdim=True)  # [G, 1]
+        # 1-based rank of each tail member by id, nondecreasing along the row.
+        rank = torch.cumsum(tail, dim=-1, dtype=torch.int32)  # [G, V]
+        tail_count = rank[:, -1:].long()  # [G, 1]
     else:
         tail_kept = torch.zeros_like(low, dtype=torch.bool)
         tail_count = torch.zeros_like(low, dtype=torch.int64)
@@ -81,8 +85,9 @@ def sample_top_k(
     # Member j (0-based, uniform below tail_keep) of the tail group by increasing id.
     u = uniform_bits_ref(keys, beyond[:, 1:]).float() * (2.0**-24)  # [G, 1] in [0, 1)
     j = (u * tail_keep.float()).long().clamp(max=(tail_keep - 1).clamp(min=0))
-    rank = torch.cumsum(tail, dim=-1, dtype=torch.int32)  # [G, V]
-    tail_token = ((rank == (j + 1)) & tail).int().argmax(dim=-1, keepdim=True)
+    # The first position where the running rank reaches j + 1 is that member (a binary search
+    # of the rank, not a pass over it).
+    tail_token = torch.searchsorted(rank, (j + 1).to(torch.int32))  # [G, 1]
     return torch.where(best == n, tail_token, head_token).squeeze(1)
 
 

@@ -28,7 +28,6 @@ from collections.abc import Iterator
 
 import torch
 
-from kernels.gumbel_sample import gumbel_sample, gumbel_sample_ref
 from tp_engine.sampling.filters import apply_min_p, apply_top_k_top_p, top_k_top_p_full_sort
 from tp_engine.sampling.logprob_tensors import gather_logprobs
 from tp_engine.sampling.tensors import SampleGroup, SamplePath, SamplerOutput, SamplingMetadata
@@ -96,6 +95,10 @@ def _rows(source: torch.Tensor, group: SampleGroup) -> torch.Tensor:
 
 
 def _one_pass(source: torch.Tensor, group: SampleGroup, rows: torch.Tensor | None = None):
+    # Deferred: `kernels` imports Triton, which processes that import this package for its
+    # types (the API server's) need not load.
+    from kernels.gumbel_sample import gumbel_sample, gumbel_sample_ref
+
     rows = group.src_rows if rows is None else rows
     args = (source, rows, group.inv_temp, group.log_min_p, group.seeds, group.counters)
     if source.is_cuda or _force_kernels:

@@ -47,10 +47,11 @@ class PenaltyTensors:
 class GrammarMask:
     """The tokens that rows with a structured-output constraint may take this step."""
 
-    # [B, ceil(V / 32)] int32, xgrammar's layout: bit t % 32 of word t // 32 set = allowed.
-    # Only the rows in `rows` are filled; the others are never read.
+    # [E, ceil(V / 32)] int32, xgrammar's layout: bit t % 32 of word t // 32 set = allowed;
+    # a row per row of the edited copy. Only the rows in `rows` are filled; the others are
+    # never read.
     bitmask: torch.Tensor
-    # The rows of the batch with a constraint (on the host: the kernel takes a list).
+    # The rows of the edited copy with a constraint (on the host: the kernel takes a list).
     rows: tuple[int, ...]
 
 
@@ -58,7 +59,8 @@ class LogitsEdit(Protocol):
     """One logits processor's change of one step's logits (`tp_engine.sampling.edits`)."""
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Change `logits [B, V]` (float32) in place, on this edit's rows only."""
+        """Change `logits [E, V]` (float32: the edited rows' copy) in place, on this edit's rows
+        only."""
 
 
 class SamplePath(enum.Enum):

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gumbel_sample import gumbel_ref, row_keys_ref, uniform_bits_ref
-
 _NEG_INF = float("-inf")
 
 
@@ -40,6 +38,8 @@ def sample_top_k(
     max_k: int,
 ) -> torch.Tensor:
     """`x [G, V]` logits (any float dtype), per-row `[G]` controls -> `[G]` int64 tokens."""
+    from kernels.gumbel_sample import gumbel_ref, row_keys_ref, uniform_bits_ref  # see sampler
+
     vocab_size = x.shape[-1]
     n = min(max_k + 1, vocab_size)
     values, ids = x.topk(n, dim=-1)  # [G, n] descending; ties in no particular order

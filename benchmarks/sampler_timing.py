@@ -32,30 +32,35 @@ def time_sample_batch(
     """Median, minimum and every wall time of `sample_batch` (after one untimed call), and of
     its top-k/top-p step alone, in seconds. On a shared machine the minimum is the least
     disturbed figure."""
+    import numpy as np
+
     from tp_engine.sampling import SamplingMetadata, sample_batch
     from tp_engine.sampling.filters import apply_top_k_top_p
+    from tp_engine.sampling.groups import cpu_put, plan_groups
 
     gen = torch.Generator().manual_seed(seed)
     logits = (4.0 * torch.randn(rows, vocab, generator=gen)).to(device)  # [rows, vocab] fp32
-    all_rows = torch.arange(rows, device=device)
-    md = SamplingMetadata(
-        num_rows=rows,
-        temperature=torch.full((rows,), temperature, device=device),
-        top_k_top_p_rows=all_rows,
-        top_k=torch.full((rows,), top_k, dtype=torch.int64, device=device),
-        max_top_k=top_k,
-        top_p=torch.full((rows,), top_p, device=device),
+    groups = plan_groups(
+        cpu_put(device),
+        vocab,
+        temperature=np.full(rows, temperature, dtype=np.float32),
+        seeds=np.arange(rows, dtype=np.int64) + seed,
+        counters=np.zeros(rows, dtype=np.int64),
+        top_k=np.full(rows, top_k, dtype=np.int64),
+        top_p=np.full(rows, top_p, dtype=np.float32),
     )
-    sampler_gen = torch.Generator(device=device).manual_seed(seed)
+    md = SamplingMetadata(num_rows=rows, groups=groups)
+    top_k_rows = torch.full((rows,), top_k, dtype=torch.int64, device=device)
+    top_p_rows = torch.full((rows,), top_p, device=device)
 
     def run() -> torch.Tensor:
-        out = sample_batch(logits, md, sampler_gen).token_ids
+        out = sample_batch(logits, md).token_ids
         if device != "cpu":
             torch.cuda.synchronize()
         return out
 
     def truncate() -> torch.Tensor:
-        return apply_top_k_top_p(scaled, md.top_k, md.top_p, md.max_top_k)
+        return apply_top_k_top_p(scaled, top_k_rows, top_p_rows, top_k)
 
     scaled = logits / temperature
     times, truncation_times = [], []

@@ -19,9 +19,11 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kernels.gumbel_sample import gumbel_ref, row_keys_ref
 from tp_engine.running_batch import RunningBatch
-from tp_engine.sampling import GREEDY_EPSILON, SamplingMetadata, process_logits, sample_batch
+from tp_engine.sampling import SamplingMetadata, process_logits, sample_batch
 from tp_engine.sampling.batch import SamplingBatch, SamplingBatchBuilder
+from tp_engine.sampling.groups import cpu_put, plan_groups, seed_bits
 from tp_engine.sampling.profiling import profile_sampling, sample_for_profiling
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.sequence import Sequence
@@ -50,7 +52,10 @@ class _Builder:
         seen: set[int] = set()
         running = []
         for seq in seqs:
-            running.append(copy.copy(seq) if id(seq) in seen else seq)
+            if id(seq) in seen:
+                seq = copy.copy(seq)
+                seq.noise_seed = None  # another sequence: its own noise
+            running.append(seq)
             seen.add(id(seq))
         rows = np.array([batch.add(seq) for seq in running], dtype=np.int32)
         built = self.builder.build(batch, rows)
@@ -194,38 +199,63 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     assert tokens[3] not in (EOS, 3)  # an id past the vocabulary is ignored, not an error
 
 
-def test_seeded_rows_draw_exactly_like_their_own_generator() -> None:
-    names = ["temperature", "top_k", "top_p", "min_p", "all", "greedy"]
+def gumbel_of(seed: int, counter: int, vocab: int = V) -> torch.Tensor:
+    """The noise a row with `seed` adds when sampling output position `counter`."""
+    keys = row_keys_ref(torch.tensor([seed_bits(seed)]), torch.tensor([counter]))
+    return gumbel_ref(keys, torch.arange(vocab).unsqueeze(0))[0]
+
+
+def test_seeded_rows_draw_exactly_their_counter_based_noise() -> None:
+    names = ["temperature", "top_k", "top_p", "min_p", "all", "greedy", "top_k_top_p"]
     logits, seqs = case_batch(names, seed=5)
     for i, seq in enumerate(seqs):
         seq.sampling_params.seed = 100 + i
     batch = builder().build(seqs)
     tokens = sample_batch(logits, batch.metadata).token_ids.tolist()
     for i, seq in enumerate(seqs):
-        probs = torch.softmax(reference_row(logits[i], seq), -1)
-        noise = torch.empty(V).exponential_(generator=torch.Generator().manual_seed(100 + i))
-        expected = (probs / noise).argmax() if seq.sampling_params.temperature else probs.argmax()
-        assert tokens[i] == int(expected), names[i]
+        x = reference_row(logits[i], seq)
+        # Output position 5 (six output tokens so far, no sample in flight in this batch).
+        counter = seq.num_output_tokens - 1
+        noisy = x + gumbel_of(100 + i, counter) if seq.sampling_params.temperature else x
+        assert tokens[i] == int(noisy.argmax()), names[i]
 
 
 def test_seeded_row_ignores_the_rest_of_the_batch() -> None:
     logits, seqs = case_batch(["all", "top_p", "temperature", "min_p"], seed=6)
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=42)
-    alone_seq = make_seq(params, [1, 2, 3])
-    alone = [
-        sample_batch(logits[1:2], builder(1).build([alone_seq]).metadata).token_ids.item()
-        for _ in range(5)
-    ]
-    crowd_seq = make_seq(params, [1, 2, 3])
+    alone_seq = make_seq(params, [1, 2, 3], [7])
+    alone = []
+    for _ in range(6):
+        out = sample_batch(logits[1:2], builder(1).build([alone_seq]).metadata).token_ids
+        alone.append(out.item())
+        alone_seq.token_ids.append(alone[-1])
+    crowd_seq = make_seq(params, [1, 2, 3], [7])
     crowd = []
-    for step in range(5):
-        # Other rows, another shared generator, and a different position each step.
+    for step in range(6):
+        # Other rows, another builder seed, and a different position each step.
         batch = seqs[: step % 4] + [crowd_seq] + seqs[step % 4 :]
         rows = torch.cat([logits[: step % 4], logits[1:2], logits[step % 4 :]])
         out = sample_batch(rows, builder(step).build(batch).metadata).token_ids
         crowd.append(out[step % 4].item())
+        crowd_seq.token_ids.append(crowd[-1])
     assert crowd == alone
-    assert len(set(alone)) > 1  # the generator advances from step to step
+    assert len(set(alone)) > 1  # the counter moves on from position to position
+
+
+def test_unseeded_rows_get_their_own_seeds_from_the_builder_seed() -> None:
+    logits, _ = case_batch(["temperature"] * 8, seed=7)
+    params = SamplingParams(temperature=1.0)
+
+    def run(seed: int) -> list[int]:
+        seqs = [make_seq(dataclasses.replace(params), [1], [2]) for _ in range(8)]
+        return sample_batch(logits, builder(seed).build(seqs).metadata).token_ids.tolist()
+
+    assert run(0) == run(0)  # the same requests in the same order repeat themselves
+    assert run(0) != run(1)
+    # Equal logits in every row, yet rows do not share noise.
+    same = logits[:1].expand(8, V).contiguous()
+    seqs = [make_seq(dataclasses.replace(params), [1], [2]) for _ in range(8)]
+    assert len(set(sample_batch(same, builder().build(seqs).metadata).token_ids.tolist())) > 1
 
 
 def test_sampling_follows_the_truncated_distribution() -> None:
@@ -236,7 +266,7 @@ def test_sampling_follows_the_truncated_distribution() -> None:
     expected = torch.softmax(reference_row(row, seq), -1)
     n = 20_000
     batch = builder().build([seq] * n)
-    tokens = sample_batch(row.expand(n, V).contiguous(), batch.metadata, g).token_ids
+    tokens = sample_batch(row.expand(n, V).contiguous(), batch.metadata).token_ids
     freq = torch.bincount(tokens, minlength=V).float() / n
     # 20k draws: the standard error of each frequency is below 0.004.
     torch.testing.assert_close(freq, expected, atol=0.02, rtol=0)
@@ -290,35 +320,39 @@ def test_greedy_batch_takes_argmax_without_softmax_or_sort() -> None:
     assert not names & {"sort", "topk", "softmax", "exponential_"}, names
 
 
-def test_only_rows_with_top_p_or_top_k_are_sorted() -> None:
+def test_each_group_takes_its_own_path() -> None:
+    """Only the row with top-p and no top-k is sorted; the row with a top-k bound takes one
+    topk of its own (k + 1 wide); greedy, temperature and min-p rows share one pass."""
     names = ["greedy", "temperature", "top_p", "min_p", "top_k_top_p", "greedy"]
     logits, seqs = case_batch(names)
-    batch = builder().build(seqs)
+    md = builder().build(seqs).metadata
+    paths = {g.path.value: g.out_rows.tolist() for g in md.groups}
+    assert paths == {"one_pass": [0, 1, 3, 5], "top_k": [4], "full_sort": [2]}
     with _Calls() as calls:
-        sample_batch(logits, batch.metadata)
-    assert calls.shapes("sort") == [(2, V)]
-    # top-k alone: one topk of the largest k, no sort.
-    logits, seqs = case_batch(["top_k", "temperature", "greedy"])
-    with _Calls() as calls:
-        sample_batch(logits, builder().build(seqs).metadata)
-    assert calls.shapes("sort") == [] and calls.shapes("topk") == [(1, V)]
+        sample_batch(logits, md)
+    assert calls.shapes("sort") == [(1, V)]
+    assert calls.shapes("topk") == [(1, V)]
+    # Greedy rows with nothing random beside them: one argmax, no noise.
+    md = builder().build(case_batch(["greedy", "top_k"])[1]).metadata
+    assert {g.path.value: g.out_rows.tolist() for g in md.groups} == {"argmax": [0], "top_k": [1]}
 
 
-def temperature_only(
-    logits: torch.Tensor, temps: torch.Tensor, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """sample_batch with nothing but per-row temperatures (greedy where 0)."""
-    greedy = bool((temps <= GREEDY_EPSILON).all())
-    md = SamplingMetadata(num_rows=logits.shape[0], temperature=None if greedy else temps)
-    return sample_batch(logits, md, generator).token_ids
+def temperature_only(logits: torch.Tensor, temps: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """sample_batch with nothing but per-row temperatures (greedy where 0); row i has seed
+    `seed + i`, at output position 0."""
+    n = logits.shape[0]
+    groups = plan_groups(
+        cpu_put(), logits.shape[1], temps.numpy(), np.arange(n) + seed, np.zeros(n, np.int64)
+    )
+    return sample_batch(logits, SamplingMetadata(num_rows=n, groups=groups)).token_ids
 
 
 def test_temperature_only_sampling() -> None:
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
     temps = torch.tensor([0.0, 1.0, 0.0, 0.7])
-    a = temperature_only(logits, temps, torch.Generator().manual_seed(5))
-    b = temperature_only(logits, temps, torch.Generator().manual_seed(5))
-    assert a.tolist() == b.tolist()  # the generator makes sampling reproducible
+    a = temperature_only(logits, temps, 5)
+    b = temperature_only(logits, temps, 5)
+    assert a.tolist() == b.tolist()  # the seeds make sampling reproducible
     assert a[0] == logits[0].argmax() and a[2] == logits[2].argmax()
     assert temperature_only(logits, torch.zeros(4)).tolist() == logits.argmax(-1).tolist()
     with pytest.raises(ValueError, match="must be"):
@@ -330,7 +364,7 @@ def test_temperature_only_sampling() -> None:
 def test_temperature_follows_the_distribution() -> None:
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).expand(20_000, -1).contiguous()
     # Temperature 0.5 squares and renormalises the probabilities.
-    tokens = temperature_only(logits, torch.full((20_000,), 0.5), torch.Generator().manual_seed(3))
+    tokens = temperature_only(logits, torch.full((20_000,), 0.5), 3)
     freq = torch.bincount(tokens, minlength=3).float() / 20_000
     p = torch.tensor([0.36, 0.09, 0.01]) / 0.46
     torch.testing.assert_close(freq, p, atol=0.02, rtol=0)
@@ -422,18 +456,19 @@ def test_qwen3_defaults_sample_without_sorting_the_vocabulary() -> None:
 
     rows, vocab = 4, 151_936
     logits = 4.0 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4))
-    md = SamplingMetadata(
-        num_rows=rows,
-        temperature=torch.full((rows,), 0.6),
-        top_k_top_p_rows=torch.arange(rows),
-        top_k=torch.full((rows,), 20),
-        max_top_k=20,
-        top_p=torch.full((rows,), 0.95),
-    )
+    groups = plan_groups(
+        cpu_put(), vocab, np.full(rows, 0.6), np.arange(rows), np.zeros(rows, np.int64),
+        top_k=np.full(rows, 20), top_p=np.full(rows, 0.95),
+    )  # fmt: skip
+    md = SamplingMetadata(num_rows=rows, groups=groups)
+    top_k, top_p = torch.full((rows,), 20), torch.full((rows,), 0.95)
+    with _Calls() as calls:
+        sample_batch(logits, md)
+    assert calls.shapes("sort") == [] and calls.shapes("topk") == [(rows, vocab)]
     with _Calls() as calls:
         got = process_logits(logits, md)
     assert calls.shapes("sort") == []
-    full = top_k_top_p_full_sort(logits / 0.6, md.top_k, md.top_p)
+    full = top_k_top_p_full_sort(logits * md.groups[0].inv_temp[0], top_k, top_p)
     assert torch.equal(torch.isinf(got), torch.isinf(full))
     assert 1 <= int(torch.isfinite(got).sum(-1).max()) <= 20
 

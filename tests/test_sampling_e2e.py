@@ -234,14 +234,37 @@ def test_seeded_request_is_independent_of_its_batch(llm):
     unseeded = SamplingParams(**{**SEEDED.__dict__, "seed": None})
     runs = {tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * 4, unseeded,
                                                                  use_tqdm=False)}  # fmt: skip
-    assert len(runs) > 1  # unseeded rows draw from the shared generator
+    assert len(runs) > 1  # unseeded sequences get seeds of their own
     check_integrity(llm)
+
+
+def test_seeded_tokens_are_the_same_in_both_scheduling_modes(model_dir):
+    prompts = [prompt_of(7, 7), prompt_of(12, 3), prompt_of(5, 4)]
+    params = [
+        SEEDED,
+        SamplingParams(temperature=0.7, top_k=3, seed=9, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=1.5, min_p=0.1, seed=-5, max_tokens=8, ignore_eos=True),
+    ]
+    tokens = {}
+    for async_scheduling in (False, True):
+        engine = LLM(str(model_dir), block_size=4, num_kv_blocks=128, max_num_seqs=8,
+                     max_num_batched_tokens=MAX_MODEL_LEN, async_scheduling=async_scheduling)  # fmt: skip
+        try:
+            outs = engine.generate(prompts, params, use_tqdm=False)
+            alone = engine.generate(prompts[:1], params[:1], use_tqdm=False)
+        finally:
+            engine.shutdown()
+        tokens[async_scheduling] = [o.outputs[0].token_ids for o in outs]
+        assert alone[0].outputs[0].token_ids == tokens[async_scheduling][0]
+    assert tokens[False] == tokens[True]
+    assert all(len(set(t)) > 1 for t in tokens[False])  # really sampled
 
 
 def test_seeded_requests_survive_preemption(llm):
     # A 12-block pool (48 slots) for 6 sequences of up to 12 + 16 tokens: they preempt each
     # other, with asynchronous scheduling also while their draw is in flight (that draw is
-    # discarded and the generator put back). A seeded request must not notice either way.
+    # discarded; sampling the position again draws the same). A seeded request must not notice
+    # either way.
     prompts = [prompt_of(12, 50 + i) for i in range(6)]
     params = [
         SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=16, ignore_eos=True)

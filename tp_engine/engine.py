@@ -131,8 +131,6 @@ class SampledStep:
     logprobs: LogprobsTensors | None
     logprob_seqs: list[Sequence]
     prompt_logprobs: LogprobsTensors | None
-    # Seeded sequences' generator states before this step's draw, to undo a discarded draw.
-    generator_states: dict[int, tuple[Sequence, torch.Tensor]]
 
 
 def max_logits_rows_per_step(config: EngineConfig) -> int:
@@ -542,18 +540,12 @@ class LLMEngine:
         host = HostCopies(logits.device)
         token_ids = host_token_ids = logprobs = prompt_logprobs = None
         logprob_seqs: list[Sequence] = []
-        generator_states: dict[int, tuple[Sequence, torch.Tensor]] = {}
         with self._phase("sample", step.step_id):
             if num_sampled:
                 rows = scheduled.rows[scheduled.samples]
                 live = self.scheduler.batch.live(rows, scheduled.serials[scheduled.samples])
                 batch = self.sampling.build(self.scheduler.batch, rows, live)
-                generator_states = {
-                    id(seq): (seq, seq.generator.get_state())
-                    for seq in batch.seeded
-                    if seq.generator is not None
-                }
-                result = sample_batch(logits[:num_sampled], batch.metadata, self.sampling.generator)
+                result = sample_batch(logits[:num_sampled], batch.metadata)
                 token_ids = result.token_ids
                 host_token_ids = host.copy(result.token_ids)
                 if result.logprobs is not None:
@@ -565,15 +557,15 @@ class LLMEngine:
             host.record()
         return SampledStep(
             step.step_id, scheduled, step.prompt_rows, token_ids, host, host_token_ids,
-            logprobs, logprob_seqs, prompt_logprobs, generator_states,
+            logprobs, logprob_seqs, prompt_logprobs,
         )  # fmt: skip
 
     def _apply(self, step: SampledStep) -> StepOutputs:
         """Wait for `step`'s tokens and apply them: logprobs, Scheduler.update, outputs.
 
         A sequence that stopped running since `step` was scheduled (aborted, preempted or
-        already finished) gets nothing from it; a preempted one's seeded generator is put back
-        to where it was before the discarded draw, as if the draw had never happened.
+        already finished) gets nothing from it (its draws are counter-based: sampling that
+        position again draws the same, so there is nothing to undo).
         """
         scheduled = step.scheduled
         with self._phase("update", step.step_id):
@@ -588,9 +580,6 @@ class LLMEngine:
                 record_sample_logprobs(step.logprob_seqs, step.logprobs)
             if step.prompt_logprobs is not None:
                 record_prompt_logprobs(step.prompt_logprobs, step.prompt_rows)
-            for seq, state in step.generator_states.values():
-                if seq.status == SequenceStatus.WAITING and seq.generator is not None:
-                    seq.generator.set_state(state)
             result = self.scheduler.update(scheduled, tokens)
             if self._constrained:
                 self._follow_grammars()

@@ -116,7 +116,7 @@ class RunningBatch:
         self.top_k = np.zeros(r, dtype=np.int64)  # TOP_K_OFF where off
         self.top_p = np.ones(r, dtype=np.float32)
         self.min_p = np.zeros(r, dtype=np.float32)
-        # Rows whose sampling needs their Sequence (a seed, logprobs): the sampling builder
+        # Rows whose sampling needs their Sequence (logprobs): the sampling builder
         # visits these in Python. (Changes of the logits are its processors', which keep their
         # own rows: `row_listeners`.)
         self.needs_python = np.zeros(r, dtype=bool)
@@ -171,7 +171,7 @@ class RunningBatch:
         self.top_k[row] = p.top_k if p.top_k > 0 else TOP_K_OFF
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
-        self.needs_python[row] = p.seed is not None or p.logprobs is not None
+        self.needs_python[row] = p.logprobs is not None
         self._count_flags(row, 1)
         self.order = np.append(self.order, row)
         seq.row = row

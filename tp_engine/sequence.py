@@ -42,8 +42,6 @@ from typing import TYPE_CHECKING
 from tp_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from tp_engine.structured_outputs import GrammarState
 
 # Serials start at 1: a RunningBatch row whose serial is 0 is free.
@@ -145,9 +143,9 @@ class Sequence:
         # Seconds from arrival to its first admission; whether the engine has reported on it.
         self.queue_time_s: float | None = None
         self.reported = False
-        # The request's own generator when it has a seed: created on the logits' device at the
-        # first sample, then advanced only by this sequence's draws.
-        self.generator: torch.Generator | None = None
+        # The seed of its sampling noise (int64 holding 64 bits): its request's seed, or one
+        # drawn for it, set at its first row (`tp_engine.sampling.batch`) and kept for its life.
+        self.noise_seed: int | None = None
         # Its structured-output matcher (`tp_engine.structured_outputs.GrammarState`) when its
         # request has a constraint, set once the constraint is compiled.
         self.grammar: GrammarState | None = None

@@ -1,16 +1,20 @@
 """Rank 0: one step's `SamplingMetadata` from the running batch's rows that sample in it.
 
 The common parameters (temperature, top-k, top-p, min-p) are arrays of the `RunningBatch`, so
-they are gathered for the step's rows with numpy. Every other change of the logits is a logits
-processor (`tp_engine.sampling.processors`) with its own per-row state: the builder follows the
-batch's rows (it is the batch's row listener) and forwards their comings and goings to the
-processors, and each step asks each processor for the edit of its rows. Rows that need their
-`Sequence` for the rest (a seed, logprobs: `RunningBatch.needs_python`) are visited in Python.
-Nothing loops over tokens or the vocabulary. A feature no row uses costs nothing: its part of
-the metadata stays None (or its processor makes no edit).
+they are gathered for the step's rows with numpy and the rows grouped by the path each takes
+(`tp_engine.sampling.groups`). Every other change of the logits is a logits processor
+(`tp_engine.sampling.processors`) with its own per-row state: the builder follows the batch's
+rows (it is the batch's row listener) and forwards their comings and goings to the processors,
+and each step asks each processor which rows it changes and for its edit of them. Rows that
+want logprobs (`RunningBatch.needs_python`) are visited in Python. Nothing loops over tokens or
+the vocabulary. A feature no row uses costs nothing: its part of the metadata stays None.
 
-Seeded requests get their own `torch.Generator`, created at their first sample and kept on the
-Sequence; the others share this builder's generator, seeded with `EngineConfig.seed`.
+Random draws are counter-based (`kernels.gumbel_sample`): each row has a seed, its request's
+`seed` or else one drawn once per sequence from this builder's generator (seeded with
+`EngineConfig.seed`, so a run of the same requests in the same order repeats itself), kept on
+the Sequence (`noise_seed`), and a counter, the output position of the token being sampled,
+read off the batch's counters. Nothing is advanced by a draw, so nothing is undone when a
+draw is discarded: the row draws the same again when it samples that position again.
 
 Rows whose sequence stopped running since the step was scheduled (`live` False; their samples
 are discarded) are sampled greedily and never visited.
@@ -26,19 +30,16 @@ import torch
 
 from tp_engine.running_batch import RunningBatch
 from tp_engine.sampling import SamplingMetadata
+from tp_engine.sampling.groups import plan_groups, seed_bits
 from tp_engine.sampling.processors import LogitsProcessor, Tensors, builtin_processors
-from tp_engine.sampling_params import GREEDY_EPSILON
 from tp_engine.sequence import Sequence
-
-_SEED_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
     metadata: SamplingMetadata
-    # The sequences of `metadata.logprob_rows`, in that order, and the seeded sequences.
+    # The sequences of `metadata.logprob_rows`, in that order.
     logprob_seqs: list[Sequence] = field(default_factory=list)
-    seeded: list[Sequence] = field(default_factory=list)
 
 
 class SamplingBatchBuilder:
@@ -52,9 +53,10 @@ class SamplingBatchBuilder:
         # The batch whose rows the processors follow (the scheduler's; a new one after the
         # engine reconfigures).
         self._batch: RunningBatch | None = None
-        # Shared by every row without a seed. Which draws such a row gets depends on the batch,
-        # as it does in vLLM; a run of the same requests in the same order repeats itself.
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Draws the noise seed of each sequence without a seed of its own, at its first row.
+        self.rng = np.random.default_rng(seed)
+        # Batch row -> the noise seed of the sequence in it (int64 holding 64 bits).
+        self.seeds = np.zeros(0, dtype=np.int64)
 
     # -- the batch's rows (RunningBatch's row listener) ------------------------------------------
 
@@ -68,10 +70,19 @@ class SamplingBatchBuilder:
         batch.row_listeners.append(self)
         for processor in self.processors:
             processor.reset(batch.max_rows)
+        self.seeds = np.zeros(batch.max_rows, dtype=np.int64)
         for row in batch.order.tolist():
             self.add_row(row, batch.seqs[row])  # type: ignore[arg-type]
 
     def add_row(self, row: int, seq: Sequence) -> None:
+        if seq.noise_seed is None:
+            seed = seq.sampling_params.seed
+            seq.noise_seed = (
+                seed_bits(seed)
+                if seed is not None
+                else int(self.rng.integers(-(1 << 63), 1 << 63, dtype=np.int64))
+            )
+        self.seeds[row] = seq.noise_seed
         for processor in self.processors:
             processor.add_row(row, seq)
 
@@ -89,60 +100,46 @@ class SamplingBatchBuilder:
         rows = np.asarray(rows, dtype=np.intp)
         if live is None:
             live = np.ones(rows.size, dtype=bool)
-        fields: dict = {"num_rows": int(rows.size)}
-        temperature = np.where(live, batch.temperature[rows], 0.0).astype(np.float32)  # [B]
-        random = temperature > GREEDY_EPSILON
-        if random.any():
-            fields["temperature"] = self.tensors.put(torch.from_numpy(temperature))
-            fields.update(self._truncation(batch, rows, random))
-        edits = (processor.edit(rows, live) for processor in self.processors)
-        fields["logits_edits"] = tuple(edit for edit in edits if edit is not None)
+        num_rows = int(rows.size)
+        fields: dict = {"num_rows": num_rows}
+        asking = [(p, p.asking(rows, live)) for p in self.processors]
+        asking = [(p, positions) for p, positions in asking if positions is not None]
+        edited_index = np.full(num_rows, -1, dtype=np.int64)
+        if asking:
+            edited = np.unique(np.concatenate([positions for _, positions in asking]))
+            edited_index[edited] = np.arange(edited.size)
+            edits = (p.edit(rows, positions, edited_index, edited.size) for p, positions in asking)
+            fields["logits_edits"] = tuple(edit for edit in edits if edit is not None)
+            if fields["logits_edits"]:
+                fields["edited_rows"] = self._ints(edited)
+            else:
+                edited_index[:] = -1
+        fields["groups"] = plan_groups(
+            self.tensors.put_array,
+            self.vocab_size,
+            temperature=np.where(live, batch.temperature[rows], 0.0),
+            seeds=self.seeds[rows],
+            # The output position being sampled: tokens known plus samples in flight, this
+            # step's included, less the prompt (a recomputed row samples its position again).
+            counters=(
+                batch.num_tokens[rows] + batch.num_placeholders[rows] - 1 - batch.prompt_len[rows]
+            ).astype(np.int64),
+            top_k=batch.top_k[rows],
+            top_p=batch.top_p[rows],
+            min_p=batch.min_p[rows],
+            edited_index=edited_index,
+        )
 
         python_rows = np.flatnonzero(live & batch.needs_python[rows]).tolist()
         seqs = {i: batch.seqs[int(rows[i])] for i in python_rows}
         params = {i: seq.sampling_params for i, seq in seqs.items()}  # type: ignore[union-attr]
-        seeded = [i for i in python_rows if params[i].seed is not None]
-        fields["generators"] = {i: self._generator_of(seqs[i]) for i in seeded}  # type: ignore[arg-type]
         logprob_rows = [i for i in python_rows if params[i].logprobs is not None]
         if logprob_rows:
             fields["logprob_rows"] = self._ints(logprob_rows)
             fields["max_num_logprobs"] = min(
                 self.vocab_size, max(params[i].logprobs or 0 for i in logprob_rows)
             )
-        return SamplingBatch(
-            SamplingMetadata(**fields),
-            [seqs[i] for i in logprob_rows],  # type: ignore[misc]
-            [seqs[i] for i in seeded],  # type: ignore[misc]
-        )
-
-    # -- parts -----------------------------------------------------------------------------------
-
-    def _truncation(self, batch: RunningBatch, rows: np.ndarray, random: np.ndarray) -> dict:
-        vocab = self.vocab_size
-        out: dict = {}
-        top_k = np.minimum(batch.top_k[rows], vocab)  # [B] vocab where off
-        top_p = batch.top_p[rows]
-        sort_rows = np.flatnonzero(random & ((top_k < vocab) | (top_p < 1.0)))
-        if sort_rows.size:
-            out["top_k_top_p_rows"] = self._ints(sort_rows)
-            out["top_k"] = self._ints(top_k[sort_rows])
-            out["max_top_k"] = int(top_k[sort_rows].max())
-            if bool((top_p[sort_rows] < 1.0).any()):
-                out["top_p"] = self._floats(top_p[sort_rows])
-        min_p = batch.min_p[rows]
-        min_p_rows = np.flatnonzero(random & (min_p > 0.0))
-        if min_p_rows.size:
-            out["min_p_rows"] = self._ints(min_p_rows)
-            out["min_p"] = self._floats(min_p[min_p_rows])
-        return out
-
-    def _generator_of(self, seq: Sequence) -> torch.Generator:
-        if seq.generator is None:
-            seed = seq.sampling_params.seed
-            assert seed is not None
-            # Any integer is a valid seed: wrapped into the generator's 64 bits.
-            seq.generator = torch.Generator(device=self.device).manual_seed(seed & _SEED_MASK)
-        return seq.generator
+        return SamplingBatch(SamplingMetadata(**fields), [seqs[i] for i in logprob_rows])  # type: ignore[misc]
 
     # -- tensors ---------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ of the rows that use it and returns them with the dropped tokens at -inf. Order 
 min-p on the full distribution, then top-k, then top-p on what top-k kept, renormalised.
 
 Semantics, exactly (the tests' row-by-row references follow the same words):
-- min-p: drop tokens whose probability is below `min_p * max probability`;
+- min-p: drop tokens whose probability is below `min_p * max probability` (compared as
+  scaled logits: below `max + log(min_p)`);
 - top-k: keep the tokens whose logit is at least the k-th largest (ties at the k-th value are
   kept, so a row can keep a few more than k);
 - top-p: with tokens in decreasing probability, keep a token while the probability mass of the
@@ -30,11 +31,11 @@ import torch
 _NEG_INF = float("-inf")
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """`logits [M, V]`, `min_p [M]` -> logits with improbable tokens at -inf."""
-    probs = torch.softmax(logits, dim=-1)  # [M, V]
-    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [M, 1]
-    return logits.masked_fill(probs < threshold, _NEG_INF)
+def apply_min_p(logits: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
+    """`logits [M, V]` (scaled), `log_min_p [M]` (-inf: off) -> logits with improbable tokens
+    at -inf. `p_t < min_p * p_max` is `x_t < max(x) + log(min_p)`: no softmax needed."""
+    floor = logits.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)  # [M, 1]
+    return logits.masked_fill(logits < floor, _NEG_INF)
 
 
 def apply_top_k_top_p(

@@ -3,9 +3,10 @@
 A processor keeps its own state for the rows of the running batch that ask for it, and nothing
 for the others. The sampling builder forwards it the batch's row events (a sequence takes a
 row: `add_row`; gives it back: `remove_row`), so a processor decides once, when a sequence
-starts running, whether that row asks; each step it is asked for an edit of the step's rows
-that ask (`edit`), which it builds from its state and, where it depends on them, its sequences'
-tokens so far (read on the host for its rows only: penalties, bad words, min_tokens, the
+starts running, whether that row asks; each step it says which of the step's rows ask
+(`asking`: the sampler copies those rows alone, as float32, and edits the copy) and makes their
+edit (`edit`, addressed to the copy's rows), from its state and, where it depends on them, its
+sequences' tokens so far (read on the host for its rows only: penalties, bad words, min_tokens, the
 thinking budget). A processor with no rows costs a truth test per step; the edits' tensors
 cover their own rows only (`tp_engine.sampling.edits`).
 
@@ -66,6 +67,9 @@ class Tensors:
             arr[row, : len(ids)] = ids
         return self.put(torch.from_numpy(arr))
 
+    def put_array(self, values: np.ndarray) -> torch.Tensor:
+        return self.put(torch.from_numpy(np.ascontiguousarray(values)))
+
     def put(self, host: torch.Tensor) -> torch.Tensor:
         return to_device_async(host, self.device)
 
@@ -95,16 +99,22 @@ class LogitsProcessor(ABC):
         if self.state.pop(row, None) is not None:
             self._asks[row] = False
 
-    def edit(self, rows: np.ndarray, live: np.ndarray) -> LogitsEdit | None:
-        """The edit of this step, whose sampled rows are the batch rows `rows` (`live` False:
-        the row's sequence stopped running since; nothing is applied to it)."""
+    def asking(self, rows: np.ndarray, live: np.ndarray) -> np.ndarray | None:
+        """The positions among this step's sampled rows (the batch rows `rows`) that ask for
+        this processor; None when none does. `live` False: the row's sequence stopped running
+        since; nothing is applied to it."""
         if not self.state:
             return None
         positions = np.flatnonzero(self._asks[rows] & live)
-        if positions.size == 0:
-            return None
+        return positions if positions.size else None
+
+    def edit(
+        self, rows: np.ndarray, positions: np.ndarray, edited_index: np.ndarray, num_edited: int
+    ) -> LogitsEdit | None:
+        """The edit of `positions` (from `asking`), addressed to the edited copy of the step's
+        logits: position i is its row `edited_index[i]` of `num_edited`."""
         states = [self.state[row] for row in rows[positions].tolist()]
-        return self.make_edit(positions, states, rows.size)
+        return self.make_edit(edited_index[positions], states, num_edited)
 
     @abstractmethod
     def state_for(self, seq: Sequence) -> Any | None:
@@ -114,7 +124,7 @@ class LogitsProcessor(ABC):
     def make_edit(
         self, positions: np.ndarray, states: list[Any], num_rows: int
     ) -> LogitsEdit | None:
-        """The edit for the step's rows `positions` (of `num_rows`) with states `states`."""
+        """The edit for rows `positions` (of the edited copy's `num_rows`) with `states`."""
 
     def _ban(
         self, positions: Iterable[int], token_lists: Iterable[Iterable[int]]

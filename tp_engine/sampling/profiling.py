@@ -2,31 +2,37 @@
 
 `rank_worker.model_runner` measures the memory a step can take by running the largest step
 once; only rank 0 samples, so rank 0's engine hands it `profile_sampling`, which puts every
-sampled row through the widest path of the pipeline (a sort over the vocabulary for top-k +
-top-p, logprobs) and the prompt-logprob rows through `compute_logprobs`, so that the
+sampled row through the widest path of the pipeline (a sort over the vocabulary for top-p
+without top-k, logprobs) and the prompt-logprob rows through `compute_logprobs`, so that the
 measurement leaves room for the worst step the sampler can see.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from tp_engine.sampling.groups import cpu_put, plan_groups
 from tp_engine.sampling.logprob_tensors import compute_logprobs
 from tp_engine.sampling.sampler import sample_batch
 from tp_engine.sampling.tensors import MAX_NUM_LOGPROBS, SamplingMetadata
 
 
 def sample_for_profiling(logits: torch.Tensor) -> torch.Tensor:
-    """Sample every row of `logits [B, V]` through top-k + top-p (a full sort) with logprobs."""
+    """Sample every row of `logits [B, V]` through top-p without top-k (a full sort) with
+    logprobs."""
     num_rows, vocab_size = logits.shape
-    rows = torch.arange(num_rows, device=logits.device)
     md = SamplingMetadata(
         num_rows=num_rows,
-        temperature=torch.ones(num_rows, device=logits.device),
-        top_k_top_p_rows=rows,
-        top_k=torch.full((num_rows,), vocab_size, dtype=torch.int64, device=logits.device),
-        top_p=torch.full((num_rows,), 0.9, device=logits.device),
-        logprob_rows=rows,
+        groups=plan_groups(
+            cpu_put(logits.device),
+            vocab_size,
+            temperature=np.ones(num_rows, dtype=np.float32),
+            seeds=np.zeros(num_rows, dtype=np.int64),
+            counters=np.zeros(num_rows, dtype=np.int64),
+            top_p=np.full(num_rows, 0.9, dtype=np.float32),
+        ),
+        logprob_rows=torch.arange(num_rows, device=logits.device),
         max_num_logprobs=min(MAX_NUM_LOGPROBS, vocab_size),
     )
     return sample_batch(logits, md).token_ids

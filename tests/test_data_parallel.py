@@ -228,6 +228,17 @@ def test_openai_client_completions_chat_and_streaming_through_the_router(dp):
     assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
 
 
+def test_bad_requests_get_the_replicas_400_and_take_no_replica_out(dp):
+    import openai
+
+    oai = client(dp)
+    for _ in range(12):  # past the router's circuit-breaker threshold (10), were it on
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 512"):
+            oai.completions.create(model=MODEL, prompt="hi", max_tokens=600)
+    served = spread_load(dp)  # both replicas still take requests
+    assert all(n > 0 for n in served.values()), served
+
+
 def test_the_router_registered_the_model_with_the_replicas_metadata(dp):
     workers = router_workers(dp)
     urls = sorted(w["url"] for w in workers)
@@ -252,21 +263,29 @@ def test_the_router_registered_the_model_with_the_replicas_metadata(dp):
     assert "unknown" not in dp.log()  # no model registered as "unknown"
 
 
-def test_both_replicas_serve(dp):
-    urls = [url for _, url in replicas(dp).values()]
+def spread_load(server: Server) -> dict[str, float]:
+    """8 concurrent requests whose prompts share no prefix: without a cache match the
+    cache-aware policy sends each to the replica with the fewest in flight. Returns how many
+    each replica finished."""
+    urls = [url for _, url in replicas(server).values()]
     before = {u: metric(u, "vllm:request_success_total") for u in urls}
-    oai = client(dp)
+    oai = client(server)
     words = ["apple", "zebra", "quartz", "mango", "violet", "kettle", "orbit", "dune"]
 
     def one(word: str) -> None:
         oai.completions.create(model=MODEL, prompt=f"{word} " * 3, max_tokens=24)
 
-    # Concurrent prompts that share no prefix: without a cache match the cache-aware policy
-    # sends each to the replica with the fewest requests in flight.
     with ThreadPoolExecutor(len(words)) as pool:
         list(pool.map(one, words))
     served = {u: metric(u, "vllm:request_success_total") - before[u] for u in urls}
-    assert sum(served.values()) == 8 and all(n > 0 for n in served.values()), served
+    assert sum(served.values()) == len(words), served
+    return served
+
+
+def test_both_replicas_serve(dp):
+    served = spread_load(dp)
+    assert all(n > 0 for n in served.values()), served
+    urls = list(served)
     # The router's own metrics count requests per replica URL.
     for url in urls:
         assert (
@@ -328,10 +347,7 @@ def test_sigkilled_replica_mid_load_every_later_request_succeeds_and_it_comes_ba
         lambda: len([w for w in router_workers(dp) if w["is_healthy"]]) == 2, 60, "replica back"
     )
     assert replicas(dp)[0][0] != pid and replicas(dp)[0][1] == url
-    before = metric(url, "vllm:request_success_total")
-    for word in ["north", "south", "east", "west", "up", "down"]:
-        oai.completions.create(model=MODEL, prompt=f"{word} " * 3, max_tokens=2)
-    assert metric(url, "vllm:request_success_total") > before  # the new replica 0 serves
+    assert spread_load(dp)[url] > 0  # the new replica 0 serves
     failed_before = sum(1 for start, e in results if e is not None and start <= killed_at[0])
     print("DP-FIGURE " + json.dumps({"failed_in_flight_at_kill": failed_before}))
 

@@ -24,6 +24,7 @@ from typing import Any
 
 # prctl(2) option: the signal this process gets when the thread that forked it exits.
 _PR_SET_PDEATHSIG = 1
+_HEALTH_CHECK_INTERVAL_S = 5
 # Seconds for one admin request; the router answers them from memory.
 _ADMIN_TIMEOUT_S = 5.0
 
@@ -63,6 +64,13 @@ def router_command(
         # In-flight requests get as long as the replicas give theirs on SIGTERM.
         "--shutdown-grace-period-secs",
         str(max(1, round(shutdown_grace_s))),
+        # Its circuit breaker counts a client's 400s as the replica's failures: ten bad requests
+        # would take a healthy replica out of service for a minute. A replica that dies is
+        # removed by the launcher at once; one whose engine died answers /health with 503,
+        # which the router's health checks (every few seconds) act on.
+        "--disable-circuit-breaker",
+        "--health-check-interval-secs",
+        str(_HEALTH_CHECK_INTERVAL_S),
         # Its per-request lines would drown the replicas' log; warnings and errors still show.
         "--log-level",
         "warn",

@@ -24,12 +24,11 @@ for N in 1 2; do
            --router-prometheus-port "$METRICS_PORT" --max-model-len 1024
            --disable-uvicorn-access-log ${SERVE_ARGS:-})
     BENCH=("$PY" launch/bench_serving.py --base-url "http://127.0.0.1:$PORT"
-           --dataset-name random --random-as-text --random-input-len 256
-           --random-output-len 64 --random-vocab-size 2000 --num-prompts 64
+           --dataset-name random --random-as-text --random-input-len 48
+           --random-output-len 64 --random-vocab-size 2000 --num-prompts 256
            --max-concurrency 16 --label "data-parallel $N, CPU"
            --output-json "$OUT/serving-dp$N.json" ${BENCH_ARGS:-})
-    echo "${SERVE[*]}" >> "$OUT/COMMANDS"
-    echo "${BENCH[*]}" >> "$OUT/COMMANDS"
+    { printf '%q ' "${SERVE[@]}"; echo; printf '%q ' "${BENCH[@]}"; echo; } >> "$OUT/COMMANDS"
     "${SERVE[@]}" > "$OUT/serve-dp$N.log" 2>&1 &
     SERVER=$!
     for _ in $(seq 1 600); do

@@ -31,6 +31,8 @@ for N in 1 2; do
     { printf '%q ' "${SERVE[@]}"; echo; printf '%q ' "${BENCH[@]}"; echo; } >> "$OUT/COMMANDS"
     "${SERVE[@]}" > "$OUT/serve-dp$N.log" 2>&1 &
     SERVER=$!
+    # Whatever fails below, the server does not outlive the script.
+    trap 'kill -TERM "$SERVER" 2> /dev/null; wait "$SERVER"' EXIT
     for _ in $(seq 1 600); do
         grep -q "router (.*) serving" "$OUT/serve-dp$N.log" && break
         kill -0 "$SERVER" 2> /dev/null || { tail -50 "$OUT/serve-dp$N.log"; exit 1; }
@@ -42,4 +44,5 @@ for N in 1 2; do
         > "$OUT/router-metrics-dp$N.txt" || true
     kill -TERM "$SERVER"
     wait "$SERVER"
+    trap - EXIT
 done

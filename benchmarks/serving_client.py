@@ -1,6 +1,6 @@
 """Load generation against an OpenAI-compatible server and vLLM's serving metrics.
 
-Owns: the request list (random token-id prompts or a ShareGPT-format file), the arrival
+Owns: the request list (random token-id or word prompts, or a ShareGPT-format file), the arrival
 schedule (Poisson or all at once), one streamed `/v1/completions` request over a plain asyncio
 socket (standard library only: HTTP/1.1, chunked or not, server-sent events), and the metric
 definitions, which follow vLLM's `benchmark_serving.py`:
@@ -55,9 +55,14 @@ def random_requests(
     range_ratio: float = 0.0,
     vocab_size: int = 10_000,
     seed: int = 0,
+    as_text: bool = False,
 ) -> list[Request]:
-    """Token-id prompts of lengths uniform in input_len * [1 - r, 1 + r] (vLLM's random set)."""
+    """Token-id prompts of lengths uniform in input_len * [1 - r, 1 + r] (vLLM's random set).
+    `as_text`: the same number of random words instead (of `vocab_size` made-up words), for
+    servers that take only text prompts, such as sglang-router; the token count is then the
+    server's (its usage), not the word count."""
     rng = random.Random(seed)
+    words = [f"w{i}" for i in range(vocab_size)] if as_text else []
 
     def length(n: int) -> int:
         return rng.randint(max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio))))
@@ -65,7 +70,8 @@ def random_requests(
     out = []
     for _ in range(num_prompts):
         ids = [rng.randrange(vocab_size) for _ in range(length(input_len))]
-        out.append(Request(ids, len(ids), length(output_len)))
+        prompt: str | list[int] = " ".join(words[i] for i in ids) if as_text else ids
+        out.append(Request(prompt, len(ids), length(output_len)))
     return out
 
 
@@ -187,6 +193,8 @@ async def send_request(
                 obj = json.loads(payload)
                 if obj.get("usage"):
                     usage_tokens = obj["usage"].get("completion_tokens")
+                    # The server's count of a text prompt's tokens beats our word count.
+                    result.prompt_len = obj["usage"].get("prompt_tokens") or result.prompt_len
                 choices = obj.get("choices") or []
                 if not choices or not (choices[0].get("text") or choices[0].get("finish_reason")):
                     continue

@@ -5,6 +5,7 @@
         --dataset-name random --random-input-len 128 --random-output-len 64 \\
         --num-prompts 100 --request-rate 4 --max-concurrency 32
     python launch/bench_serving.py ... --dataset-name sharegpt --dataset-path ShareGPT_V3.json
+    python launch/bench_serving.py ... --random-as-text        # through sglang-router (text only)
 
 Every request is a streamed `/v1/completions` call with `ignore_eos` (so the output length is
 the one asked for) and `stream_options.include_usage` (token counts from the server). Requests
@@ -55,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--random-vocab-size", type=int, default=10_000,
         help="token ids are drawn from [0, this); keep it within the served model's vocabulary",
     )  # fmt: skip
+    p.add_argument(
+        "--random-as-text",
+        action="store_true",
+        help="random prompts as words, not token ids (sglang-router takes only text prompts)",
+    )
     p.add_argument("--sharegpt-output-len", type=int, default=None)
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), help="req/s; inf = all at once"
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             args.random_range_ratio,
             args.random_vocab_size,
             args.seed,
+            as_text=args.random_as_text,
         )
     print(f"{len(requests)} requests to {args.base_url}, rate {args.request_rate}, "
           f"max concurrency {args.max_concurrency}", flush=True)  # fmt: skip

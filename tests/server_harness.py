@@ -54,8 +54,17 @@ def torchrun_cmd(nproc: int) -> list[str]:
 
 
 class Server:
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self,
+        cmd: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        ready_pattern: re.Pattern[str] = _SERVING,
+    ) -> None:
+        """`ready_pattern`: the log line that announces the serving host and port (groups 1
+        and 2)."""
         self.log_path = log_path
+        self._ready = ready_pattern
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
@@ -73,7 +82,7 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            match = _SERVING.search(self.log())
+            match = self._ready.search(self.log())
             if match:
                 self.port = int(match.group(2))
                 if self.get("/health")[0] == 200:

@@ -252,3 +252,14 @@ def test_bench_serving_against_demo_server(bench_env, tmp_path):
     png = tmp_path / "latency.png"  # matplotlib comes with the dev extra
     _run(["launch/plot.py", "latency", str(out), "-o", str(png)], bench_env)
     assert png.stat().st_size > 0
+
+
+def test_random_requests_as_text_are_words_one_per_asked_token():
+    a = random_requests(4, 20, 8, range_ratio=0.5, vocab_size=50, seed=3, as_text=True)
+    assert a == random_requests(4, 20, 8, range_ratio=0.5, vocab_size=50, seed=3, as_text=True)
+    ids = random_requests(4, 20, 8, range_ratio=0.5, vocab_size=50, seed=3)
+    for text, tokens in zip(a, ids, strict=True):
+        assert isinstance(text.prompt, str) and text.prompt.split() == [
+            f"w{i}" for i in tokens.prompt
+        ]
+        assert text.prompt_len == tokens.prompt_len and text.output_len == tokens.output_len

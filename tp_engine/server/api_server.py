@@ -44,6 +44,7 @@ from tp_engine.server.protocol import (
     parse_body,
 )
 from tp_engine.server.serving import OpenAIServing
+from tp_engine.server.worker_routes import build_router
 
 logger = logging.getLogger("tp_engine.server.api")
 
@@ -109,6 +110,7 @@ def build_app(
 
     if hello.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=hello.api_key)
+    app.include_router(build_router(client, serving))  # what sglang-router probes
 
     @app.get("/health")
     async def health() -> Response:

@@ -13,6 +13,8 @@ from tp_engine.server.engine_loop import LoopOptions
 # The API key may come from the environment, so that it does not show in `ps`.
 API_KEY_ENV = "TP_ENGINE_API_KEY"
 DEMO_MODEL_NAME = "tp-engine-demo"
+# sglang-router's --policy choices for a regular (not prefill/decode) deployment.
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,39 @@ def build_parser() -> argparse.ArgumentParser:
         "worker processes)",
     )
     p.add_argument("--dist-backend", choices=["nccl", "gloo"], default=None)
+    dp = p.add_argument_group(
+        "data parallelism",
+        "N replicas of the engine (each a tensor-parallel group of --tensor-parallel-size "
+        "ranks on its own devices) behind sglang-router (`pip install 'tp-engine[router]'`)",
+    )
+    dp.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=None,
+        help="replicas behind the router on --host/--port (replica i gets devices i*M..i*M+M-1 "
+        "for M = --tensor-parallel-size); default: one engine, no router",
+    )
+    dp.add_argument(
+        "--router-policy",
+        choices=ROUTER_POLICIES,
+        default="cache_aware",
+        help="how the router picks a replica (cache_aware: the one holding the longest prefix)",
+    )
+    dp.add_argument(
+        "--restart-dead-replicas",
+        action="store_true",
+        help="restart a replica that died (without: the others keep serving)",
+    )
+    dp.add_argument(
+        "--router-prometheus-port",
+        type=int,
+        default=29000,
+        help="the router's own /metrics (requests per replica URL); each replica keeps its own",
+    )
+    # Set by the data-parallel launcher on the replicas it starts: serve one engine and end the
+    # run if the launcher is gone (as torchrun's ranks do).
+    p.add_argument("--replica-index", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -92,6 +92,11 @@ class ServerMetrics:
         self._model_name = model_name
         self._last: EngineStats | None = None
 
+    @property
+    def last_engine_stats(self) -> EngineStats | None:
+        """Rank 0's latest stats (None before the first outputs)."""
+        return self._last
+
     def set_engine_stats(self, stats: EngineStats) -> None:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)

@@ -5,6 +5,8 @@
         rank 1..N-1 → `rank_worker.bringup.serve_as_worker` until rank 0 sends EXIT
     python launch/serve.py [--tensor-parallel-size N]   this process is rank 0 (and starts
                                                         ranks 1..N-1 itself when N > 1)
+    python launch/serve.py --data-parallel-size D ...   the launcher of D such runs (replicas)
+                                                        behind sglang-router (`replicas`)
 
 Signals: only rank 0 acts on SIGINT/SIGTERM (a graceful drain, see `engine_loop`). Workers
 ignore both, because torchrun and a terminal's Ctrl-C signal every rank at once, and a worker
@@ -13,7 +15,8 @@ them to or, if rank 0 dies, through their owner watchdog. The API process runs i
 session for the same reason and exits when rank 0 says so or disappears.
 
 A killed launcher: under torchrun every rank watches the agent that started it
-(`rank_worker.launcher_watch`). When it is gone, rank 0 ends the run as a dead engine does (no
+(`rank_worker.launcher_watch`), and rank 0 of a data-parallel replica watches the launcher of
+the replicas in the same way. When it is gone, rank 0 ends the run as a dead engine does (no
 drain, no linger: in-flight requests fail, the API process and the workers are told to exit) and
 exits 1; if its main thread cannot get there within `RANK0_GRACE_S`, the watch thread stops the
 API process and leaves, and the workers follow rank 0.
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from rank_worker import bringup
 from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
+from shm_ipc.liveness import ParentWatch
 from tp_engine.config import EngineConfig
 from tp_engine.server.args import (
     ServerArgs,
@@ -66,8 +70,11 @@ _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 def main(argv: list[str] | None = None) -> int:
     launcher = bringup.torchrun_launcher()  # first: see rank_worker.bringup
+    # Watched only by a data-parallel replica (its parent is the launcher of the replicas).
+    parent = ParentWatch() if launcher is None else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:  # every argument is checked before any process starts
         tp_size = bringup.tensor_parallel_size(args.tensor_parallel_size)
@@ -76,13 +83,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
+    if args.data_parallel_size is not None and args.replica_index is None:
+        if launcher is not None:
+            parser.error("--data-parallel-size starts its own replicas: run it with python")
+        from tp_engine.server.replicas import ReplicaSet
+
+        try:
+            replicas = ReplicaSet(args, argv, tp_size)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return replicas.run()
+
     if launcher is not None and bringup.torchrun_rank() != 0:
         for sig in _STOP_SIGNALS:  # see the module docstring
             signal.signal(sig, signal.SIG_IGN)
         return bringup.serve_as_worker(bringup.start(tp_size, sargs.dist_backend, launcher))
     with _signals_ignored():  # spawned children inherit SIG_IGN across exec; see the docstring
         ranks = bringup.start(tp_size, sargs.dist_backend, launcher)
-    return Rank0Server(config, sargs, ranks).run()
+    replica_launcher = parent if args.replica_index is not None else None
+    return Rank0Server(config, sargs, ranks, replica_launcher).run()
 
 
 @contextlib.contextmanager
@@ -101,12 +120,15 @@ class Rank0Server:
         config: EngineConfig,
         args: ServerArgs,
         ranks: bringup.Ranks,
+        replica_launcher: ParentWatch | None = None,
     ) -> None:
         self.config = config
         self.args = args
         self.ranks = ranks
         self.tp = ranks.tp
-        self.launcher = ranks.launcher  # torchrun's agent, watched; None when this process launched
+        # Watched: torchrun's agent, or the data-parallel launcher of this replica; None when
+        # this process is the launcher.
+        self.launcher = ranks.launcher or replica_launcher
         self.loop: EngineLoop | None = None
         self._stop_signal: int | None = None
         # Set (from the launcher watch's thread) once the launcher is gone: why the run ends.

@@ -5,6 +5,7 @@
 #   benchmarks/gpu/run.sh bench   # bench.py 0.6B and 8B (async on/off), serving, profile
 #   benchmarks/gpu/run.sh moe     # fused MoE kernel vs torch, Qwen3-30B-A3B experts, B 1/64/256;
 #                                 # structured-output bitmask fill and apply, 1/64/256 rows
+#   benchmarks/gpu/run.sh fp8     # 8B shape: bf16 vs FP8 weights, auto vs fp8 KV cache
 #   benchmarks/gpu/run.sh PART... # any of the steps below by name, in the order given
 #
 # Everything goes under $OUT (default /tmp/gpu-out): one log per step, the result files, and
@@ -174,11 +175,45 @@ serving() {
 
 profile() {
   if [ $GPU = 1 ]; then
-    step profile-async 240 $PY benchmarks/gpu/profile_decode.py --model 0.6B --out "$WORK/profile-async" --num-seqs 64 --steps 20
-    step profile-eager 240 $PY benchmarks/gpu/profile_decode.py --model 0.6B --out "$WORK/profile-eager" --num-seqs 64 --steps 20 --enforce-eager
+    local n
+    for n in 64 256; do
+      step profile-async-$n 240 $PY benchmarks/gpu/profile_decode.py --model 0.6B --out "$WORK/profile-async-$n" --num-seqs $n --steps 20
+    done
+    step profile-eager-64 240 $PY benchmarks/gpu/profile_decode.py --model 0.6B --out "$WORK/profile-eager-64" --num-seqs 64 --steps 20 --enforce-eager
   else
     step profile-async 120 $PY benchmarks/gpu/profile_decode.py --out "$WORK/profile-async" --num-seqs 4 --steps 5
   fi
+}
+
+fp8() {
+  # The 8B shape in bf16 and in Qwen's FP8 format (block-quantized from the same random
+  # weights), each with the model-dtype and the fp8 KV cache (issue 27).
+  local src fp8dir
+  if [ $GPU = 1 ]; then
+    src=$($PY -c 'from benchmarks.models import resolve_model; print(resolve_model("8B"))')
+    fp8dir="$TP_ENGINE_CACHE/8B-fp8"
+  else
+    # FP8 packs q, k and v in whole 128-blocks: a tiny model with head_dim 128.
+    src="$TP_ENGINE_CACHE/tiny-hd128"
+    fp8dir="$TP_ENGINE_CACHE/tiny-hd128-fp8"
+    [ -f "$src/config.json" ] || step ckpt-tiny 120 $PY -c '
+import sys; from tp_engine.checkpoints import build_random_qwen3
+build_random_qwen3(sys.argv[1], hidden_size=256, num_layers=2, num_heads=2, num_kv_heads=1,
+                   head_dim=128, intermediate_size=256, max_position_embeddings=4096)' "$src"
+  fi
+  [ -f "$fp8dir/config.json" ] || step ckpt-fp8 300 $PY -c \
+    'import sys; from tp_engine.checkpoints import quantize_checkpoint_fp8 as q; q(*sys.argv[1:])' \
+    "$src" "$fp8dir"
+  local extra=()
+  [ $GPU = 1 ] || extra=(--num-seqs 8 --min-input-len 16 --max-input-len 64 --min-output-len 8
+    --max-output-len 32 --num-kv-blocks 256)
+  local w kv model
+  for w in bf16 fp8; do
+    for kv in auto fp8; do
+      if [ $w = bf16 ]; then model=$src; else model=$fp8dir; fi
+      bench_one "$model" "fp8-w$w-kv$kv" --kv-cache-dtype $kv "${extra[@]}"
+    done
+  done
 }
 
 # -- parts -------------------------------------------------------------------------------------
@@ -189,7 +224,8 @@ for part in "$@"; do
     check) env_info; gpu_tests; greedy; attention ;;
     bench) env_info; bench_small; serving; profile; bench_8b ;;
     moe) env_info; moe; structured ;;
-    env_info|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile|structured) $part ;;
+    fp8) env_info; fp8 ;;
+    env_info|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile|structured|fp8) $part ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

@@ -592,3 +592,36 @@ def test_processors_follow_rows_that_change_hands() -> None:
     batch.remove(plain)
     batch.add(biased)
     assert b.build(batch, rows, np.array([False])).metadata.logits_edits == ()
+
+
+def test_penalty_counts_follow_each_sequence_across_steps() -> None:
+    """The device-side token counts are filled once per row and then only take each step's new
+    tokens: over many steps, with rows handed to new sequences (slot reuse) and more penalised
+    rows than slots at first (growth), every step's logits equal the reference built from the
+    whole token lists."""
+    b = SamplingBatchBuilder(V, [EOS], torch.device("cpu"), 0)
+    batch = RunningBatch(8, 1, 10_000)
+    b.follow(batch)
+    g = torch.Generator().manual_seed(11)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.2),
+        SamplingParams(temperature=0.0, repetition_penalty=0.8, frequency_penalty=-0.3),
+    ]
+    live: list[Sequence] = []
+    for step in range(12):
+        if step % 4 == 0:  # one sequence leaves, two arrive: rows and slots change hands
+            if live:
+                batch.remove(live.pop(0))
+            for k in range(2):
+                prompt = torch.randint(0, V, (5,), generator=g).tolist()
+                seq = make_seq(dataclasses.replace(params[(step + k) % 3]), prompt)
+                batch.add(seq)
+                live.append(seq)
+        rows = np.array([seq.row for seq in live], dtype=np.int32)
+        logits = 3.0 * torch.randn(len(live), V, generator=g)
+        got = process_logits(logits, b.build(batch, rows).metadata)
+        for i, seq in enumerate(live):
+            assert_rows_match(got[i], reference_row(logits[i], seq))
+            # Tokens that repeat, so that counts above one matter.
+            seq.token_ids.append(int(torch.randint(0, 6, (1,), generator=g)))

@@ -23,20 +23,16 @@ MAX_NUM_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class PenaltyTensors:
-    """Repetition, presence and frequency penalties for the rows that have any.
-
-    Token ids are padded with V (one past the vocabulary): the padding lands in an extra count
-    column that is dropped, so building the counts is a single scatter_add with no Python loop
-    over tokens.
-    """
+    """Repetition, presence and frequency penalties for the rows that have any, from token
+    counts kept on the device across steps (`processors.TokenCounts`)."""
 
     # [P] int64: rows of the batch these tensors describe.
     rows: torch.Tensor
-    # [P, Lo] int64: each row's output tokens so far, padded with V.
-    output_ids: torch.Tensor
-    # [P, Lp] int64: each row's prompt tokens, padded with V; None when no row has a
-    # repetition penalty (the only penalty that looks at the prompt, as in vLLM).
-    prompt_ids: torch.Tensor | None
+    # [P, V] int32: how often each token occurs in each row's output so far.
+    output_counts: torch.Tensor
+    # [P, V] bool: the tokens of each row's prompt; None when no row has a repetition penalty
+    # (the only penalty that looks at the prompt, as in vLLM).
+    prompt_seen: torch.Tensor | None
     # [P] fp32 each: the penalties (0, 0 and 1 are "off").
     presence: torch.Tensor
     frequency: torch.Tensor

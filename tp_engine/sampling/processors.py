@@ -6,8 +6,8 @@ row: `add_row`; gives it back: `remove_row`), so a processor decides once, when 
 starts running, whether that row asks; each step it says which of the step's rows ask
 (`asking`: the sampler copies those rows alone, as float32, and edits the copy) and makes their
 edit (`edit`, addressed to the copy's rows), from its state and, where it depends on them, its
-sequences' tokens so far (read on the host for its rows only: penalties, bad words, min_tokens, the
-thinking budget). A processor with no rows costs a truth test per step; the edits' tensors
+sequences' tokens so far (read on the host for its rows only: bad words, min_tokens, the
+thinking budget; penalties read only the tokens new since their last step). A processor with no rows costs a truth test per step; the edits' tensors
 cover their own rows only (`tp_engine.sampling.edits`).
 
 Order, as vLLM's sampler (allowed_token_ids, bad_words, then the processors that can move the

@@ -6,9 +6,17 @@ socket (standard library only: HTTP/1.1, chunked or not, server-sent events), an
 definitions, which follow vLLM's `benchmark_serving.py`:
 
 - TTFT: request sent -> first streamed chunk that carries text or tokens;
-- ITL: the gaps between later chunks;
+- ITL: per token: the gap before each later chunk, split evenly over the tokens it carries
+  (SGLang's bench_serving does the same for multi-token chunks);
 - TPOT: (latency - TTFT) / (output tokens - 1), per request with more than one token;
 - throughputs over the wall time of the whole run.
+
+Tokens are counted, not chunks: every request asks for vLLM's `continuous_usage_stats`, so each
+chunk carries the running `completion_tokens` and its own token count is the difference. When
+the text-bearing chunks are far fewer than the tokens (`MIN_CHUNK_COVERAGE`: tokens without
+text, e.g. a tokenizer that covers a fraction of the model's rows, arrive folded into a later
+chunk or not at all), per-token timing was not observed, and ITL and TPOT are refused, not
+reported.
 """
 
 from __future__ import annotations
@@ -40,8 +48,10 @@ class RequestResult:
     output_len: int = 0
     ttft_s: float = 0.0
     latency_s: float = 0.0
-    # Gaps between consecutive streamed chunks after the first.
+    # Per token after the first chunk: the gap before its chunk / the tokens in that chunk.
     itl_s: list[float] = field(default_factory=list)
+    # Streamed chunks that carried text (or a finish reason).
+    chunks: int = 0
     error: str = ""
 
 
@@ -168,7 +178,7 @@ async def send_request(
         "max_tokens": req.output_len,
         "temperature": 0.0,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "ignore_eos": ignore_eos,
     }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -176,6 +186,7 @@ async def send_request(
     start = last = time.perf_counter()
     chunks = 0
     usage_tokens = None
+    counted = 0  # completion tokens up to the last text-bearing chunk
     buffer = b""
     try:
         async for data in _http_post_stream(
@@ -199,14 +210,18 @@ async def send_request(
                 if not choices or not (choices[0].get("text") or choices[0].get("finish_reason")):
                     continue
                 now = time.perf_counter()
+                # This chunk's tokens: the running count's step (1 without running counts).
+                tokens = max(1, usage_tokens - counted) if usage_tokens is not None else 1
+                counted += tokens
                 if chunks == 0:
                     result.ttft_s = now - start
                 else:
-                    result.itl_s.append(now - last)
+                    result.itl_s += [(now - last) / tokens] * tokens
                 last = now
                 chunks += 1
         result.latency_s = time.perf_counter() - start
         result.output_len = usage_tokens if usage_tokens is not None else chunks
+        result.chunks = chunks
         result.success = chunks > 0
         if not result.success:
             result.error = "no streamed chunk"
@@ -256,10 +271,16 @@ class ServingMetrics:
     request_throughput: float
     output_throughput: float
     total_token_throughput: float
-    # Milliseconds: mean, median, p99 of each.
+    # Milliseconds: mean, median, p99 of each. TPOT and ITL are None when refused (see
+    # `per_token_timing_refused`).
     ttft_ms: dict[str, float]
-    tpot_ms: dict[str, float]
-    itl_ms: dict[str, float]
+    tpot_ms: dict[str, float] | None
+    itl_ms: dict[str, float] | None
+    # Text-bearing streamed chunks, and their number per output token.
+    streamed_chunks: int = 0
+    chunk_coverage: float = 0.0
+    # Why TPOT and ITL are not reported; None when they are.
+    per_token_timing_refused: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -277,10 +298,32 @@ def _stats(values_s: Sequence[float]) -> dict[str, float]:
     }
 
 
-def compute_metrics(results: Sequence[RequestResult], duration_s: float) -> ServingMetrics:
+# Below this many text-bearing chunks per output token, the stream did not show when tokens were
+# made: ITL and TPOT are refused. A token-per-chunk stream is 1.0; a tokenizer that covers the
+# model's vocabulary loses a few percent to ids whose bytes end inside a character; speculative
+# decoding (several tokens a step) would need this lowered.
+MIN_CHUNK_COVERAGE = 0.5
+
+
+def compute_metrics(
+    results: Sequence[RequestResult],
+    duration_s: float,
+    min_chunk_coverage: float = MIN_CHUNK_COVERAGE,
+) -> ServingMetrics:
     ok = [r for r in results if r.success]
     total_input = sum(r.prompt_len for r in ok)
     total_output = sum(r.output_len for r in ok)
+    chunks = sum(r.chunks for r in ok)
+    coverage = chunks / total_output if total_output else 0.0
+    refused = None
+    if total_output and coverage < min_chunk_coverage:
+        refused = (
+            f"the {chunks} streamed chunks that carried text cover {coverage:.1%} of the "
+            f"{total_output} output tokens the server's usage counts (below "
+            f"{min_chunk_coverage:.0%}): most tokens arrived without text or folded into a later "
+            "chunk, so the time between tokens was not observed. Serve a checkpoint whose "
+            "tokenizer covers its vocabulary (the size presets do)."
+        )
     tpots = [(r.latency_s - r.ttft_s) / (r.output_len - 1) for r in ok if r.output_len > 1]
     return ServingMetrics(
         completed=len(ok),
@@ -292,8 +335,11 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float) -> Serv
         output_throughput=total_output / duration_s,
         total_token_throughput=(total_input + total_output) / duration_s,
         ttft_ms=_stats([r.ttft_s for r in ok]),
-        tpot_ms=_stats(tpots),
-        itl_ms=_stats([gap for r in ok for gap in r.itl_s]),
+        tpot_ms=None if refused else _stats(tpots),
+        itl_ms=None if refused else _stats([gap for r in ok for gap in r.itl_s]),
+        streamed_chunks=chunks,
+        chunk_coverage=coverage,
+        per_token_timing_refused=refused,
     )
 
 
@@ -317,14 +363,20 @@ def format_result_block(m: ServingMetrics, max_concurrency: int | None, request_
     row("Request throughput (req/s):", m.request_throughput, ".2f")
     row("Output token throughput (tok/s):", m.output_throughput, ".2f")
     row("Total Token throughput (tok/s):", m.total_token_throughput, ".2f")
+    row("Streamed chunks per output token:", m.chunk_coverage, ".3f")
     for title, short, stats in (
         ("Time to First Token", "TTFT", m.ttft_ms),
         ("Time per Output Token (excl. 1st token)", "TPOT", m.tpot_ms),
         ("Inter-token Latency", "ITL", m.itl_ms),
     ):
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
+        if stats is None:
+            row(f"{short}:", "not reported (see below)")
+            continue
         row(f"Mean {short} (ms):", stats["mean"], ".2f")
         row(f"Median {short} (ms):", stats["median"], ".2f")
         row(f"P99 {short} (ms):", stats["p99"], ".2f")
     lines.append("=" * 50)
+    if m.per_token_timing_refused:
+        lines.append(f"TPOT and ITL refused: {m.per_token_timing_refused}")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results import environment, write_json
 from benchmarks.serving_client import (
+    MIN_CHUNK_COVERAGE,
     compute_metrics,
     format_result_block,
     random_requests,
@@ -68,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--min-chunk-coverage", type=float, default=MIN_CHUNK_COVERAGE,
+        help="text-bearing streamed chunks per output token below which TPOT and ITL are "
+        "refused (per-token timing was not observed); lower it for multi-token chunks "
+        "(speculative decoding)",
+    )  # fmt: skip
     p.add_argument("--label", default=None, help="free text stored in the result file")
     p.add_argument(
         "--output-json", default=None, help="default benchmarks/results/serving-<time>.json"
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seed,
         )
     )
-    metrics = compute_metrics(results, duration)
+    metrics = compute_metrics(results, duration, args.min_chunk_coverage)
     print(format_result_block(metrics, args.max_concurrency, args.request_rate), flush=True)
     errors = sorted({r.error for r in results if not r.success})
     for error in errors:

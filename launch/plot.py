@@ -75,6 +75,8 @@ def plot_latency(files: list[Path], out: Path) -> None:
             if n > 1
         ]
         itl = [gap for gaps in r["itls_s"] for gap in gaps]
+        if r.get("per_token_timing_refused"):  # not observed: TTFT only
+            tpot = itl = []
         for ax, values in zip(axes, (r["ttfts_s"], tpot, itl), strict=True):
             ms = np.sort(np.asarray(values) * 1000.0)
             if ms.size:

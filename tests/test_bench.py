@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -95,8 +96,8 @@ def test_peaks():
 
 def test_serving_metrics_and_block():
     results = [
-        RequestResult(True, 10, 3, ttft_s=0.1, latency_s=0.3, itl_s=[0.1, 0.1]),
-        RequestResult(True, 20, 1, ttft_s=0.2, latency_s=0.2, itl_s=[]),
+        RequestResult(True, 10, 3, ttft_s=0.1, latency_s=0.3, itl_s=[0.1, 0.1], chunks=3),
+        RequestResult(True, 20, 1, ttft_s=0.2, latency_s=0.2, itl_s=[], chunks=1),
         RequestResult(False, error="boom"),
     ]
     m = compute_metrics(results, duration_s=2.0)
@@ -263,3 +264,116 @@ def test_random_requests_as_text_are_words_one_per_asked_token():
             f"w{i}" for i in tokens.prompt
         ]
         assert text.prompt_len == tokens.prompt_len and text.output_len == tokens.output_len
+
+
+def test_itl_is_per_token_and_sparse_chunks_refuse_per_token_timing():
+    # Request 1: 4 tokens in 3 chunks (the last carries 2): ITL has 3 entries, the 0.2 s gap
+    # split over its 2 tokens.
+    a = RequestResult(True, 5, 4, ttft_s=0.1, latency_s=0.5, itl_s=[0.2, 0.1, 0.1], chunks=3)
+    m = compute_metrics([a], duration_s=1.0)
+    assert m.streamed_chunks == 3 and m.chunk_coverage == pytest.approx(0.75)
+    assert m.per_token_timing_refused is None
+    assert m.itl_ms["mean"] == pytest.approx(400 / 3) and m.tpot_ms["mean"] == pytest.approx(
+        400 / 3
+    )
+    # Request 2: 64 tokens, one text chunk at the end (ids without text): TTFT is reported,
+    # TPOT and ITL are refused with the reason, in the block too.
+    b = RequestResult(True, 5, 64, ttft_s=0.9, latency_s=0.9, itl_s=[], chunks=1)
+    m = compute_metrics([b], duration_s=1.0)
+    assert m.tpot_ms is None and m.itl_ms is None
+    assert "1 streamed chunks that carried text cover 1.6% of the 64 output tokens" in (
+        m.per_token_timing_refused
+    )
+    block = format_result_block(m, max_concurrency=None, request_rate=float("inf"))
+    assert (
+        "Mean TTFT (ms):" in block and "Mean TPOT" not in block and "TPOT and ITL refused" in block
+    )
+    # The threshold is the caller's (multi-token chunks of speculative decoding).
+    assert compute_metrics([b], 1.0, min_chunk_coverage=0.01).tpot_ms is not None
+
+
+def test_send_request_counts_each_chunks_tokens_from_the_running_usage():
+    """A scripted SSE stream: 5 tokens in chunks of 1, 3 (two without text folded into the
+    next) and 1; ITL gets one entry per token after the first chunk."""
+    import asyncio
+
+    from benchmarks.serving_client import Request, send_request
+
+    def event(text, completion_tokens, finish=None):
+        body = {"choices": [{"text": text, "finish_reason": finish}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens}}  # fmt: skip
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    stream = [event("a", 1), event("", 2), event("", 3), event("bcd", 4), event("e", 5, "length"),
+              b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}\n\n',
+              b"data: [DONE]\n\n"]  # fmt: skip
+    seen = {}
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(v for k, v in (
+            line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line
+        ) if k.strip().lower() == b"content-length"))  # fmt: skip
+        seen["body"] = json.loads(await reader.readexactly(length))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+        for chunk in stream:
+            writer.write(chunk)
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await send_request(f"http://127.0.0.1:{port}", "m", Request([1, 2, 3], 3, 5))
+
+    r = asyncio.run(main())
+    assert seen["body"]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert r.success and (r.output_len, r.chunks, r.prompt_len) == (5, 3, 3)
+    assert len(r.itl_s) == 4  # tokens 2..5: three from the "bcd" chunk, one from "e"
+    # The "bcd" chunk came three 20 ms sleeps after "a": that gap, split over its 3 tokens.
+    assert r.itl_s[0] == r.itl_s[1] == r.itl_s[2] and 3 * r.itl_s[0] >= 0.055
+
+
+def _serve_and_bench(model: Path, env, tmp_path: Path, tag: str) -> dict:
+    srv = Server(
+        [sys.executable, "launch/serve.py", "--model", str(model), "--port", "0",
+         "--max-model-len", "256", "--num-kv-blocks", "64"],
+        env,
+        tmp_path / f"server-{tag}.log",
+    )  # fmt: skip
+    try:
+        srv.wait_ready()
+        out = tmp_path / f"serving-{tag}.json"
+        _run(
+            ["launch/bench_serving.py", "--base-url", f"http://{srv.host}:{srv.port}",
+             "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "24",
+             "--random-vocab-size", "600", "--max-concurrency", "4", "--output-json", str(out)],
+            env,
+        )  # fmt: skip
+    finally:
+        srv.stop()
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_serving_benchmark_needs_a_tokenizer_that_covers_the_vocabulary(bench_env, tmp_path):
+    """The same tiny model under Qwen3's 151,936 rows, with Qwen3's tokenizer (151,669 tokens)
+    and with the 640-token test one: the first streams a chunk per token and gets TPOT and
+    ITL; under the second almost every sampled id has no text, and they are refused."""
+    from tp_engine.checkpoints import QWEN3_VOCAB_ROWS, build_random_qwen3
+
+    shape = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                 intermediate_size=64, vocab_size=QWEN3_VOCAB_ROWS, max_position_embeddings=256)  # fmt: skip
+    covering = build_random_qwen3(tmp_path / "qwen3-tok", tokenizer="qwen3", **shape)
+    sparse = build_random_qwen3(tmp_path / "test-tok", tokenizer="test", **shape)
+    good = _serve_and_bench(covering, bench_env, tmp_path, "covering")
+    bad = _serve_and_bench(sparse, bench_env, tmp_path, "sparse")
+    assert good["completed"] == bad["completed"] == 4
+    assert good["total_output"] == bad["total_output"] == 4 * 24
+    assert good["chunk_coverage"] > 0.8 and good["per_token_timing_refused"] is None
+    assert good["tpot_ms"]["mean"] > 0 and good["itl_ms"]["mean"] > 0
+    assert bad["chunk_coverage"] < 0.2
+    assert bad["tpot_ms"] is None and bad["itl_ms"] is None
+    assert "cover" in bad["per_token_timing_refused"]

@@ -18,6 +18,7 @@ nothing is missing).
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
@@ -101,6 +102,89 @@ def build_tokenizer(out_dir: str | Path) -> Any:
     hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(str(out_dir))
     return hf_tok
+
+
+# Qwen3's tokenizer, rebuilt from Qwen's published BPE ranks: the 151,643 byte-level tokens of
+# `qwen.tiktoken` (shipped inside the `dashscope` package), Qwen2's pre-tokenizer split (single
+# digits, unlike tiktoken's cl100k) behind NFC, and Qwen3's 26 added tokens at their public ids.
+# 151,669 tokens in all, under the 151,936 rows of Qwen3's embedding, as in the real checkpoints.
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (  # (content, special), ids from 151643 on
+    (ENDOFTEXT, True), (IM_START, True), (IM_END, True),
+    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True),
+    ("<|box_start|>", True), ("<|box_end|>", True),
+    ("<|quad_start|>", True), ("<|quad_end|>", True),
+    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True),
+    ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", True), ("<|fim_middle|>", True), ("<|fim_suffix|>", True),
+    ("<|fim_pad|>", True), ("<|repo_name|>", True), ("<|file_sep|>", True),
+    ("<tool_response>", False), ("</tool_response>", False),
+    ("<think>", False), ("</think>", False),
+)  # fmt: skip
+QWEN3_TOKENIZER_SIZE = 151_669
+QWEN3_VOCAB_ROWS = 151_936
+
+
+def qwen_tiktoken_path() -> Path:
+    """`dashscope`'s copy of Qwen's BPE ranks, found without importing the package (whose
+    import pulls in its HTTP client)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("dashscope")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the Qwen3 tokenizer is built from Qwen's BPE ranks in the 'dashscope' package "
+            "(resources/qwen.tiktoken): pip install dashscope"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "resources" / "qwen.tiktoken"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: this dashscope release does not ship qwen.tiktoken")
+    return path
+
+
+def build_qwen3_tokenizer(out_dir: str | Path) -> Any:
+    """Qwen3's tokenizer (see QWEN3_ADDED_TOKENS) saved to `out_dir` with eos `<|im_end|>`, pad
+    `<|endoftext|>` and the ChatML chat template; about 2 s. Returns the `transformers`
+    tokenizer. "Hello" encodes to 9707 as in Qwen3."""
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class QwenRanks(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(path: str) -> dict[bytes, int]:
+            # One "base64-token rank" pair a line; read here so that tiktoken is not needed.
+            with open(path, "rb") as f:
+                return {
+                    base64.b64decode(t): int(r) for t, r in (ln.split() for ln in f if ln.strip())
+                }
+
+    tok = QwenRanks(vocab_file=str(qwen_tiktoken_path()), pattern=QWEN2_SPLIT_PATTERN).converted()
+    tok.normalizer = normalizers.NFC()
+    for content, special in QWEN3_ADDED_TOKENS:
+        token = AddedToken(content, special=special, normalized=False)
+        (tok.add_special_tokens if special else tok.add_tokens)([token])
+    if tok.get_vocab_size() != QWEN3_TOKENIZER_SIZE:
+        raise ValueError(f"built {tok.get_vocab_size()} tokens, expected {QWEN3_TOKENIZER_SIZE}")
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[c for c, special in QWEN3_ADDED_TOKENS[1:] if special],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(str(out_dir))
+    return hf_tok
+
+
+TOKENIZERS: dict[str, Callable[[str | Path], Any]] = {
+    "test": build_tokenizer,
+    "qwen3": build_qwen3_tokenizer,
+}
 
 
 # -- model ----------------------------------------------------------------------------------
@@ -287,17 +371,19 @@ def build_random_qwen3(
     rope_theta: float = 1_000_000.0,
     seed: int = 0,
     dtype: str = "float32",
+    tokenizer: str = "test",
 ) -> Path:
     """Write a random-weight Qwen3 checkpoint (config, generation config, weights, tokenizer).
 
     `vocab_size` None uses the tokenizer's size; a larger value pads the embedding table as
-    real checkpoints do (Qwen3's 151936 rows exceed its tokenizer). `max_shard_bytes` splits the
+    real checkpoints do (Qwen3's 151936 rows exceed its tokenizer). `tokenizer`: "test" (a
+    640-token BPE trained here) or "qwen3" (Qwen3's own, `build_qwen3_tokenizer`). `max_shard_bytes` splits the
     weights into several files with a `model.safetensors.index.json`. Same arguments and seed,
     same bytes. Returns `out_dir`.
     """
     from transformers import Qwen3Config
 
-    out, vocab_size, eos_id, pad_id = _start_checkpoint(out_dir, vocab_size)
+    out, vocab_size, eos_id, pad_id = _start_checkpoint(out_dir, vocab_size, tokenizer)
     torch_dtype = getattr(torch, dtype)
     config = Qwen3Config(
         vocab_size=vocab_size,
@@ -340,11 +426,16 @@ def build_random_qwen3(
     return out
 
 
-def _start_checkpoint(out_dir: str | Path, vocab_size: int | None) -> tuple[Path, int, int, int]:
-    """Make `out_dir` and its tokenizer; returns (dir, vocab size, eos id, pad id)."""
+def _start_checkpoint(
+    out_dir: str | Path, vocab_size: int | None, tokenizer: str = "test"
+) -> tuple[Path, int, int, int]:
+    """Make `out_dir` and its tokenizer (a `TOKENIZERS` name); returns (dir, vocab size, eos
+    id, pad id)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out)
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer {tokenizer!r}: expected one of {sorted(TOKENIZERS)}")
+    tok = TOKENIZERS[tokenizer](out)
     if vocab_size is None:
         vocab_size = len(tok)
     if vocab_size < len(tok):
@@ -384,6 +475,7 @@ def build_random_qwen3_moe(
     router_scale: float = ROUTER_SCALE,
     seed: int = 0,
     dtype: str = "float32",
+    tokenizer: str = "test",
 ) -> Path:
     """Write a random-weight Qwen3-MoE checkpoint (`Qwen3MoeForCausalLM`), as published.
 
@@ -395,7 +487,7 @@ def build_random_qwen3_moe(
     """
     from transformers import Qwen3MoeConfig
 
-    out, vocab_size, eos_id, pad_id = _start_checkpoint(out_dir, vocab_size)
+    out, vocab_size, eos_id, pad_id = _start_checkpoint(out_dir, vocab_size, tokenizer)
     if intermediate_size is None:
         intermediate_size = num_experts_per_tok * moe_intermediate_size
     mlp_only = sorted(int(i) for i in mlp_only_layers)

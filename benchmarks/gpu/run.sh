@@ -12,6 +12,11 @@
 # results.tgz re-packed after every step so that a call killed at its limit still brings back
 # what finished. Every step runs under its own timeout and a failing step does not stop the
 # rest. Without a GPU it dry-runs the same steps on tiny shapes (the demo model, CPU).
+#
+# The size presets (0.6B, 8B) carry Qwen3's tokenizer, built from the `dashscope` wheel's
+# qwen.tiktoken (found, not imported: `../shared/device/fetch-wheels.sh dashscope` is enough), so
+# that the serving benchmark's streams carry a chunk per token; bench_serving reports the chunks
+# per output token and refuses TPOT/ITL when they are far below one.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 

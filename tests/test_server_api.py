@@ -338,8 +338,10 @@ INVALID = [
     ("chat-unknown-model", CHAT, {"messages": USER_HI, "model": "nope"}, AUTH, 404),
     ("chat-missing-api-key", CHAT, {"messages": USER_HI}, {}, 401),
     ("unknown-route", "/v1/embeddings", {"input": "Hi"}, AUTH, 404),
-    ("tokenize-unknown-model", "/tokenize", {"prompt": "Hi", "model": "nope"}, {}, 404),
-    ("detokenize-out-of-vocab", "/detokenize", {"tokens": [10**6]}, {}, 400),
+    ("tokenize-unknown-model", "/tokenize", {"prompt": "Hi", "model": "nope"}, AUTH, 404),
+    ("detokenize-out-of-vocab", "/detokenize", {"tokens": [10**6]}, AUTH, 400),
+    ("tokenize-missing-api-key", "/tokenize", {"prompt": "Hi"}, {}, 401),
+    ("detokenize-missing-api-key", "/detokenize", {"tokens": [1, 2]}, {}, 401),
 ]  # fmt: skip
 
 
@@ -529,10 +531,10 @@ def test_metrics_use_vllms_names(server):
 
 
 def test_tokenize_and_detokenize(server, llm):
-    status, resp = server.post("/tokenize", {"prompt": PROMPTS[0]})
+    status, resp = server.post("/tokenize", {"prompt": PROMPTS[0]}, AUTH)
     assert status == 200 and resp["tokens"] == llm.tokenizer(PROMPTS[0])["input_ids"]
     assert resp["count"] == len(resp["tokens"]) and resp["max_model_len"] == MAX_MODEL_LEN
-    status, resp = server.post("/detokenize", {"tokens": resp["tokens"]})
+    status, resp = server.post("/detokenize", {"tokens": resp["tokens"]}, AUTH)
     assert status == 200 and resp["prompt"] == PROMPTS[0]
 
 

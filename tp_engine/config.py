@@ -74,6 +74,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # Testing: take the GPU's data paths on CPU too (`RunnerConfig.gpu_data_paths`).
     gpu_data_paths: bool = False
+    # Seconds a request's structured-output grammar may take to compile; a slower one ends
+    # that request (the server answers it 400), the others run on.
+    structured_outputs_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
@@ -90,6 +93,7 @@ class EngineConfig:
             "gpu_memory_utilization",
             f"must be in (0, 1], got {self.gpu_memory_utilization}",
         )
+        _check(self.structured_outputs_timeout_s > 0, "structured_outputs_timeout_s", "must be > 0")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(
             self.attention_backend in ATTENTION_BACKENDS,

@@ -32,7 +32,7 @@ for more logits rows (every prompt position of the chunk), placed after the samp
 
 A request with a structured-output constraint waits, off the scheduler, until its grammar is
 compiled on a background thread (`tp_engine.structured_outputs`); the other requests keep
-running meanwhile. Each of its sequences then gets a matcher, which `_apply` advances with the
+running meanwhile. One that is not compiled within `structured_outputs_timeout_s` ends, alone. Each of its sequences then gets a matcher, which `_apply` advances with the
 sequence's new tokens and the sampling builder asks for the next step's token bitmask. With
 asynchronous scheduling that stays exact: step t+1's mask is filled in `_sample`, after step t's
 tokens were applied, while step t+1's forward runs on the GPU.
@@ -202,6 +202,11 @@ class LLMEngine:
         # sequences with a matcher that have not finished.
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, tuple[Future, list[Sequence]]] = {}
+        # When each compilation must be done by (`structured_outputs_timeout_s` after submit).
+        self._compile_deadlines: dict[str, float] = {}
+        # Set by the server's engine loop: the verdict on each constraint, by the request's
+        # first sequence id (None: compiled; else why not), until it takes them.
+        self.compile_verdicts: dict[str, str | None] | None = None
         self._constrained: set[Sequence] = set()
         self._turn_boundaries: tuple[int, ...] | None = None
         runner_config = runner_config_for(self.config)
@@ -293,6 +298,9 @@ class LLMEngine:
         if params.structured_outputs is not None:
             future = self.grammars.submit(params.structured_outputs)
             self._compiling[seqs[0].seq_id] = (future, seqs)
+            self._compile_deadlines[seqs[0].seq_id] = (
+                time.monotonic() + self.config.structured_outputs_timeout_s
+            )
         else:
             self._admit(seqs)
         return [seq.seq_id for seq in seqs]
@@ -315,8 +323,9 @@ class LLMEngine:
                     f"SamplingParams.{name}={value} exceeds the maximum of {MAX_NUM_LOGPROBS} "
                     "log-probabilities per token"
                 )
-        if params.structured_outputs is not None:
-            params.structured_outputs.check()
+        # A structured-output constraint was parsed by the caller (the API process within its
+        # time limit, or LLM.generate); a bad one that gets here fails its compilation, which
+        # ends that request alone.
         if not isinstance(prompt_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids
         ):
@@ -327,6 +336,10 @@ class LLMEngine:
                 f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
                 f"[0, {self.vocab_size})"
             )
+
+    def is_compiling(self, seq_id: str) -> bool:
+        """Whether the request whose first sequence is `seq_id` waits for its grammar."""
+        return seq_id in self._compiling
 
     def _is_known(self, seq_id: str) -> bool:
         return self.scheduler.get(seq_id) is not None or any(
@@ -359,6 +372,9 @@ class LLMEngine:
                     seq.status = status
                     seq.stop_reason = stop_reason
                     self._compiling = {k: v for k, v in self._compiling.items() if v[1]}
+                    self._compile_deadlines = {
+                        k: d for k, d in self._compile_deadlines.items() if k in self._compiling
+                    }
                     return True
         return self.scheduler.finish(seq_id, status, stop_reason) is not None
 
@@ -393,19 +409,31 @@ class LLMEngine:
 
     def _release_compiled(self) -> StepOutputs:
         """Admit the requests whose grammar is compiled, each sequence with its matcher; a
-        compilation that failed ends its request (aborted, reported in the outputs). Waits a
-        little for a compilation when there is nothing else to do."""
+        compilation that failed, or is not done by its deadline, ends its request (aborted,
+        reported in the outputs and, for the server, in `compile_verdicts`). Waits a little for
+        a compilation when there is nothing else to do."""
         if not self.scheduler.has_unfinished() and self._in_flight is None:
             wait_for_futures([f for f, _ in self._compiling.values()], timeout=0.05,
                              return_when="FIRST_COMPLETED")  # fmt: skip
         failed = []
+        now = time.monotonic()
         for first_id, (future, seqs) in list(self._compiling.items()):
-            if not future.done():
+            if future.done():
+                error = future.exception()
+                why = None if error is None else f"its output constraint failed to compile: {error}"
+            elif now > self._compile_deadlines[first_id]:
+                why = (
+                    "its output constraint did not compile within "
+                    f"{self.config.structured_outputs_timeout_s:g} s (structured outputs timeout)"
+                )
+            else:
                 continue
             del self._compiling[first_id]
-            if future.exception() is not None:
-                logger.error("request %r: its constraint failed to compile: %s",
-                             seqs[0].group_id, future.exception())  # fmt: skip
+            del self._compile_deadlines[first_id]
+            if self.compile_verdicts is not None:
+                self.compile_verdicts[first_id] = why
+            if why is not None:
+                logger.error("request %r: %s", seqs[0].group_id or first_id, why)
                 for seq in seqs:
                     seq.status = SequenceStatus.FINISHED_ABORTED
                 failed += seqs

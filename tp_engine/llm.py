@@ -116,6 +116,10 @@ class LLM:
             for p, sp in zip(prompt_list, params_list, strict=True)
         ]
 
+        for _, _, params in requests:
+            if params.structured_outputs is not None:
+                # Parsed here, as the API process does for the server: the engine compiles.
+                params.structured_outputs.check()
         groups: list[tuple[str, list[str]]] = []
         try:
             for token_ids, _, params in requests:

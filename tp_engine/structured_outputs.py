@@ -6,10 +6,12 @@ Three parts, in the order a request meets them:
   on `SamplingParams.structured_outputs`; `check()` parses it without a tokenizer (fast, cached)
   so that a bad schema, regex or grammar is refused when the request arrives, naming the field.
 - `GrammarCompiler` turns it into an xgrammar `CompiledGrammar` for this engine's tokenizer: the
-  vocabulary is read once per engine, compilations run on a background thread (xgrammar releases
-  the GIL), and their futures are cached by the constraint's text, so a request waits for its
-  grammar while every other request keeps running, and the second request with the same schema
-  waits for nothing.
+  vocabulary is read once per engine, compilations run on a few background threads at once
+  (xgrammar releases the GIL), and their futures are cached by the constraint's text, so a
+  request waits for its grammar while every other request keeps running, and the second request
+  with the same schema waits for nothing. The engine gives each a deadline; a compilation past
+  it ends its request and keeps its thread until it finishes (threads cannot be stopped), so a
+  few slow constraints cannot hold up the others for long.
 - `GrammarState` is one sequence's matcher. It follows the sequence's output tokens (`advance`,
   after each step's tokens are applied) and fills the sequence's row of the next step's token
   bitmask (`fill`); the sampler sets every token the row may not take to -inf
@@ -183,8 +185,10 @@ class GrammarCompiler:
         vocab_size: int,
         stop_token_ids: Iterable[int],
         cache_size: int = 256,
+        workers: int = 4,
     ) -> None:
         self._tokenizer = tokenizer
+        self._workers = workers
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: Any = None  # built on the first request with a constraint
@@ -202,7 +206,7 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
             return future
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpe-grammar")
+            self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="tpe-grammar")
         future = self._executor.submit(self._compile, *key)
         self._cache[key] = future
         while len(self._cache) > self._cache_size:

@@ -7,7 +7,9 @@ loaded), load the tokenizer, bind the HTTP socket, then say Ready with the port.
 rank 0 sends Exit (with rank 0's exit code), or at once if rank 0 disappears.
 
 Routes (vLLM's): /v1/completions, /v1/chat/completions, /v1/models, /health, /version,
-/tokenize, /detokenize, /tokenizer_info, /metrics. `--api-key` guards the /v1 routes, as in vLLM.
+/tokenize, /detokenize, /tokenizer_info, /metrics. `guards.RequestGuard` checks the Host header,
+the API key (every route that reads or costs), the body's type and size before a handler runs;
+the handlers hand their CPU work to `request_work` so that the event loop only moves bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 import sys
 import time
@@ -26,11 +27,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shm_ipc.liveness import ProcessWatch
 from tp_engine.server.chat_parsers import ChatParsing
 from tp_engine.server.engine_client import EngineClient
+from tp_engine.server.guards import RequestGuard, RequestLimits
 from tp_engine.server.http_errors import APIError, install_handlers
 from tp_engine.server.ipc import ApiPipes
 from tp_engine.server.messages import Exit, Hello, Ready
@@ -43,6 +44,7 @@ from tp_engine.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from tp_engine.server.request_work import RequestWork
 from tp_engine.server.serving import OpenAIServing
 from tp_engine.server.worker_routes import build_router
 
@@ -60,29 +62,6 @@ def version() -> str:
         return "unknown"
 
 
-class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on the /v1 routes (as vLLM guards them), compared in
-    constant time. Plain ASGI rather than `@app.middleware("http")`, which would copy every
-    streamed chunk through an extra task and memory stream."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                response = APIError(
-                    401,
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                    code="invalid_api_key",
-                ).response()
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_app(
     client: EngineClient,
     tokenizer: Any,
@@ -92,8 +71,10 @@ def build_app(
     """The app; `on_startup` runs as a task once the event loop is up (Ready is sent there);
     `parsing`: the chat-output parsers resolved against `tokenizer` (none by default)."""
     hello = client.hello
+    limits = RequestLimits.from_wire(hello.limits) if hello.limits else RequestLimits()
     builder = PromptBuilder(tokenizer, hello, parsing)
-    serving = OpenAIServing(client, builder)
+    work = RequestWork(limits)
+    serving = OpenAIServing(client, builder, work)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -104,12 +85,12 @@ def build_app(
         if announce is not None:
             announce.cancel()
         await client.stop()
+        work.shutdown()
 
     app = FastAPI(title="tp-engine", version=version(), lifespan=lifespan)
     install_handlers(app)
 
-    if hello.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=hello.api_key)
+    app.add_middleware(RequestGuard, limits=limits, api_key=hello.api_key)
     app.include_router(build_router(client, serving))  # what sglang-router probes
 
     @app.get("/health")
@@ -147,17 +128,16 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_body(CompletionRequest, await request.body())
+        req = await work.run(parse_body, CompletionRequest, await request.body())
         return await serving.completion(req, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await request.body())
+        req = await work.run(parse_body, ChatCompletionRequest, await request.body())
         return await serving.chat(req, request)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        req = parse_body(TokenizeRequest, await request.body())
+    def tokenize_body(body: bytes) -> dict[str, Any]:
+        req = parse_body(TokenizeRequest, body)
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
@@ -170,17 +150,26 @@ def build_app(
                 tools=req.tools,
                 documents=req.documents,
             )
+            builder.check_text_length(text, "messages")
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
+            builder.check_text_length(req.prompt, "prompt")
             ids = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
         return {"count": len(ids), "max_model_len": hello.max_model_len, "tokens": list(ids)}
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        req = parse_body(DetokenizeRequest, await request.body())
+    def detokenize_body(body: bytes) -> dict[str, Any]:
+        req = parse_body(DetokenizeRequest, body)
         serving.check_model(req.model)
         ids = builder.check_token_ids(req.tokens, "tokens") if req.tokens else []
         return {"prompt": tokenizer.decode(ids)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await work.run(tokenize_body, await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return await work.run(detokenize_body, await request.body())
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tp_engine.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from tp_engine.server.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.engine_loop import LoopOptions
+from tp_engine.server.guards import RequestLimits, allowed_hosts
 
 # The API key may come from the environment, so that it does not show in `ps`.
 API_KEY_ENV = "TP_ENGINE_API_KEY"
@@ -30,6 +31,7 @@ class ServerArgs:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
+        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize, /detokenize and "
+        f"/tokenizer_info (default: ${API_KEY_ENV})",
     )
     p.add_argument(
         "--tensor-parallel-size",
@@ -159,6 +162,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    limits = p.add_argument_group(
+        "request limits and access", "what one request may cost, and who may send one"
+    )
+    defaults = RequestLimits()
+    limits.add_argument(
+        "--max-request-body-bytes", type=int, default=defaults.max_body_bytes,
+        help="larger request bodies get a 413 before they are read",
+    )  # fmt: skip
+    limits.add_argument(
+        "--allowed-hosts", nargs="+", default=None, metavar="NAME",
+        help="Host header names to answer to besides localhost, 127.0.0.1, [::1] and --host "
+        "(others get a 421: DNS rebinding); '*' for any. A wildcard --host (0.0.0.0) without "
+        "this flag answers to any name",
+    )  # fmt: skip
+    limits.add_argument(
+        "--protect-metrics-and-docs", action="store_true",
+        help="/metrics, /docs, /redoc and /openapi.json need the API key too (open by default, "
+        "as in vLLM)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-constraint-bytes", type=int, default=defaults.max_constraint_bytes,
+        help="largest JSON schema, regex, grammar or tool parameter schema a request may give",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-constraint-depth", type=int, default=defaults.max_constraint_depth,
+        help="deepest nesting of a JSON schema or tool parameter schema",
+    )  # fmt: skip
+    limits.add_argument(
+        "--structured-outputs-timeout", type=float, default=defaults.constraint_timeout_s,
+        help="seconds a request's output constraint may take to check (API process) and to "
+        "compile (rank 0); slower ones are answered 400, the other requests are unaffected",
+    )  # fmt: skip
     return p
 
 
@@ -183,6 +218,7 @@ def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
         attention_backend=args.attention_backend,
         enable_expert_parallel=args.enable_expert_parallel,
         kv_cache_dtype=args.kv_cache_dtype,
+        structured_outputs_timeout_s=args.structured_outputs_timeout,
     )
 
 
@@ -198,6 +234,13 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
         raise ValueError("--api-key must not be empty")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+    if args.protect_metrics_and_docs and args.api_key is None:
+        raise ValueError("--protect-metrics-and-docs needs --api-key (the key is what opens them)")
+    for name in ("max_request_body_bytes", "max_constraint_bytes", "max_constraint_depth"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.structured_outputs_timeout <= 0:
+        raise ValueError("--structured-outputs-timeout must be > 0")
     return ServerArgs(
         host=args.host,
         port=args.port,
@@ -214,6 +257,14 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        limits=RequestLimits(
+            max_body_bytes=args.max_request_body_bytes,
+            allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+            protect_metrics_and_docs=args.protect_metrics_and_docs,
+            max_constraint_bytes=args.max_constraint_bytes,
+            max_constraint_depth=args.max_constraint_depth,
+            constraint_timeout_s=args.structured_outputs_timeout,
+        ),
     )
 
 

@@ -15,15 +15,20 @@ At most one source per request: two are a 400 naming both. The constraint is par
 (`StructuredOutputsParams.check`, no tokenizer needed, cached by its text) so that an invalid
 schema, regex or grammar is a 400 whose `param` is the field that carried it
 (`response_format.json_schema.schema`, `structured_outputs.regex`, `guided_regex`,
-`tools.0.function.parameters`), and nothing reaches the engine.
+`tools.0.function.parameters`), and nothing reaches the engine; rank 0 only compiles it.
+Before it is parsed, its size and a JSON schema's nesting are checked against the server's
+`RequestLimits`, without recursion (a schema nested 900 deep once took xgrammar 75 s). This runs
+on the API process's constraints pool, within the time limit (`request_work`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 from tp_engine.server.forced_tool_calls import tool_choice_schema
+from tp_engine.server.guards import RequestLimits, check_nesting
 from tp_engine.server.http_errors import bad_request
 from tp_engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from tp_engine.server.tool_calls import ToolChoice, ToolPlan
@@ -36,16 +41,19 @@ GUIDED_FIELDS = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
+_DEFAULT_LIMITS = RequestLimits()
 # How StructuredOutputsParams names a field in its errors; replaced by the request's field.
 _ENGINE_FIELD = re.compile(r"SamplingParams\.structured_outputs(\.\w+)?")
 
 
 def output_constraint(
-    req: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None = None
+    req: CompletionRequest | ChatCompletionRequest,
+    tools: ToolPlan | None = None,
+    limits: RequestLimits = _DEFAULT_LIMITS,
 ) -> StructuredOutputsParams | None:
     """The request's constraint (None: free output); a 400 naming the field if it gives more
-    than one, or one that is not valid. `tools`: the chat request's checked tools
-    (`tool_calls.tool_plan`), whose "required" or named tool_choice is a constraint too."""
+    than one, or one that is not valid or over `limits`. `tools`: the chat request's checked
+    tools (`tool_calls.tool_plan`), whose "required" or named tool_choice is a constraint too."""
     refuse_unsupported_options(req)
     sources = _sources(req, tools)
     if len(sources) > 1:
@@ -60,13 +68,19 @@ def output_constraint(
         assert isinstance(req, ChatCompletionRequest) and req.tools and tools is not None
         for i, tool in enumerate(req.tools):
             if tool.function.name in tools.names and tool.function.parameters:
-                constraint({"json": tool.function.parameters}, f"tools.{i}.function.parameters")
+                constraint(
+                    {"json": tool.function.parameters}, f"tools.{i}.function.parameters", limits
+                )
         fields = {"json": tool_choice_schema(req.tools, tools)}
-    return constraint(fields, param)
+    return constraint(fields, param, limits)
 
 
-def constraint(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
-    """`StructuredOutputsParams(**fields)`, parsed; its errors are 400s naming `param`."""
+def constraint(
+    fields: dict[str, Any], param: str, limits: RequestLimits = _DEFAULT_LIMITS
+) -> StructuredOutputsParams:
+    """`StructuredOutputsParams(**fields)`, within `limits` and parsed; its errors are 400s
+    naming `param`."""
+    check_size_and_nesting(fields, param, limits)
     try:
         params = StructuredOutputsParams(**fields)
         params.check()
@@ -74,6 +88,40 @@ def constraint(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
         message = _ENGINE_FIELD.sub(param, str(exc), count=1)
         raise bad_request(message, param) from None
     return params
+
+
+def check_size_and_nesting(fields: dict[str, Any], param: str, limits: RequestLimits) -> None:
+    """A 400 naming `param` when a constraint's text is over `limits.max_constraint_bytes` or
+    a JSON schema (an object, or text that parses to one) nests deeper than
+    `limits.max_constraint_depth`. The depth is measured before anything recursive reads it."""
+    for kind, value in fields.items():
+        if kind == "json" and not isinstance(value, str):
+            check_nesting(value, param, limits.max_constraint_depth)  # before json.dumps
+            text = json.dumps(value)
+        elif kind == "choice" and isinstance(value, list):
+            text = "".join(c for c in value if isinstance(c, str))
+        elif isinstance(value, str):
+            text = value
+        else:
+            continue
+        if len(text.encode()) > limits.max_constraint_bytes:
+            raise bad_request(
+                f"{param} is {len(text.encode())} bytes, over this server's limit of "
+                f"{limits.max_constraint_bytes} (--max-constraint-bytes)",
+                param,
+            )
+        if kind == "json" and isinstance(value, str):
+            try:
+                parsed = json.loads(value)
+            except RecursionError:
+                raise bad_request(
+                    f"{param} nests deeper than this server's limit of "
+                    f"{limits.max_constraint_depth} levels",
+                    param,
+                ) from None
+            except ValueError:
+                continue  # not JSON: `check` says so, naming the field
+            check_nesting(parsed, param, limits.max_constraint_depth)
 
 
 def refuse_unsupported_options(req: CompletionRequest | ChatCompletionRequest) -> None:

@@ -96,6 +96,10 @@ class EngineLoop:
         self._requests: dict[str, list[_Live]] = {}  # the API's request id -> its samples
         self._accepted: list[str] = []
         self._rejected: list[Rejected] = []
+        # Requests whose output constraint is compiling, by their first sequence's id: accepted
+        # once it compiles, rejected (400) if it fails or runs out of time.
+        self._compiling: dict[str, str] = {}
+        engine.compile_verdicts = {}
         self._deltas: list[Delta] = []
         self._last_stats: EngineStats | None = None
         self._stop_signal: int | None = None
@@ -191,10 +195,15 @@ class EngineLoop:
         self._requests[msg.request_id] = samples
         for live in samples:
             self._live[live.seq_id] = live
-        self._accepted.append(msg.request_id)
+        if self.engine.is_compiling(seq_ids[0]):
+            self._compiling[seq_ids[0]] = msg.request_id
+        else:
+            self._accepted.append(msg.request_id)
 
     def _abort(self, msg: AbortRequest) -> None:
         samples = self._requests.get(msg.request_id, [])
+        if samples and samples[0].seq_id in self._compiling:  # the client left while it compiled
+            del self._compiling[samples[0].seq_id]
         for index, live in enumerate(samples):
             if msg.sample_indices is not None and index not in msg.sample_indices:
                 continue
@@ -215,6 +224,7 @@ class EngineLoop:
         step = self.engine.step()
         if step.made_progress:
             self._watchdog.progress()
+        self._take_compile_verdicts()
         for out in step.outputs:
             live = self._live.get(out.seq_id)
             if live is None:
@@ -223,6 +233,24 @@ class EngineLoop:
                 del self._live[out.seq_id]
                 self._forget_if_done(live.request_id)
             self._deltas.append(_delta(live.request_id, out))
+
+    def _take_compile_verdicts(self) -> None:
+        """Accept the requests whose constraint compiled; reject (400) the others, whose
+        sequences the engine has ended (their outputs are not sent: a rejection is final)."""
+        verdicts = self.engine.compile_verdicts
+        if not verdicts:
+            return
+        for first_id, why in verdicts.items():
+            request_id = self._compiling.pop(first_id, None)
+            if request_id is None:
+                continue  # aborted while it compiled
+            if why is None:
+                self._accepted.append(request_id)
+                continue
+            self._rejected.append(Rejected(request_id, 400, f"request {request_id!r}: {why}"))
+            for live in self._requests.pop(request_id, []):
+                self._live.pop(live.seq_id, None)
+        verdicts.clear()
 
     def _flush(self) -> None:
         stats = self.engine.stats()
@@ -247,6 +275,14 @@ class EngineLoop:
 
     def _abort_everything(self) -> None:
         logger.warning("shutdown deadline passed: aborting %d sequences", len(self._live))
+        for request_id in self._compiling.values():  # never accepted
+            self._rejected.append(
+                Rejected(request_id, 503, "the server is shutting down; retry elsewhere")
+            )
+            for live in self._requests.pop(request_id, []):
+                self.engine.abort_request(live.seq_id)
+                self._live.pop(live.seq_id, None)
+        self._compiling.clear()
         for seq_id, live in list(self._live.items()):
             self.engine.abort_request(seq_id)
             self._deltas.append(

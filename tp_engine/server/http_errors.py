@@ -84,6 +84,12 @@ def install_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}"
         return APIError(exc.status_code, message).response()
 
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        # Every place that reads nested input names its field (guards.check_nesting and the
+        # json parses); this is the backstop, still the client's error and not a 500.
+        return APIError(400, "the request nests too deeply to be read").response()
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error answering %s %s", request.method, request.url.path)

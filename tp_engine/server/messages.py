@@ -24,7 +24,7 @@ iteration that changed anything, so /metrics reads rank 0's numbers without aski
 from __future__ import annotations
 
 import enum
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
@@ -70,6 +70,9 @@ class Hello:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # `guards.RequestLimits.to_wire()`: body size, allowed Host names, what needs the key,
+    # constraint limits. Empty: the defaults.
+    limits: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

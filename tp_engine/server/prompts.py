@@ -8,6 +8,7 @@ implement. The engine checks again (what it refuses it answers with a 400 too).
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -51,6 +52,11 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+# Unicode normalization (Qwen's tokenizer applies NFC) composes at most a few characters into
+# one: the length check allows for it.
+_NORMALIZING_SLACK = 4
+
+
 class PromptBuilder:
     def __init__(self, tokenizer: Any, hello: Hello, parsing: ChatParsing | None = None) -> None:
         self.tokenizer = tokenizer
@@ -58,6 +64,25 @@ class PromptBuilder:
         self.vocab_size = hello.vocab_size
         self.generation_defaults = dict(hello.generation_defaults)
         self.parsing = parsing or ChatParsing()
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """No token of this tokenizer stands for more characters than its longest vocabulary
+        entry has (byte-level: one character a byte), so a text of more than max_model_len *
+        this * _NORMALIZING_SLACK characters cannot fit in max_model_len tokens."""
+        return max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    def check_text_length(self, text: str, param: str) -> None:
+        """A 400 naming `param` for a text that cannot fit max_model_len tokens, before the
+        tokenizer spends seconds on it."""
+        limit = self.max_model_len * self.max_token_chars * _NORMALIZING_SLACK
+        if self.max_model_len and len(text) > limit:
+            raise bad_request(
+                f"{param} has {len(text)} characters; the longest token of this model's "
+                f"tokenizer is {self.max_token_chars} characters, so it needs more than "
+                f"max_model_len ({self.max_model_len}) tokens",
+                param,
+            )
 
     # -- prompts -----------------------------------------------------------------------------------
 
@@ -72,6 +97,7 @@ class PromptBuilder:
             if isinstance(item, str):
                 if not item:
                     raise bad_request("prompt must not be empty", "prompt")
+                self.check_text_length(item, "prompt")
                 ids = self.tokenizer(item, add_special_tokens=req.add_special_tokens)["input_ids"]
                 prompts.append(PromptInput(list(ids), item))
             else:
@@ -90,6 +116,7 @@ class PromptBuilder:
             tools=req.tools,
             documents=req.documents,
         )
+        self.check_text_length(text, "messages")
         ids = self.tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]
         if not ids:
             raise bad_request("the messages encode to no tokens", "messages")
@@ -116,7 +143,7 @@ class PromptBuilder:
                 "or it is not a template variable)",
                 "chat_template_kwargs",
             )
-        conversation = [_message_dict(m) for m in messages]
+        conversation = [_message_dict(m, f"messages.{i}") for i, m in enumerate(messages)]
         try:
             return self.tokenizer.apply_chat_template(
                 conversation,
@@ -322,14 +349,14 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
+def _message_dict(message: ChatMessage, param: str) -> dict[str, Any]:
     """A history message as chat templates read it (Qwen3's reads tool_calls, tool_call_id and
     reasoning_content)."""
     out: dict[str, Any] = {"role": message.role, "content": _text_of(message)}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_calls:
-        out["tool_calls"] = history_tool_calls(message.tool_calls)
+        out["tool_calls"] = history_tool_calls(message.tool_calls, f"{param}.tool_calls")
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     reasoning = (

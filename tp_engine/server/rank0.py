@@ -52,6 +52,7 @@ from tp_engine.server.args import (
     server_args,
 )
 from tp_engine.server.engine_loop import EXIT_FAILED, EngineLoop, stop_api_process
+from tp_engine.server.guards import exposure_warning
 from tp_engine.server.ipc import EnginePipes, RunDir
 from tp_engine.server.messages import Dead, Exit, Hello, Ready
 
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         sargs = server_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    warning = exposure_warning(sargs.host, sargs.api_key)
+    if warning is not None and (launcher is None or bringup.torchrun_rank() == 0):
+        logger.warning("%s\n%s\n%s", "!" * 80, warning, "!" * 80)
 
     if args.data_parallel_size is not None and args.replica_index is None:
         if launcher is not None:
@@ -188,6 +192,7 @@ class Rank0Server:
                 reasoning_parser=self.args.reasoning_parser,
                 tool_call_parser=self.args.tool_call_parser,
                 enable_auto_tool_choice=self.args.enable_auto_tool_choice,
+                limits=self.args.limits.to_wire(),
             ),
             keep_waiting=lambda: (
                 api.poll() is None and self._stop_signal is None and self._launcher_gone is None

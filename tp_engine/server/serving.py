@@ -1,7 +1,8 @@
 """/v1/completions and /v1/chat/completions: validate, generate, shape OpenAI's responses.
 
-Both run the same way: build prompts and parameters (`prompts.py`, the output constraint in
-`constraints.py`; any problem is a 400 before rank 0 sees the request), start a `Generation`
+Both run the same way: check the output constraint (`constraints.py`, on the constraints pool,
+within its time limit), build prompts and parameters (`prompts.py`, on the request pool: see
+`request_work`; any problem is a 400 before rank 0 sees the request), start a `Generation`
 (rank 0 may still refuse: a 400 or 503 for this request only), then either collect every choice
 into one response or stream chunks as tokens arrive (`streaming.py`).
 """
@@ -28,6 +29,7 @@ from tp_engine.server.prompts import (
     refuse_unsupported,
 )
 from tp_engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from tp_engine.server.request_work import RequestWork
 from tp_engine.server.responses import (
     CancellableStream,
     ClientGone,
@@ -40,6 +42,7 @@ from tp_engine.server.responses import (
 )
 from tp_engine.server.streaming import SSEStream
 from tp_engine.server.tool_calls import ToolPlan, tool_plan
+from tp_engine.structured_outputs import StructuredOutputsParams
 from tp_engine.thinking import ThinkingState
 
 logger = logging.getLogger(__name__)
@@ -49,9 +52,10 @@ _CLIENT_CLOSED = 499
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, builder: PromptBuilder) -> None:
+    def __init__(self, client: EngineClient, builder: PromptBuilder, work: RequestWork) -> None:
         self.client = client
         self.builder = builder
+        self.work = work
         self.model_name = client.hello.served_model_names[0]
 
     def check_model(self, model: str | None) -> None:
@@ -70,7 +74,17 @@ class OpenAIServing:
         self.check_model(req.model)
         refuse_unsupported(req)
         check_max_tokens(req)
-        constraint = output_constraint(req)
+        constraint = await self.work.constraint(output_constraint, req, None, self.work.limits)
+        prompts, max_tokens, extra = await self.work.run(self._completion_inputs, req, constraint)
+        gen = self._generation(
+            "cmpl", req, prompts, lambda p: self.builder.sampling_params(req, max_tokens, extra)
+        )
+        return await self._respond(gen, req, request, chat=False)
+
+    def _completion_inputs(
+        self, req: CompletionRequest, constraint: StructuredOutputsParams | None
+    ) -> tuple[list[PromptInput], int, dict[str, Any]]:
+        """Tokenized prompts, max_tokens and the extra SamplingParams fields (request pool)."""
         prompts = self.builder.completion_prompts(req)
         check_choices(len(prompts), req.n)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
@@ -79,10 +93,7 @@ class OpenAIServing:
         self.builder.sampling_params(req, max_tokens, extra)
         for prompt in prompts:
             self.builder.check_fits(len(prompt.token_ids), max_tokens, "prompt")
-        gen = self._generation(
-            "cmpl", req, prompts, lambda p: self.builder.sampling_params(req, max_tokens, extra)
-        )
-        return await self._respond(gen, req, request, chat=False)
+        return prompts, max_tokens, extra
 
     # -- chat --------------------------------------------------------------------------------------
 
@@ -91,8 +102,29 @@ class OpenAIServing:
         refuse_unsupported(req)
         check_max_tokens(req)
         check_choices(1, req.n)
-        tools = tool_plan(req, self.builder.parsing)
-        constraint = output_constraint(req, tools)
+        tools, constraint = await self.work.constraint(self._chat_constraint, req)
+        prompt, max_tokens, extra = await self.work.run(self._chat_inputs, req, constraint)
+        gen = self._generation(
+            "chatcmpl",
+            req,
+            [prompt],
+            lambda p: self.builder.sampling_params(req, max_tokens, extra),
+        )
+        output = self._chat_output(req, prompt, tools)
+        return await self._respond(gen, req, request, chat=True, chat_output=output)
+
+    def _chat_constraint(
+        self, req: ChatCompletionRequest
+    ) -> tuple[ToolPlan | None, StructuredOutputsParams | None]:
+        """The checked tools and the output constraint (constraints pool)."""
+        tools = tool_plan(req, self.builder.parsing, self.work.limits)
+        return tools, output_constraint(req, tools, self.work.limits)
+
+    def _chat_inputs(
+        self, req: ChatCompletionRequest, constraint: StructuredOutputsParams | None
+    ) -> tuple[PromptInput, int, dict[str, Any]]:
+        """The rendered and tokenized prompt, max_tokens and the extra SamplingParams fields
+        (request pool)."""
         prompt = self.builder.chat_prompt(req)
         # With --reasoning-parser the constraint applies after the thinking.
         extra = {
@@ -108,14 +140,7 @@ class OpenAIServing:
         max_tokens = requested
         if max_tokens is None:
             max_tokens = self.builder.default_max_tokens(len(prompt.token_ids))
-        gen = self._generation(
-            "chatcmpl",
-            req,
-            [prompt],
-            lambda p: self.builder.sampling_params(req, max_tokens, extra),
-        )
-        output = self._chat_output(req, prompt, tools)
-        return await self._respond(gen, req, request, chat=True, chat_output=output)
+        return prompt, max_tokens, extra
 
     def _chat_output(
         self, req: ChatCompletionRequest, prompt: PromptInput, tools: ToolPlan | None

@@ -40,6 +40,7 @@ from partial_json_parser import Allow
 from partial_json_parser import loads as partial_loads
 
 from tp_engine.server.chat_parsers import ChatParsing
+from tp_engine.server.guards import RequestLimits, check_nesting
 from tp_engine.server.http_errors import bad_request
 from tp_engine.server.protocol import ChatCompletionRequest
 
@@ -51,6 +52,7 @@ PARTIAL_ARGUMENTS = Allow.OBJ | Allow.ARR | Allow.STR
 # The name is taken only once its string is complete.
 PARTIAL_NAME = Allow.OBJ | Allow.ARR
 _TOOL_CHOICES = ("none", "auto", "required")
+_DEFAULT_LIMITS = RequestLimits()
 
 
 class ToolChoice(enum.Enum):
@@ -79,10 +81,14 @@ class ToolPlan:
 # -- the request ---------------------------------------------------------------------------------
 
 
-def tool_plan(req: ChatCompletionRequest, parsing: ChatParsing) -> ToolPlan | None:
+def tool_plan(
+    req: ChatCompletionRequest, parsing: ChatParsing, limits: RequestLimits = _DEFAULT_LIMITS
+) -> ToolPlan | None:
     """Check `tools` and `tool_choice` (a 400 naming the field otherwise); None when the output
     is not parsed for calls (no tools, or tool_choice "none"). tool_choice "required" and a
-    named function are enforced by a schema (`forced_tool_calls.tool_choice_schema`)."""
+    named function are enforced by a schema (`forced_tool_calls.tool_choice_schema`). A
+    parameter schema nested deeper than `limits.max_constraint_depth` is refused before
+    jsonschema (recursive) reads it."""
     tools = req.tools or []
     names = [tool.function.name for tool in tools]
     for i, tool in enumerate(tools):
@@ -91,7 +97,9 @@ def tool_plan(req: ChatCompletionRequest, parsing: ChatParsing) -> ToolPlan | No
             raise bad_request("a function name must not be empty", f"tools.{i}.function.name")
         if names.index(name) != i:
             raise bad_request(f"two tools are named {name!r}", f"tools.{i}.function.name")
-        _check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
+        param = f"tools.{i}.function.parameters"
+        check_nesting(tool.function.parameters, param, limits.max_constraint_depth)
+        _check_schema(tool.function.parameters, param)
     choice, named = _tool_choice(req.tool_choice, names)
     if choice == "none" or not tools:
         return None
@@ -312,15 +320,20 @@ def encodable(text: str) -> bool:
     return True
 
 
-def history_tool_calls(tool_calls: Sequence[Any]) -> list[dict[str, Any]]:
+def history_tool_calls(tool_calls: Sequence[Any], param: str) -> list[dict[str, Any]]:
     """Assistant tool calls of the request's history, for the chat template: arguments that are
-    a JSON object in a string become the object (Qwen3's template writes them with `tojson`)."""
+    a JSON object in a string become the object (Qwen3's template writes them with `tojson`).
+    `param`: the field of the calls (`messages.3.tool_calls`), for the 400 of arguments nested
+    too deep for the json module."""
     calls = []
-    for call in tool_calls:
+    for j, call in enumerate(tool_calls):
         arguments: Any = call.function.arguments
         if isinstance(arguments, str):
             try:
                 decoded = json.loads(arguments)
+            except RecursionError:
+                where = f"{param}.{j}.function.arguments"
+                raise bad_request(f"{where} nests too deeply to be read as JSON", where) from None
             except ValueError:
                 decoded = None
             if isinstance(decoded, dict):

@@ -19,6 +19,7 @@ import pytest
 
 from tests.server_harness import Server, serving
 from tp_engine.server.guards import (
+    RequestGuard,
     RequestLimits,
     allowed_hosts,
     exposure_warning,
@@ -377,3 +378,34 @@ def test_the_length_check_does_not_tokenize(tmp_path: Path):
     with pytest.raises(APIError, match="161 characters"):
         builder.completion_prompts(CompletionRequest(prompt="a" * 161))
     assert Counting.calls == 1
+
+
+def test_protect_metrics_and_docs_puts_them_behind_the_key():
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    async def ok(request):
+        return PlainTextResponse("ok")
+
+    paths = ["/metrics", "/docs", "/redoc", "/openapi.json", "/health", "/version"]
+    app = Starlette(routes=[Route(p, ok) for p in paths])
+    for protect in (False, True):
+        limits = RequestLimits(protect_metrics_and_docs=protect, allowed_hosts=())
+        client = TestClient(RequestGuard(app, limits, API_KEY))
+        for path in paths:
+            closed = protect and path not in ("/health", "/version")
+            assert client.get(path).status_code == (401 if closed else 200), (protect, path)
+            assert client.get(path, headers=AUTH).status_code == 200
+
+
+def test_protect_metrics_and_docs_needs_a_key():
+    from tp_engine.server.args import build_parser, server_args
+
+    args = build_parser().parse_args(["--protect-metrics-and-docs", "--api-key", ""])
+    args.api_key = None
+    with pytest.raises(ValueError, match="needs --api-key"):
+        server_args(args)
+    args.api_key = "k"
+    assert server_args(args).limits.protect_metrics_and_docs

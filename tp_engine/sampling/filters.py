@@ -111,25 +111,40 @@ def _top_k_top_p_bounded(
     tail_count = rank[:, -1:]  # [S, 1]
     tail_kept = low >= kth  # [S, 1] top-k keeps the tail group only when low is the k-th value
 
-    # Probabilities over what top-k keeps, from the row max (values[:, 0]).
-    e_head = torch.exp(values - values[:, :1]).masked_fill(~head, 0.0)  # [S, n]
-    e_tail = torch.exp(low - values[:, :1]).masked_fill(~tail_kept, 0.0)  # [S, 1] each
-    total = e_head.sum(dim=-1, keepdim=True) + tail_count * e_tail  # [S, 1]
-    p_head, p_tail = e_head / total, e_tail / total
-    mass_before = torch.cumsum(p_head, dim=-1) - p_head  # [S, n]; the head is a prefix
-    head_mass = p_head.sum(dim=-1, keepdim=True)  # [S, 1]
-
-    top_p = top_p.unsqueeze(1)  # [S, 1]
-    nucleus_on = top_p < 1.0
-    keep_head = head & (~nucleus_on | (mass_before < top_p))
-    keep_head[:, 0] |= head[:, 0]  # the most likely token always survives
+    keep_head, tail_keep = slice_nucleus(values, head, tail_kept, tail_count, top_p)
     # Tail token of rank r (by id) has mass head_mass + r * p_tail before it: keep the first
-    # `tail_keep` of them (all when top-p is off; at least one when it is the most likely group).
-    by_mass = torch.ceil((top_p - head_mass) / p_tail.clamp(min=torch.finfo(p_tail.dtype).tiny))
-    tail_keep = torch.where(nucleus_on, by_mass.clamp(min=0), tail_count.to(by_mass.dtype))
-    tail_keep = torch.where(head[:, :1], tail_keep, tail_keep.clamp(min=1))
-    tail_keep = torch.minimum(tail_keep, tail_count.to(tail_keep.dtype)).masked_fill(~tail_kept, 0)
+    # `tail_keep` of them.
     tail_keep = tail_keep.to(torch.int32)  # [S, 1], at most tail_count
     keep = tail & (rank <= tail_keep)  # [S, V]
     keep.scatter_(1, ids, keep.gather(1, ids) | keep_head)
     return logits.masked_fill(~keep, _NEG_INF)
+
+
+def slice_nucleus(
+    scaled: torch.Tensor,
+    head: torch.Tensor,
+    tail_kept: torch.Tensor,
+    tail_count: torch.Tensor,
+    top_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p over a top-k slice: `scaled` `[S, n]` in decreasing order (the row's maximum first,
+    the tail group's value `low` last), `head` the entries above `low` that top-k keeps,
+    `tail_kept` whether top-k keeps the tail group (of `tail_count` equal tokens, partly outside
+    the slice). Returns which head entries stay, and how many tail members (the first by id):
+    at least one when the tail is the most likely group."""
+    e_head = torch.exp(scaled - scaled[:, :1]).masked_fill(~head, 0.0)  # [G, n]
+    e_tail = torch.exp(scaled[:, -1:] - scaled[:, :1]).masked_fill(~tail_kept, 0.0)  # [G, 1]
+    total = e_head.sum(dim=-1, keepdim=True) + tail_count * e_tail
+    p_head, p_tail = e_head / total, e_tail / total
+    mass_before = torch.cumsum(p_head, dim=-1) - p_head
+    head_mass = p_head.sum(dim=-1, keepdim=True)
+    top_p = top_p.unsqueeze(1)
+    nucleus_on = top_p < 1.0
+    keep_head = head & (~nucleus_on | (mass_before < top_p))
+    keep_head[:, 0] |= head[:, 0]  # the most likely token always survives
+    by_mass = torch.ceil((top_p - head_mass) / p_tail.clamp(min=torch.finfo(p_tail.dtype).tiny))
+    tail_keep = torch.where(nucleus_on, by_mass.clamp(min=0), tail_count.to(by_mass.dtype))
+    # The tail is the most likely group when no head entry is: at least one member survives.
+    tail_keep = torch.where(head[:, :1], tail_keep, tail_keep.clamp(min=1))
+    tail_keep = torch.minimum(tail_keep, tail_count.to(tail_keep.dtype)).masked_fill(~tail_kept, 0)
+    return keep_head, tail_keep.long()

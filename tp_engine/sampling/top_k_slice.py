@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from tp_engine.sampling.filters import slice_nucleus
+
 _NEG_INF = float("-inf")
 
 
@@ -66,7 +68,7 @@ def sample_top_k(
 
     keep_head, tail_keep = head, tail_count * tail_kept
     if top_p is not None:
-        keep_head, tail_keep = _nucleus(scaled, head, tail_kept, tail_count, top_p)
+        keep_head, tail_keep = slice_nucleus(scaled, head, tail_kept, tail_count, top_p)
 
     keys = row_keys_ref(seeds, counters)  # [G]
     score = torch.where(keep_head, scaled + gumbel_ref(keys, ids), _NEG_INF)  # [G, n]
@@ -89,30 +91,3 @@ def sample_top_k(
     # of the rank, not a pass over it).
     tail_token = torch.searchsorted(rank, (j + 1).to(torch.int32))  # [G, 1]
     return torch.where(best == n, tail_token, head_token).squeeze(1)
-
-
-def _nucleus(
-    scaled: torch.Tensor,
-    head: torch.Tensor,
-    tail_kept: torch.Tensor,
-    tail_count: torch.Tensor,
-    top_p: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-p over the head (a prefix of the slice's order) and the tail group: which head
-    entries stay, and how many tail members (the first by id)."""
-    e_head = torch.exp(scaled - scaled[:, :1]).masked_fill(~head, 0.0)  # [G, n]
-    e_tail = torch.exp(scaled[:, -1:] - scaled[:, :1]).masked_fill(~tail_kept, 0.0)  # [G, 1]
-    total = e_head.sum(dim=-1, keepdim=True) + tail_count * e_tail
-    p_head, p_tail = e_head / total, e_tail / total
-    mass_before = torch.cumsum(p_head, dim=-1) - p_head
-    head_mass = p_head.sum(dim=-1, keepdim=True)
-    top_p = top_p.unsqueeze(1)
-    nucleus_on = top_p < 1.0
-    keep_head = head & (~nucleus_on | (mass_before < top_p))
-    keep_head[:, 0] |= head[:, 0]  # the most likely token always survives
-    by_mass = torch.ceil((top_p - head_mass) / p_tail.clamp(min=torch.finfo(p_tail.dtype).tiny))
-    tail_keep = torch.where(nucleus_on, by_mass.clamp(min=0), tail_count.to(by_mass.dtype))
-    # The tail is the most likely group when no head entry is: at least one member survives.
-    tail_keep = torch.where(head[:, :1], tail_keep, tail_keep.clamp(min=1))
-    tail_keep = torch.minimum(tail_keep, tail_count.to(tail_keep.dtype)).masked_fill(~tail_kept, 0)
-    return keep_head, tail_keep.long()

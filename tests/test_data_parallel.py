@@ -41,6 +41,7 @@ from tests.server_harness import Server, port_is_free, shm_entries, wait_until
 from tp_engine.server.args import build_parser
 from tp_engine.server.messages import Hello
 from tp_engine.server.replicas import Replica, device_slices, free_port, replica_command
+from tp_engine.server.router_process import ROUTER_ADMIN_KEY_ENV
 from tp_engine.server.worker_routes import checkpoint_facts, model_info, server_info
 
 MODEL = "tp-engine-demo"
@@ -109,10 +110,14 @@ def test_bad_data_parallel_size_is_refused_before_anything_starts():
 # -- the real thing --------------------------------------------------------------------------------
 
 
+ADMIN_KEY = "test-admin-key"
+
+
 def launch_env(tmp_path_factory) -> tuple[dict[str, str], Path]:
     cache = tmp_path_factory.mktemp("cache")
     tmpdir = Path(tempfile.mkdtemp(prefix="tpdp-"))
     env = dict(os.environ, TP_ENGINE_CACHE=str(cache), TMPDIR=str(tmpdir))
+    env[ROUTER_ADMIN_KEY_ENV] = ADMIN_KEY
     for name in ("XDG_RUNTIME_DIR", "TP_ENGINE_FAULT", "RANK", "WORLD_SIZE"):
         env.pop(name, None)
     return env, tmpdir
@@ -181,7 +186,7 @@ def metric(base_url: str, name: str) -> float:
 
 
 def router_workers(server: Server) -> list[dict]:
-    status, body = server.get("/workers")
+    status, body = server.get("/workers", {"Authorization": f"Bearer {ADMIN_KEY}"})
     assert status == 200, body
     return json.loads(body)["workers"]
 
@@ -237,6 +242,17 @@ def test_bad_requests_get_the_replicas_400_and_take_no_replica_out(dp):
             oai.completions.create(model=MODEL, prompt="hi", max_tokens=600)
     served = spread_load(dp)  # both replicas still take requests
     assert all(n > 0 for n in served.values()), served
+
+
+def test_the_routers_admin_api_answers_the_launcher_alone(dp):
+    # Open by default: anyone reaching the port could add a worker of their own or drop ours.
+    assert dp.get("/workers")[0] == 401
+    status, _ = dp.request(
+        "POST", "/workers", json.dumps({"url": "http://127.0.0.1:9"}).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    assert status == 401
+    assert len(router_workers(dp)) == 2  # with the launcher's key
 
 
 def test_the_router_registered_the_model_with_the_replicas_metadata(dp):

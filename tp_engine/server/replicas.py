@@ -45,6 +45,7 @@ from tp_engine.server.args import DEMO_MODEL_NAME
 from tp_engine.server.router_process import (
     RouterAdmin,
     die_with_parent,
+    new_admin_key,
     router_command,
     router_installed,
 )
@@ -175,7 +176,8 @@ class ReplicaSet:
         connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         self.router_port = args.port or free_port(connect_host)
         self.connect_url = f"http://{_url_host(connect_host)}:{self.router_port}"
-        self.admin = RouterAdmin(self.connect_url)
+        self.admin_key = new_admin_key()
+        self.admin = RouterAdmin(self.connect_url, self.admin_key)
         devices = device_slices(self.dp_size, tp_size, visible_gpus())
         self.replicas = [
             Replica(i, free_port("127.0.0.1"), devices[i]) for i in range(self.dp_size)
@@ -209,6 +211,7 @@ class ReplicaSet:
                 self.args.router_policy,
                 self.args.router_prometheus_port,
                 self.args.shutdown_timeout,
+                self.admin_key,
             ),
             stdin=subprocess.DEVNULL,
             start_new_session=True,

@@ -8,6 +8,13 @@ has died or come back, which is faster and surer than its own periodic health ch
 
 The router holds nothing on disk or in /dev/shm, so it is tied to the launcher with the kernel's
 parent-death signal: however the launcher ends (SIGKILL included), the router is killed too.
+
+Its admin API shares the serving port and is open by default: anyone who can reach the port
+could add a worker of their own or remove ours. Each run makes a random admin key
+(`--control-plane-api-keys`, role admin; or $TP_ENGINE_ROUTER_ADMIN_KEY) that only the launcher
+sends; clients' routes are not affected. (The key is on the router's command line until
+sglang-router rewrites its process title: a local user could catch it at start-up, a remote
+client cannot.)
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -22,6 +30,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+ROUTER_ADMIN_KEY_ENV = "TP_ENGINE_ROUTER_ADMIN_KEY"
 # prctl(2) option: the signal this process gets when the thread that forked it exits.
 _PR_SET_PDEATHSIG = 1
 _HEALTH_CHECK_INTERVAL_S = 5
@@ -37,6 +46,11 @@ def router_installed() -> bool:
     return True
 
 
+def new_admin_key() -> str:
+    """$TP_ENGINE_ROUTER_ADMIN_KEY (to manage the router yourself too), else a random one."""
+    return os.environ.get(ROUTER_ADMIN_KEY_ENV) or secrets.token_urlsafe(32)
+
+
 def router_command(
     host: str,
     port: int,
@@ -44,6 +58,7 @@ def router_command(
     policy: str,
     prometheus_port: int,
     shutdown_grace_s: float,
+    admin_key: str,
 ) -> list[str]:
     return [
         sys.executable,
@@ -71,6 +86,9 @@ def router_command(
         "--disable-circuit-breaker",
         "--health-check-interval-secs",
         str(_HEALTH_CHECK_INTERVAL_S),
+        # The admin API (/workers) answers the launcher alone (id:name:role:key).
+        "--control-plane-api-keys",
+        f"launcher:tp-engine launcher:admin:{admin_key}",
         # Its per-request lines would drown the replicas' log; warnings and errors still show.
         "--log-level",
         "warn",
@@ -90,16 +108,15 @@ def die_with_parent() -> None:
 class RouterAdmin:
     """The router's admin routes (`/readiness`, `/workers`), on its serving port."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, admin_key: str) -> None:
         self.base_url = base_url.rstrip("/")
+        self._auth = {"Authorization": f"Bearer {admin_key}"}
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
+        headers = {**self._auth, **({"Content-Type": "application/json"} if data else {})}
         req = urllib.request.Request(
-            self.base_url + path,
-            data=data,
-            method=method,
-            headers={"Content-Type": "application/json"} if data is not None else {},
+            self.base_url + path, data=data, method=method, headers=headers
         )
         with urllib.request.urlopen(req, timeout=_ADMIN_TIMEOUT_S) as resp:
             text = resp.read()

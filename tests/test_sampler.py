@@ -625,3 +625,42 @@ def test_penalty_counts_follow_each_sequence_across_steps() -> None:
             assert_rows_match(got[i], reference_row(logits[i], seq))
             # Tokens that repeat, so that counts above one matter.
             seq.token_ids.append(int(torch.randint(0, 6, (1,), generator=g)))
+
+
+def test_the_memory_profile_holds_every_rows_penalty_counts_while_it_samples() -> None:
+    """The warm-up's sampling peak must include what TokenCounts keeps between steps (int32
+    counts and a bool prompt mask per penalised row): the peak of live vocabulary-sized bytes
+    during `profile_sampling` exceeds the same sampling without them by exactly that."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LivePeak(TorchDispatchMode):
+        def __init__(self, vocab: int) -> None:
+            super().__init__()
+            self.vocab, self.live, self.peak = vocab, 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() in inputs:
+                    continue  # in place, or a view: no new memory
+                if self.vocab in t.shape:
+                    size = t.numel() * t.element_size()
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, size)
+            return out
+
+        def _free(self, size: int) -> None:
+            self.live -= size
+
+    rows, vocab = 6, 1000
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+    sample_for_profiling(logits)  # first-call caches, outside the count
+    with LivePeak(vocab) as with_counts:
+        profile_sampling(logits, rows)
+    with LivePeak(vocab) as without:
+        sample_for_profiling(logits)
+    assert with_counts.peak - without.peak == rows * vocab * (4 + 1)

@@ -4,7 +4,9 @@
 once; only rank 0 samples, so rank 0's engine hands it `profile_sampling`, which puts every
 sampled row through the widest path of the pipeline (a sort over the vocabulary for top-p
 without top-k, logprobs) and the prompt-logprob rows through `compute_logprobs`, so that the
-measurement leaves room for the worst step the sampler can see.
+measurement leaves room for the worst step the sampler can see. It holds the penalties' token
+counts of every sampled row meanwhile (`processors.TokenCounts`: kept between steps, so they
+add to any step's peak).
 """
 
 from __future__ import annotations
@@ -41,7 +43,12 @@ def sample_for_profiling(logits: torch.Tensor) -> torch.Tensor:
 def profile_sampling(logits: torch.Tensor, num_sampled: int) -> None:
     """`logits [B' + R, V]`: the first `num_sampled` rows are sampled, the other R are
     prompt-logprob rows (the engine's order); `rank_worker.model_runner.ProfileSampling`."""
+    vocab_size = logits.shape[-1]
+    # What TokenCounts holds when every sampled row has penalties.
+    counts = torch.zeros((num_sampled, vocab_size), dtype=torch.int32, device=logits.device)
+    seen = torch.zeros((num_sampled, vocab_size), dtype=torch.bool, device=logits.device)
     sample_for_profiling(logits[:num_sampled])
+    del counts, seen
     prompt_rows = logits[num_sampled:]
     if prompt_rows.shape[0]:
         targets = torch.zeros(prompt_rows.shape[0], dtype=torch.int64, device=logits.device)

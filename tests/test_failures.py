@@ -51,3 +51,11 @@ def test_stall_blames_a_rank_that_died_silently():
 def test_stall_with_every_worker_silent_and_alive_is_a_hang():
     assert diagnose_stall(channel_with([], dead=[]), 8) is None
     assert diagnose_stall(None, 3) is None
+
+
+def test_several_silent_deaths_are_all_named():
+    # Which died first is unknown (a rank whose collective broke can abort without a word):
+    # naming only the lowest rank blamed a survivor once (rank 2 for an exit on rank 3).
+    cause = diagnose_stall(channel_with([], dead=[3, 2]), 8)
+    assert cause is not None and cause.rank is None
+    assert "rank 2 and rank 3 died during step 8 without reporting an error" in str(cause)

@@ -88,12 +88,15 @@ class FailureGuard:
         if primary:
             return _from_report(primary[0])
         reported = {r.rank for r in reports}
-        silent = [rank for rank in dead if rank not in reported]
+        silent = sorted(rank for rank in dead if rank not in reported)
         if silent:
+            # Nothing tells which went first when several died without a word (a rank whose
+            # collective broke may abort in C++ too): every one of them is named.
+            names = " and ".join(f"rank {rank}" for rank in silent)
             return EngineDeadError(
-                f"rank {silent[0]} died during {self.what} without reporting an error "
+                f"{names} died during {self.what} without reporting an error "
                 "(killed, or out of memory?)",
-                rank=silent[0],
+                rank=silent[0] if len(silent) == 1 else None,
             )
         return _from_report(reports[0]) if reports else None
 

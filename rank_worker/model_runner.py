@@ -370,24 +370,26 @@ class ModelRunner:
         starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # [B+1]
         num_tokens = int(starts[-1])
         sampled = starts[1:] - 1  # [B] each sequence's last token
-        num_rows = min(max(cfg.resolved_max_num_logits_rows, num_seqs), num_tokens)
+        num_sampled = min(max(cfg.resolved_max_num_sampled_rows, num_seqs), num_tokens)
+        num_rows = min(max(cfg.resolved_max_num_logits_rows, num_sampled), num_tokens)
         not_last = np.setdiff1d(np.arange(num_tokens, dtype=np.int32), sampled)
-        # [B'] sampled rows first, then prompt-logprob rows (the engine's order).
+        # [B'] sampled rows first (with speculative decoding also rows of other positions, as
+        # a verify entry has them), then prompt-logprob rows (the engine's order).
         logits = np.concatenate([sampled, not_last[: num_rows - num_seqs]]).astype(np.int32)
         blocks = list(range(num_blocks))
         plan = synthetic_plan([(0, n, blocks) for n in lens], logits)
-        return plan, num_blocks
+        return plan, num_blocks, num_sampled
 
     @torch.inference_mode()
     def _warmup(self, profile_sampling: ProfileSampling | None = None) -> int:
         """Run the largest step once; returns the bytes of scratch KV cache it allocated, which
         the sizing subtracts from the peak (the real cache replaces it)."""
-        plan, num_blocks = self._warmup_plan()
+        plan, num_blocks, num_sampled = self._warmup_plan()
         scratch = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         logits = self._forward(self._prepare_scratch(plan), scratch)  # [B', V] on rank 0
         if logits is not None and profile_sampling is not None:
             # Sampled rows first, then prompt-logprob rows (`_warmup_plan`).
-            profile_sampling(logits, plan.num_seqs)
+            profile_sampling(logits, num_sampled)
         del scratch, logits
         return num_blocks * self.kv_spec.bytes_per_block
 

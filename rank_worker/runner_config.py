@@ -26,6 +26,9 @@ class RunnerConfig:
     # scheduler lets in (rank 0 knows its rule: `tp_engine.engine.max_logits_rows_per_step`).
     # The warm-up computes exactly this many. None: every token of the largest step.
     max_num_logits_rows: int | None = None
+    # Most of those rows sampled in one step (one per sequence, more with speculative decoding:
+    # one per verified position). None: max_num_seqs.
+    max_num_sampled_rows: int | None = None
     # "auto", "float32", "float16" or "bfloat16".
     dtype: str = "auto"
     # Seeds torch on every rank.
@@ -62,6 +65,12 @@ class RunnerConfig:
         if self.max_num_logits_rows is None:
             return self.max_num_batched_tokens
         return self.max_num_logits_rows
+
+    @property
+    def resolved_max_num_sampled_rows(self) -> int:
+        if self.max_num_sampled_rows is None:
+            return self.max_num_seqs
+        return self.max_num_sampled_rows
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

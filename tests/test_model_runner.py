@@ -53,7 +53,7 @@ def test_warmup_step_runs(model_dir: Path) -> None:
         max_model_len=40, max_num_seqs=5, max_num_batched_tokens=100, block_size=8
     )
     runner = ModelRunner(model_dir, config, TPInfo(0, 1), "cpu")
-    plan, num_blocks = runner._warmup_plan()
+    plan, num_blocks, _ = runner._warmup_plan()
     plan.validate()
     assert plan.num_tokens == 100 and plan.num_seqs == 5
     assert int(plan.seq_lens.max()) <= 40 and num_blocks == 5
@@ -109,7 +109,7 @@ def test_warmup_budgets_the_largest_logits_a_step_can_produce(model_dir: Path, c
     )  # fmt: skip
     try:
         runner = llm.engine.runner
-        warmup_plan, _ = runner._warmup_plan()
+        warmup_plan, _, _ = runner._warmup_plan()
         budgeted = warmup_plan.logits_indices.size
         assert budgeted == runner.config.resolved_max_num_logits_rows
         assert budgeted == max_logits_rows_per_step(llm.engine.config) == (7 if chunked else 64)

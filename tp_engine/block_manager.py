@@ -389,6 +389,18 @@ class BlockManager:
         seq.block_table = []
         seq.num_committed_blocks = 0
 
+    def free_tail(self, seq: Sequence, keep: int) -> None:
+        """Give back the blocks of running `seq` after its first `keep`: positions it reserved
+        (speculative drafts) and will not use. They were never committed (their tokens were
+        never all computed), so they go to the head of the free queue."""
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            assert block.block_hash is None, f"{block}: a reserved block was committed"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.appendleft(block)
+        del seq.block_table[keep:]
+
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached block; returns how many were dropped."""
         dropped = [block for block in self.cached.values() if block.ref_cnt == 0]

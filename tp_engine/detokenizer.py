@@ -62,9 +62,24 @@ class IncrementalDetokenizer:
         `engine_stopped`: the engine ended the sequence on EOS or a stop token id (the last new
         token). `finished`: this is the sequence's last update from the engine. After the call,
         `self.finished` is also True when a stop string ended the sequence here.
+
+        Several tokens at once (a speculative step) meet the stop strings one by one, as they
+        would have arrived without speculation: the tokens after the one that completes a stop
+        string are dropped (`token_ids` ends with that one).
         """
         if self.finished:
             return ""
+        if self._stop and len(new_token_ids) > 1:
+            delta = ""
+            for i, token_id in enumerate(new_token_ids):
+                last = i == len(new_token_ids) - 1
+                delta += self._update([token_id], engine_stopped and last, finished and last)
+                if self.finished:
+                    break
+            return delta
+        return self._update(new_token_ids, engine_stopped, finished)
+
+    def _update(self, new_token_ids: list[int], engine_stopped: bool, finished: bool) -> str:
         self.token_ids += new_token_ids
         text_ids = new_token_ids[:-1] if engine_stopped and new_token_ids else new_token_ids
         searched_up_to = len(self.text)

@@ -74,12 +74,10 @@ from tp_engine.config import EngineConfig
 from tp_engine.failures import EngineDeadError, FailureGuard, diagnose_stall
 from tp_engine.generation_config import eos_token_ids, sampling_defaults
 from tp_engine.outputs import EngineStats, SequenceOutput, StepOutputs
-from tp_engine.plan_builder import build_step_plan
+from tp_engine.plan_builder import LogitsLayout, plan_step
 from tp_engine.sampling import MAX_NUM_LOGPROBS, LogprobsTensors, sample_batch
 from tp_engine.sampling.batch import SamplingBatchBuilder
 from tp_engine.sampling.logprob_records import (
-    PromptLogprobRows,
-    prompt_logprob_rows,
     prompt_logprob_tensors,
     record_prompt_logprobs,
     record_sample_logprobs,
@@ -110,9 +108,9 @@ class LaunchedStep:
 
     step_id: int
     scheduled: ScheduledStep
-    # [B' + prompt-logprob rows, V] on rank 0's device.
+    # [layout.num_rows, V] on rank 0's device.
     logits: torch.Tensor
-    prompt_rows: list[PromptLogprobRows]
+    layout: LogitsLayout
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,8 +119,8 @@ class SampledStep:
 
     step_id: int
     scheduled: ScheduledStep
-    prompt_rows: list[PromptLogprobRows]
-    # [B'] int64 on the device: what the next step's placeholder inputs read.
+    layout: LogitsLayout
+    # [sampled rows] int64 on the device: what the next step's placeholder inputs read.
     token_ids: torch.Tensor | None
     # Valid once `host.wait()` returns: the sampled ids, the logprobs of `logprob_seqs` and
     # the prompt logprobs of `prompt_rows`.
@@ -229,6 +227,9 @@ class LLMEngine:
             if self.channel is not None:
                 self.channel.close()  # the workers see CLOSE and exit non-zero
             raise
+        self.sampling = SamplingBatchBuilder(
+            self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed
+        )
         self.scheduler = self._build_scheduler(self.config)
         self.async_scheduling = self._resolve_async(self.config)
         # The step launched and sampled by the last `step()` call, not applied yet, and outputs
@@ -237,9 +238,6 @@ class LLMEngine:
         self._undelivered = StepOutputs([])
         # Set to a StepTimeline to record where each step's time goes (launch/bench.py).
         self.timeline: StepTimeline | None = None
-        self.sampling = SamplingBatchBuilder(
-            self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed
-        )
         self.sampling.follow(self.scheduler.batch)
 
     # -- requests --------------------------------------------------------------------------------
@@ -528,21 +526,14 @@ class LLMEngine:
         if scheduled.is_empty:
             return None
         with self._phase("build_plan", step_id):
-            plan = build_step_plan(scheduled, step_id)
-            prompt_rows = prompt_logprob_rows(scheduled, self.scheduler.batch, plan)
-            if prompt_rows:
-                # After the sampled rows, so that logits[:B'] stays what the sampler takes.
-                extra = np.concatenate([p.rows for p in prompt_rows]).astype(np.int32)
-                plan = dataclasses.replace(
-                    plan, logits_indices=np.concatenate([plan.logits_indices, extra])
-                )
+            plan, layout = plan_step(scheduled, step_id, self.scheduler.batch)
         self.step_id += 1
         try:
             logits = self._run_forward(plan, in_flight)
         except BaseException:
             self.scheduler.discard(scheduled)
             raise
-        return LaunchedStep(step_id, scheduled, logits, prompt_rows)
+        return LaunchedStep(step_id, scheduled, logits, layout)
 
     def _run_forward(self, plan: StepPlan, in_flight: SampledStep | None) -> torch.Tensor:
         """Send `plan` to the other ranks and run rank 0's forward pass over it."""
@@ -561,30 +552,36 @@ class LLMEngine:
         return logits
 
     def _sample(self, step: LaunchedStep) -> SampledStep:
-        """Queue sampling of one token per sampling row of `step`, the logprobs asked for, and
-        their copies to the host; nothing here waits for the GPU."""
-        scheduled, logits = step.scheduled, step.logits
-        num_sampled = scheduled.num_samples
+        """Queue sampling of every sampled logits row of `step` (one token per sampling entry,
+        or one per verified position), the logprobs asked for, and their copies to the host;
+        nothing here waits for the GPU."""
+        scheduled, logits, layout = step.scheduled, step.logits, step.layout
         host = HostCopies(logits.device)
         token_ids = host_token_ids = logprobs = prompt_logprobs = None
         logprob_seqs: list[Sequence] = []
         with self._phase("sample", step.step_id):
-            if num_sampled:
+            if layout.num_sampled_rows:
                 rows = scheduled.rows[scheduled.samples]
                 live = self.scheduler.batch.live(rows, scheduled.serials[scheduled.samples])
-                batch = self.sampling.build(self.scheduler.batch, rows, live)
-                result = sample_batch(logits[:num_sampled], batch.metadata)
+                ahead = None
+                if layout.num_drafts is not None:
+                    # A verify entry samples each of its positions: its row once per position.
+                    counts = layout.num_drafts + 1
+                    rows, live = np.repeat(rows, counts), np.repeat(live, counts)
+                    ahead = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
+                batch = self.sampling.build(self.scheduler.batch, rows, live, ahead)
+                result = sample_batch(logits[layout.sampled], batch.metadata)
                 token_ids = result.token_ids
                 host_token_ids = host.copy(result.token_ids)
                 if result.logprobs is not None:
                     logprobs = host.copy_fields(result.logprobs)
                     logprob_seqs = batch.logprob_seqs
-            if step.prompt_rows:
-                tensors = prompt_logprob_tensors(logits[num_sampled:], step.prompt_rows)
+            if layout.prompt_rows:
+                tensors = prompt_logprob_tensors(logits[layout.prompt], layout.prompt_rows)
                 prompt_logprobs = host.copy_fields(tensors)
             host.record()
         return SampledStep(
-            step.step_id, scheduled, step.prompt_rows, token_ids, host, host_token_ids,
+            step.step_id, scheduled, layout, token_ids, host, host_token_ids,
             logprobs, logprob_seqs, prompt_logprobs,
         )  # fmt: skip
 
@@ -604,11 +601,11 @@ class LLMEngine:
                 if step.host_token_ids is None
                 else step.host_token_ids.numpy()
             )
+            if step.prompt_logprobs is not None:
+                record_prompt_logprobs(step.prompt_logprobs, step.layout.prompt_rows)
+            result = self.scheduler.update(scheduled, tokens)
             if step.logprobs is not None:
                 record_sample_logprobs(step.logprob_seqs, step.logprobs)
-            if step.prompt_logprobs is not None:
-                record_prompt_logprobs(step.prompt_logprobs, step.prompt_rows)
-            result = self.scheduler.update(scheduled, tokens)
             if self._constrained:
                 self._follow_grammars()
             outputs = [self._output(seq) for seq in result.sampled]
@@ -619,12 +616,13 @@ class LLMEngine:
         return StepOutputs(outputs, scheduled.num_batched_tokens - num_decodes, num_decodes)
 
     def _output(self, seq: Sequence) -> SequenceOutput:
-        """The news of `seq` since its last output (one new token, or none at the end of a
-        prompt-only request)."""
+        """The news of `seq` since its last output: its new tokens (several after a
+        speculative step; none at the end of a prompt-only request)."""
         first = not seq.reported
         seq.reported = True
         params = seq.sampling_params
-        new = seq.token_ids[seq.num_tokens - 1 :] if seq.num_output_tokens else []
+        new = seq.token_ids[seq.num_prompt_tokens + seq.num_reported_tokens :]
+        seq.num_reported_tokens = seq.num_output_tokens
         new_logprobs = None
         if params.logprobs is not None:
             new_logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(new) :]

@@ -297,6 +297,8 @@ class LLM:
         detok.update(new_ids, engine_stopped=sample.stopped_on_token, finished=sample.finished)
         if detok.stop_string is None:
             return False
+        # A stop string completed within a speculative step: the tokens after it never were.
+        sample.truncate(len(detok.token_ids))
         self.engine.finish_request(seq_id, SequenceStatus.FINISHED_STOPPED, detok.stop_string)
         return True
 
@@ -430,6 +432,12 @@ class _Sample:
             self.num_cached_tokens = out.num_cached_tokens
         self.finish_reason = out.finish_reason
         self.stop_reason = out.stop_reason
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` output tokens (and their logprobs)."""
+        del self.token_ids[num_tokens:]
+        if self.logprobs is not None:
+            del self.logprobs[num_tokens:]
 
     def stopped_by(self, stop_string: str) -> None:
         self.finish_reason = "stop"

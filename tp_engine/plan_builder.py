@@ -5,6 +5,10 @@ the entries it planned one by one) goes in; an immutable `StepPlan` comes out, b
 step and sent to every rank. The decodes' part is numpy over the rows; Python only joins the
 token lists of prefill chunks and the step's block-table changes.
 
+Every logits row of a step has a role, named by `LogitsLayout`: the sampled rows first (one per
+sampling entry, or one per verified position of a speculative verify entry), then the rows of
+prompt logprobs. The sampler, logprob recording and the memory warm-up read that layout.
+
 A decode whose token is still being sampled by the step in flight (asynchronous scheduling) gets
 the input id `-1 - row`: every rank replaces it on the device with that step's sampled token of
 row `row` (`rank_worker.input_prep`).
@@ -12,16 +16,98 @@ row `row` (`rank_worker.input_prep`).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 
 from shm_ipc.step_plan import Command, StepPlan
-from tp_engine.running_batch import TableChanges
+from tp_engine.running_batch import RunningBatch, TableChanges
 from tp_engine.scheduler import ScheduledStep
+from tp_engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Extra logits rows of one sequence in one step, for its prompt logprobs."""
+
+    seq: Sequence
+    # Rows in the plan's flattened tokens: positions `start .. start + count - 1` of the
+    # sequence, whose logits score prompt tokens `start + 1 .. start + count`.
+    rows: np.ndarray
+    targets: list[int]
+
+
+def prompt_logprob_rows(
+    step: ScheduledStep, batch: RunningBatch, plan: StepPlan
+) -> list[PromptLogprobRows]:
+    """The logits rows each scheduled sequence needs for prompt logprobs it lacks.
+
+    A chunk computing positions `start .. start + n - 1` yields logits for prompt tokens
+    `start + 1 .. start + n`; only tokens not yet recorded are taken (a recompute after
+    preemption does not record them twice). Only the rows of sequences that asked for prompt
+    logprobs are visited.
+    """
+    found = []
+    for i in np.flatnonzero(batch.wants_prompt_logprobs[step.rows]).tolist():
+        seq = batch.seqs[int(step.rows[i])]
+        if seq is None or not seq.needs_prompt_logits:
+            continue
+        start = int(step.starts[i])
+        lo = max(start, len(seq.prompt_logprobs) - 1)  # first position whose logits are missing
+        hi = min(start + int(step.num_scheduled[i]), seq.num_prompt_tokens - 1)
+        if lo >= hi:
+            continue
+        rows = np.arange(lo, hi, dtype=np.int64) - start + int(plan.query_start_loc[i])
+        found.append(PromptLogprobRows(seq, rows, seq.token_ids[lo + 1 : hi + 1]))
+    return found
+
+
+@dataclass(frozen=True, eq=False)
+class LogitsLayout:
+    """What each row of a step's gathered logits `[R, V]` is, in order:
+
+    - `num_sampled_rows` sampled rows: the step's sampled entries in batch order, entry i
+      owning `1 + num_drafts[i]` consecutive rows (its verified positions; 1 without drafts);
+    - then the prompt-logprob rows of `prompt_rows`, in that order.
+    """
+
+    num_sampled_rows: int
+    # [S] drafts of each sampled entry; None: no drafts (one row per sampled entry).
+    num_drafts: np.ndarray | None
+    prompt_rows: list[PromptLogprobRows]
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_sampled_rows + sum(p.rows.size for p in self.prompt_rows)
+
+    @property
+    def sampled(self) -> slice:
+        return slice(0, self.num_sampled_rows)
+
+    @property
+    def prompt(self) -> slice:
+        return slice(self.num_sampled_rows, None)
+
+
+def plan_step(
+    step: ScheduledStep, step_id: int, batch: RunningBatch
+) -> tuple[StepPlan, LogitsLayout]:
+    """The plan of `step` and the layout of its logits rows (prompt-logprob rows included)."""
+    plan = build_step_plan(step, step_id)
+    prompt_rows = prompt_logprob_rows(step, batch, plan)
+    if prompt_rows:
+        extra = np.concatenate([p.rows for p in prompt_rows]).astype(np.int32)
+        plan = dataclasses.replace(
+            plan, logits_indices=np.concatenate([plan.logits_indices, extra])
+        )
+    return plan, LogitsLayout(step.num_sampled_rows, step.sampled_drafts, prompt_rows)
 
 
 def build_step_plan(step: ScheduledStep, step_id: int) -> StepPlan:
+    """The plan of `step`: its logits rows are the sampled rows of `LogitsLayout` (append the
+    prompt-logprob rows with `with_prompt_rows`)."""
     num_new = step.num_scheduled  # [B]
     b, s = step.num_entries, step.num_single
     query_start_loc = np.empty(b + 1, dtype=np.int32)  # [B+1]
@@ -43,6 +129,15 @@ def build_step_plan(step: ScheduledStep, step_id: int) -> StepPlan:
         chunk_ids = np.fromiter(chain.from_iterable(chunks), dtype=np.int32, count=num_chunk_tokens)
         input_ids = np.concatenate([input_ids, chunk_ids])
     last_tokens = query_start_loc[1:] - 1  # [B] each entry's last token
+    logits_indices = last_tokens if step.num_samples == b else last_tokens[step.samples]
+    if step.num_drafts is not None:
+        # A verify entry is sampled at each of its positions: its last 1 + drafts tokens.
+        drafts = step.sampled_drafts
+        assert drafts is not None
+        counts = drafts + 1
+        firsts = np.repeat(logits_indices - drafts, counts)
+        within = np.arange(firsts.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        logits_indices = (firsts + within).astype(np.int32)
     return StepPlan(
         step_id=step_id,
         command=Command.RUN,
@@ -50,7 +145,7 @@ def build_step_plan(step: ScheduledStep, step_id: int) -> StepPlan:
         query_start_loc=query_start_loc,
         seq_lens=np.add(step.starts, num_new, dtype=np.int32),
         rows=step.rows.astype(np.int32),
-        logits_indices=last_tokens if step.num_samples == b else last_tokens[step.samples],
+        logits_indices=logits_indices,
         **table_change_arrays(step.table_changes),
     )
 

@@ -234,6 +234,12 @@ class RunningBatch:
             seqs[row].block_table.append(block_id)  # type: ignore[union-attr]
         self.changes.add_single_blocks(rows_list, starts.tolist(), block_ids)
 
+    def truncate_blocks(self, row: int, keep: int) -> None:
+        """The row's sequence gave back its blocks past the first `keep`: its table is that
+        long now (logged as an empty edit at `keep`)."""
+        self.num_blocks[row] = keep
+        self.changes.add(row, keep, [])
+
     def take_changes(self) -> TableChanges:
         """The changes since the last call (for the next plan)."""
         changes, self.changes = self.changes, TableChanges()

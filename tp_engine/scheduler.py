@@ -94,6 +94,11 @@ class ScheduledStep:
     # `RunningBatch.num_removals` when the step was scheduled: while it is unchanged, no row
     # has changed hands and `update` need not compare serials (None: compare them).
     num_removals: int | None = None
+    # Speculative decoding: [B] int32 the drafted tokens each entry verifies (0 for all but
+    # verify entries, whose inputs are [last token, drafts...]), and the drafts, entry after
+    # entry. A verify entry is sampled at every one of its positions. None: no drafts.
+    num_drafts: np.ndarray | None = None
+    draft_tokens: np.ndarray | None = None
 
     @property
     def num_entries(self) -> int:
@@ -105,7 +110,21 @@ class ScheduledStep:
 
     @property
     def num_samples(self) -> int:
+        """Entries that sample (each emits at least one token when applied)."""
         return int(np.count_nonzero(self.samples))
+
+    @property
+    def sampled_drafts(self) -> np.ndarray | None:
+        """[S] the drafts of each sampled entry (None: no drafts in this step)."""
+        if self.num_drafts is None:
+            return None
+        return self.num_drafts[self.samples]
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Logits rows sampled: one per sampled entry, plus one per draft it verifies."""
+        extra = 0 if self.num_drafts is None else int(self.num_drafts.sum())
+        return self.num_samples + extra
 
     @property
     def num_batched_tokens(self) -> int:
@@ -128,6 +147,8 @@ class _Entries:
     reads_placeholder: list[bool] = field(default_factory=list)
     placeholder_rows: list[int] = field(default_factory=list)
     inputs: list[list[int]] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)
+    draft_tokens: list[np.ndarray] = field(default_factory=list)
     num_decodes: int = 0
 
 
@@ -415,12 +436,17 @@ class Scheduler:
             self._add_entry(entries, seq, num_tokens)
             budget -= num_tokens
 
-    def _add_entry(self, entries: _Entries, seq: Sequence, num_tokens: int) -> None:
-        """Plan `num_tokens` of running `seq` in this step (the one-by-one path)."""
+    def _add_entry(
+        self, entries: _Entries, seq: Sequence, num_tokens: int, drafts: np.ndarray | None = None
+    ) -> None:
+        """Plan `num_tokens` of running `seq` in this step (the one-by-one path); a verify entry
+        (`drafts`) computes its last token and then its drafts."""
         b, row = self.batch, seq.row
         assert row is not None
         start = b.scheduled_end(row)
-        samples = num_tokens == b.num_uncomputed(row) and not seq.is_prompt_only
+        num_drafts = 0 if drafts is None else int(drafts.size)
+        num_known = num_tokens - num_drafts
+        samples = num_known == b.num_uncomputed(row) and not seq.is_prompt_only
         placeholder = start >= seq.num_tokens  # the sample of the step in flight
         entries.rows.append(row)
         entries.serials.append(seq.serial)
@@ -429,11 +455,17 @@ class Scheduler:
         entries.samples.append(samples)
         entries.reads_placeholder.append(placeholder)
         entries.placeholder_rows.append(int(b.sample_row[row]) if placeholder else 0)
-        entries.inputs.append([] if placeholder else seq.token_ids[start : start + num_tokens])
+        inputs = [] if placeholder else seq.token_ids[start : start + num_known]
+        entries.num_drafts.append(num_drafts)
+        if num_drafts:
+            assert samples and num_known == 1 and not placeholder, seq
+            inputs += drafts.tolist()  # type: ignore[union-attr]
+            entries.draft_tokens.append(drafts)  # type: ignore[arg-type]
+        entries.inputs.append(inputs)
         if placeholder:
             assert num_tokens == 1, seq
-        if num_tokens == 1 and start >= seq.num_prompt_tokens:
-            entries.num_decodes += 1
+        if num_known == 1 and start >= seq.num_prompt_tokens:
+            entries.num_decodes += num_tokens
         b.num_inflight[row] += num_tokens
 
     def _finish_step(
@@ -473,6 +505,12 @@ class Scheduler:
             placeholder_rows = np.concatenate(
                 [placeholder_rows, np.asarray(entries.placeholder_rows, dtype=np.int32)]
             )
+        num_drafts = draft_tokens = None
+        if entries.draft_tokens:
+            num_drafts = np.concatenate(
+                [np.zeros(single.size, dtype=np.int32), np.asarray(entries.num_drafts, np.int32)]
+            )
+            draft_tokens = np.concatenate(entries.draft_tokens).astype(np.int32, copy=False)
         num_samples = int(np.count_nonzero(samples))
         sampled_rows = rows if num_samples == rows.size else rows[samples]
         b.num_placeholders[sampled_rows] += 1
@@ -493,6 +531,8 @@ class Scheduler:
             # An empty step sends no plan: its changes wait for the next one.
             table_changes=b.take_changes() if rows.size else TableChanges(),
             num_removals=b.num_removals,
+            num_drafts=num_drafts,
+            draft_tokens=draft_tokens,
         )
 
     def _pick_victim(self, in_step_rows: set[int]) -> Sequence:
@@ -521,54 +561,141 @@ class Scheduler:
 
     # -- applying a step ---------------------------------------------------------------------------
 
-    def update(self, step: ScheduledStep, sampled_token_ids: np.ndarray) -> UpdateResult:
-        """Apply a finished step: one sampled id per True in `step.samples`, in batch order."""
-        sampled_token_ids = np.asarray(sampled_token_ids, dtype=np.int64)
+    def update(
+        self,
+        step: ScheduledStep,
+        sampled_token_ids: np.ndarray,
+        num_emitted: np.ndarray | None = None,
+    ) -> UpdateResult:
+        """Apply a finished step: the new tokens of each True in `step.samples`, in batch order,
+        one each, or (speculative decoding) `num_emitted[i]` for sampled entry i, entry after
+        entry. A verify entry that emits a tokens accepted a - 1 of its drafts: its other
+        drafts are rolled back here (their K/V is not counted as computed, and blocks holding
+        nothing but rejected positions go back to the pool)."""
+        tokens = np.asarray(sampled_token_ids, dtype=np.int64)
         num_samples = step.num_samples
-        if sampled_token_ids.shape != (num_samples,):
-            raise ValueError(
-                f"expected {num_samples} sampled tokens, got {sampled_token_ids.shape[0]}"
-            )
-        b, bs = self.batch, self.block_size
+        if num_emitted is None:
+            if tokens.shape != (num_samples,):
+                raise ValueError(f"expected {num_samples} sampled tokens, got {tokens.shape[0]}")
+        else:
+            num_emitted = np.asarray(num_emitted, dtype=np.int32)
+            if num_emitted.shape != (num_samples,) or tokens.size != int(num_emitted.sum()):
+                raise ValueError(
+                    f"expected token counts for {num_samples} sampled entries summing to the "
+                    f"{tokens.size} tokens, got {num_emitted.shape}"
+                )
+            if np.count_nonzero(num_emitted < 1) or (
+                step.num_drafts is not None
+                and np.count_nonzero(num_emitted > step.num_drafts[step.samples] + 1)
+            ):
+                raise ValueError("each sampled entry emits 1 .. drafts + 1 tokens")
+        b = self.batch
         rows, num = step.rows, step.num_scheduled
+        # Tokens of each entry whose K/V stays: all but the rejected drafts.
+        kept = num
+        if num_emitted is not None and step.num_drafts is not None:
+            kept = num.copy()
+            kept[step.samples] -= step.num_drafts[step.samples] - (num_emitted - 1)
         sampled = rows if num_samples == rows.size else rows[step.samples]
-        tokens = sampled_token_ids
         # Rows still running the sequence they held when the step was scheduled; the others
         # were aborted, preempted or finished meanwhile, and their entries are discarded.
         if step.num_removals != b.num_removals:  # else no row has changed hands since
             live = b.live(rows, step.serials)
             if np.count_nonzero(live) < live.size:
                 sampled_live = live[step.samples]
-                sampled, tokens = sampled[sampled_live], tokens[sampled_live]
-                rows, num = rows[live], num[live]
-        computed = b.num_computed[rows] + num
+                sampled = sampled[sampled_live]
+                if num_emitted is None:
+                    tokens = tokens[sampled_live]
+                else:
+                    tokens = tokens[np.repeat(sampled_live, num_emitted)]
+                    num_emitted = num_emitted[sampled_live]
+                rows, num, kept = rows[live], num[live], kept[live]
+        computed = b.num_computed[rows] + kept
         b.num_computed[rows] = computed
         b.num_inflight[rows] -= num
-        if self.block_manager.enable_prefix_caching:
-            # Rows whose computed tokens crossed a block boundary (one in block_size decodes):
-            # the last boundary at or below `computed` lies within this step's `num` tokens.
-            crossed = (computed % bs < num).nonzero()[0]
-            if crossed.size:
-                self.block_manager.commit_computed_blocks_of(
-                    [b.seqs[row] for row in rows[crossed].tolist()],  # type: ignore[misc]
-                    computed[crossed].tolist(),
-                )
+        # Accepted drafts are computed before they are known tokens: until they are appended,
+        # only the known ones can go into the prefix cache.
+        ahead = None
+        if num_emitted is not None:
+            known = b.num_tokens[rows]
+            if np.count_nonzero(computed > known):
+                ahead = rows[computed > known]
+                computed = np.minimum(computed, known)
+        self._commit_full_blocks(rows, computed, computed - kept)
 
         b.num_placeholders[sampled] -= 1
-        num_tokens = b.num_tokens[sampled] + 1  # [S] after this token
-        b.num_tokens[sampled] = num_tokens
-        b.last_token[sampled] = tokens
         seqs = list(map(b.seqs.__getitem__, sampled.tolist()))
-        for seq, token in zip(seqs, tokens.tolist(), strict=True):
-            seq.token_ids.append(token)  # type: ignore[union-attr]
-
-        finished = self._stop(sampled, tokens, num_tokens)
+        if num_emitted is None or num_emitted.size == num_emitted.sum():
+            finished = self._append(sampled, tokens)
+        else:
+            finished = self._append_ragged(sampled, tokens, num_emitted)
+        if num_emitted is not None:
+            self._release_unused_blocks(sampled[b.serial[sampled] != 0])
+        if ahead is not None:
+            ahead = ahead[b.serial[ahead] != 0]  # still running (a stop gives the row back)
+            self._commit_full_blocks(
+                ahead, np.minimum(b.num_computed[ahead], b.num_tokens[ahead]), before=None
+            )
         # A prompt-only sequence ends once its prompt is computed (none usually run).
         if b.num_prompt_only:
             prompt_done = rows[b.prompt_only[rows] & (computed >= b.num_tokens[rows])]
             for row in prompt_done.tolist():
                 finished.append(self._end(b.seqs[row], SequenceStatus.FINISHED_LENGTH_CAPPED))
         return UpdateResult(seqs, finished)  # type: ignore[arg-type]
+
+    def _commit_full_blocks(
+        self, rows: np.ndarray, computed: np.ndarray, before: np.ndarray | None
+    ) -> None:
+        """Register in the prefix cache the blocks of `rows` now full of computed K/V of known
+        tokens (`computed` of them; `before`: as many before this step, to skip rows that
+        crossed no block boundary, as most decodes; None: look at every row)."""
+        if not self.block_manager.enable_prefix_caching or not rows.size:
+            return
+        bs = self.block_size
+        if before is not None:
+            crossed = (computed // bs > before // bs).nonzero()[0]
+            rows, computed = rows[crossed], computed[crossed]
+        if rows.size:
+            self.block_manager.commit_computed_blocks_of(
+                [self.batch.seqs[row] for row in rows.tolist()],  # type: ignore[misc]
+                computed.tolist(),
+            )
+
+    def _append(self, rows: np.ndarray, tokens: np.ndarray) -> list[Sequence]:
+        """Append one token to each of `rows`; returns the sequences it stopped."""
+        b = self.batch
+        num_tokens = b.num_tokens[rows] + 1  # after this token
+        b.num_tokens[rows] = num_tokens
+        b.last_token[rows] = tokens
+        for row, token in zip(rows.tolist(), tokens.tolist(), strict=True):
+            b.seqs[row].token_ids.append(token)  # type: ignore[union-attr]
+        return self._stop(rows, tokens, num_tokens)
+
+    def _append_ragged(
+        self, rows: np.ndarray, tokens: np.ndarray, num_emitted: np.ndarray
+    ) -> list[Sequence]:
+        """Append `num_emitted[i]` tokens to row i, one round per position, so that each token
+        meets the stop checks as it would alone: a sequence stopped by its j-th token gets no
+        more."""
+        b = self.batch
+        serials = b.serial[rows]
+        offsets = np.cumsum(num_emitted) - num_emitted
+        finished: list[Sequence] = []
+        for j in range(int(num_emitted.max())):
+            # Rows with a j-th token whose sequence is still running (a stop frees the row).
+            going = (num_emitted > j) & (b.serial[rows] == serials)
+            finished += self._append(rows[going], tokens[offsets[going] + j])
+        return finished
+
+    def _release_unused_blocks(self, rows: np.ndarray) -> None:
+        """Rows (running) that hold blocks past their known tokens, reserved for drafts that
+        were rejected, give them back (the next step allocates what its drafts need)."""
+        b = self.batch
+        needed = -(-b.num_tokens[rows] // self.block_size)  # blocks for every known token
+        surplus = b.num_blocks[rows] > needed
+        for row, keep in zip(rows[surplus].tolist(), needed[surplus].tolist(), strict=True):
+            self.block_manager.free_tail(b.seqs[row], keep)  # type: ignore[arg-type]
+            b.truncate_blocks(row, keep)
 
     def _stop(self, rows: np.ndarray, tokens: np.ndarray, num_tokens: np.ndarray) -> list[Sequence]:
         """End the sequences (at `rows`, `num_tokens` long now) whose new token stops them: EOS,

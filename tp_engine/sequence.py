@@ -143,6 +143,8 @@ class Sequence:
         # Seconds from arrival to its first admission; whether the engine has reported on it.
         self.queue_time_s: float | None = None
         self.reported = False
+        # Output tokens already in an output (a speculative step can add several at once).
+        self.num_reported_tokens = 0
         # The seed of its sampling noise (int64 holding 64 bits): its request's seed, or one
         # drawn for it, set at its first row (`tp_engine.sampling.batch`) and kept for its life.
         self.noise_seed: int | None = None

@@ -93,9 +93,15 @@ class SamplingBatchBuilder:
     # -- one step ---------------------------------------------------------------------------------
 
     def build(
-        self, batch: RunningBatch, rows: np.ndarray, live: np.ndarray | None = None
+        self,
+        batch: RunningBatch,
+        rows: np.ndarray,
+        live: np.ndarray | None = None,
+        positions_ahead: np.ndarray | None = None,
     ) -> SamplingBatch:
-        """The metadata for sampling `rows` (batch rows, in sampled-row order)."""
+        """The metadata for sampling `rows` (batch rows, in sampled-row order). A row sampled
+        at several positions (a speculative verify entry) appears once per position, with
+        `positions_ahead` 0, 1, ...: how far past the row's next output position it samples."""
         self.follow(batch)
         rows = np.asarray(rows, dtype=np.intp)
         if live is None:
@@ -121,9 +127,7 @@ class SamplingBatchBuilder:
             seeds=self.seeds[rows],
             # The output position being sampled: tokens known plus samples in flight, this
             # step's included, less the prompt (a recomputed row samples its position again).
-            counters=(
-                batch.num_tokens[rows] + batch.num_placeholders[rows] - 1 - batch.prompt_len[rows]
-            ).astype(np.int64),
+            counters=self._counters(batch, rows, positions_ahead),
             top_k=batch.top_k[rows],
             top_p=batch.top_p[rows],
             min_p=batch.min_p[rows],
@@ -140,6 +144,19 @@ class SamplingBatchBuilder:
                 self.vocab_size, max(params[i].logprobs or 0 for i in logprob_rows)
             )
         return SamplingBatch(SamplingMetadata(**fields), [seqs[i] for i in logprob_rows])  # type: ignore[misc]
+
+    @staticmethod
+    def _counters(
+        batch: RunningBatch, rows: np.ndarray, positions_ahead: np.ndarray | None
+    ) -> np.ndarray:
+        """The output position being sampled: tokens known plus samples in flight, this step's
+        included, less the prompt (a recomputed row samples its position again)."""
+        counters = (
+            batch.num_tokens[rows] + batch.num_placeholders[rows] - 1 - batch.prompt_len[rows]
+        ).astype(np.int64)
+        if positions_ahead is not None:
+            counters += positions_ahead
+        return counters
 
     # -- tensors ---------------------------------------------------------------------------------
 

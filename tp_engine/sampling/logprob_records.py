@@ -12,53 +12,12 @@ Without chunked prefill a whole prompt is one chunk: `prompt_len * V * 4` bytes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
-from shm_ipc.step_plan import StepPlan
-from tp_engine.running_batch import RunningBatch
+from tp_engine.plan_builder import PromptLogprobRows
 from tp_engine.sampling import LogprobsTensors, compute_logprobs
-from tp_engine.scheduler import ScheduledStep
-from tp_engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from tp_engine.sequence import Sequence, TokenLogprobs
 from tp_engine.transfers import to_device_async
-
-
-@dataclass(frozen=True)
-class PromptLogprobRows:
-    """Extra logits rows of one sequence in one step, for its prompt logprobs."""
-
-    seq: Sequence
-    # Rows in the plan's flattened tokens: positions `start .. start + count - 1` of the
-    # sequence, whose logits score prompt tokens `start + 1 .. start + count`.
-    rows: np.ndarray
-    targets: list[int]
-
-
-def prompt_logprob_rows(
-    step: ScheduledStep, batch: RunningBatch, plan: StepPlan
-) -> list[PromptLogprobRows]:
-    """The logits rows each scheduled sequence needs for prompt logprobs it lacks.
-
-    A chunk computing positions `start .. start + n - 1` yields logits for prompt tokens
-    `start + 1 .. start + n`; only tokens not yet recorded are taken (a recompute after
-    preemption does not record them twice). Only the rows of sequences that asked for prompt
-    logprobs are visited.
-    """
-    found = []
-    for i in np.flatnonzero(batch.wants_prompt_logprobs[step.rows]).tolist():
-        seq = batch.seqs[int(step.rows[i])]
-        if seq is None or not seq.needs_prompt_logits:
-            continue
-        start = int(step.starts[i])
-        lo = max(start, len(seq.prompt_logprobs) - 1)  # first position whose logits are missing
-        hi = min(start + int(step.num_scheduled[i]), seq.num_prompt_tokens - 1)
-        if lo >= hi:
-            continue
-        rows = np.arange(lo, hi, dtype=np.int64) - start + int(plan.query_start_loc[i])
-        found.append(PromptLogprobRows(seq, rows, seq.token_ids[lo + 1 : hi + 1]))
-    return found
 
 
 def prompt_logprob_tensors(logits: torch.Tensor, found: list[PromptLogprobRows]) -> LogprobsTensors:
@@ -95,14 +54,17 @@ def _entries(tensors: LogprobsTensors, num_top: list[int]) -> list[TokenLogprobs
 
 
 def record_sample_logprobs(seqs: list[Sequence], tensors: LogprobsTensors) -> None:
-    """Append each sequence's entry for the token it just sampled (rows in `seqs` order).
+    """Give each sequence the entries of its sampled rows (rows in `seqs` order; a sequence's
+    rows are consecutive, in output order) for the tokens it received.
 
-    Call before `Scheduler.update`: a sequence no longer RUNNING (aborted, preempted, or
-    finished while the step was in flight) will not get the token, so it gets no entry.
+    Call after `Scheduler.update`: a sequence gets an entry while it has more output tokens than
+    entries, so one no longer running when the step was applied (aborted, preempted, finished
+    meanwhile) gets none, and one that a stop check ended within a speculative step gets
+    entries up to its last token only.
     """
     entries = _entries(tensors, [seq.sampling_params.logprobs or 0 for seq in seqs])
     for seq, entry in zip(seqs, entries, strict=True):
-        if seq.status != SequenceStatus.RUNNING:
+        if len(seq.output_logprobs) >= seq.num_output_tokens:
             continue
         seq.output_logprobs.append(entry)
         seq.cumulative_logprob += entry.logprobs[0]

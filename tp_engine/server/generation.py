@@ -183,8 +183,6 @@ class Generation:
             choice.queue_time_s = delta.queue_time_s
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[choice.prompt_index] = delta.prompt_logprobs
-        if delta.logprobs is not None:
-            choice.logprobs = (choice.logprobs or []) + delta.logprobs
         if delta.new_token_ids:
             if choice.first_token_at is None:
                 choice.first_token_at = now
@@ -195,11 +193,20 @@ class Generation:
             choice.last_token_at = now
             metrics.generation_tokens.inc(len(delta.new_token_ids))
         engine_done = delta.finish_reason is not None
+        was_finished, before = choice.detok.finished, len(choice.detok.token_ids)
         text = choice.detok.update(
             delta.new_token_ids,
             engine_stopped=delta.finish_reason == "stop",
             finished=engine_done,
         )
+        new_ids, new_logprobs = list(delta.new_token_ids), delta.logprobs
+        kept = len(choice.detok.token_ids) - before
+        if not was_finished and kept < len(new_ids):
+            # A stop string completed within a speculative step: the tokens after it never were.
+            new_ids = new_ids[:kept]
+            new_logprobs = None if new_logprobs is None else new_logprobs[:kept]
+        if new_logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + new_logprobs
         if choice.detok.stop_string is not None:
             choice.finish_reason, choice.stop_reason = "stop", choice.detok.stop_string
             if not engine_done:
@@ -209,7 +216,7 @@ class Generation:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         if choice.finished:
             self._record_finish(choice, now)
-        return ChoiceUpdate(choice, text, list(delta.new_token_ids), delta.logprobs)
+        return ChoiceUpdate(choice, text, new_ids, new_logprobs)
 
     def _record_finish(self, choice: Choice, now: float) -> None:
         num_generated = len(choice.detok.token_ids)

@@ -71,3 +71,27 @@ def random_workload(
     if vocab_size is not None and vocab_size <= max_token_id:
         prompts = [[t % vocab_size for t in p] for p in prompts]
     return Workload(prompts, output_lens)
+
+
+def repetition_workload(
+    num_seqs: int = 64,
+    passage_len: int = 64,
+    copies: int = 3,
+    output_len: int = 128,
+    max_token_id: int = 10_000,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> Workload:
+    """Prompts that repeat themselves, for speculative decoding: each is a random passage of
+    `passage_len` tokens `copies` times over (a document quoted back, code being edited), so an
+    output that continues the pattern is found by n-gram lookup. Every sequence generates
+    `output_len` tokens (ignore_eos)."""
+    if passage_len < 1 or copies < 1 or output_len < 1:
+        raise ValueError("passage_len, copies and output_len must be >= 1")
+    rng = random.Random(seed)
+    limit = max_token_id if vocab_size is None else min(max_token_id, vocab_size - 1)
+    prompts = []
+    for _ in range(num_seqs):
+        passage = [rng.randint(0, limit) for _ in range(passage_len)]
+        prompts.append(passage * copies)
+    return Workload(prompts, [output_len] * num_seqs)

@@ -36,7 +36,7 @@ from benchmarks.limits import ModelShape, Peaks, offline_limit, peaks_for
 from benchmarks.models import read_hf_config, resolve_model
 from benchmarks.results import environment, write_json
 from benchmarks.triton_launches import compiled_binaries
-from benchmarks.workload import NANO_VLLM_OUTPUT_TOKENS, random_workload
+from benchmarks.workload import NANO_VLLM_OUTPUT_TOKENS, random_workload, repetition_workload
 from tp_engine import LLM, SamplingParams
 from tp_engine.config import KV_CACHE_DTYPES
 from tp_engine.step_timeline import StepTimeline
@@ -88,6 +88,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="schedule step t+1 while step t runs (default: on with a GPU, off on CPU)",
     )
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
+    p.add_argument(
+        "--workload",
+        choices=["random", "repetition"],
+        default="random",
+        help="random: nano-vllm's; repetition: each prompt a passage repeated --copies times "
+        "(--num-seqs prompts of --passage-len tokens, --max-output-len tokens each)",
+    )
+    p.add_argument("--passage-len", type=int, default=64)
+    p.add_argument("--copies", type=int, default=3)
+    p.add_argument(
+        "--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)"
+    )
     p.add_argument(
         "--peak-tflops", type=float, default=None, help="peak dense FLOP/s per device, in TFLOP/s"
     )
@@ -143,6 +161,21 @@ def startup_record(llm: LLM, total_s: float) -> dict:
     }
 
 
+def speculative_record(llm: LLM) -> dict:
+    """Drafts proposed and accepted over the run (the warm-up request's included), and the mean
+    acceptance length: tokens per verify step of a sequence, 1 + accepted / drafts (vLLM's)."""
+    values = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
+    drafts = values["vllm:spec_decode_num_drafts"]
+    accepted = values["vllm:spec_decode_num_accepted_tokens"]
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": values["vllm:spec_decode_num_draft_tokens"],
+        "num_accepted_tokens": accepted,
+        "accepted_per_position": values["vllm:spec_decode_num_accepted_tokens_per_pos"],
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
 def runner_phases(startup: dict) -> dict[str, float]:
     return {
         k: startup[k]
@@ -155,15 +188,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = resolve_model(args.model)
     hf_config = read_hf_config(model_dir)
-    workload = random_workload(
-        args.num_seqs,
-        args.min_input_len,
-        args.max_input_len,
-        args.min_output_len,
-        args.max_output_len,
-        vocab_size=hf_config["vocab_size"],
-        seed=args.seed,
-    )
+    if args.workload == "repetition":
+        workload = repetition_workload(
+            args.num_seqs, args.passage_len, args.copies, args.max_output_len,
+            vocab_size=hf_config["vocab_size"], seed=args.seed,
+        )  # fmt: skip
+    else:
+        workload = random_workload(
+            args.num_seqs,
+            args.min_input_len,
+            args.max_input_len,
+            args.min_output_len,
+            args.max_output_len,
+            vocab_size=hf_config["vocab_size"],
+            seed=args.seed,
+        )
     startup_start = time.perf_counter()
     llm = LLM(
         str(model_dir),
@@ -182,17 +221,21 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
+        speculative_config=args.speculative_config,
     )  # ranks other than 0 serve inside this call and exit
     startup = startup_record(llm, time.perf_counter() - startup_start)
     binaries_after_startup = compiled_binaries()
     env = environment()
     tp_size = llm.engine.tp.size
-    is_default = (args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len,
-                  args.max_output_len, args.seed) == (256, 100, 1024, 100, 1024, 0)  # fmt: skip
+    is_default = args.workload == "random" and (
+        args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len,
+        args.max_output_len, args.seed,
+    ) == (256, 100, 1024, 100, 1024, 0)  # fmt: skip
     if is_default and workload.num_output_tokens != NANO_VLLM_OUTPUT_TOKENS:
         raise RuntimeError(f"workload drifted: {workload.num_output_tokens} output tokens")
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in workload.output_lens
+        SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
+        for n in workload.output_lens
     ]
     timeline: StepTimeline | None = None
     timeline_dict: dict | None = None
@@ -214,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             llm.engine.timeline = None
             # Before shutdown: resolving device phases needs the CUDA context and streams.
             timeline_dict, timeline_summary = timeline.to_dict(), timeline.summary()
+        spec = speculative_record(llm) if args.speculative_config else None
     finally:
         llm.shutdown()
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -288,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         "limit_output_tokens_per_s": generated / limit.time_s,
         "fraction_of_limit": fraction,
     }
+    if spec is not None:
+        result["speculative"] = spec
     name = (args.model or "demo").rstrip("/").rsplit("/", 1)[-1]
     path = args.output_json or (
         Path("benchmarks/results")
@@ -321,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         + ")\n"
         f"Result: {path}"
         + (f"\nStep timeline: {args.step_timeline}" if timeline_dict is not None else "")
+        + (
+            f"\nSpeculative: {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft "
+            f"tokens accepted, mean acceptance length {spec['mean_acceptance_length']}"
+            if spec is not None
+            else ""
+        )
     )
     return 0
 

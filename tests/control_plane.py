@@ -15,8 +15,9 @@ from tp_engine.config import EngineConfig
 from tp_engine.plan_builder import build_step_plan
 from tp_engine.running_batch import RunningBatch
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.scheduler import ScheduledStep, Scheduler
+from tp_engine.scheduler import DraftProposer, ScheduledStep, Scheduler
 from tp_engine.sequence import Sequence
+from tp_engine.speculative import accept_drafts
 
 EOS = 0
 
@@ -29,6 +30,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 32,
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
+    proposer: DraftProposer | None = None,
     **bm_kwargs,
 ) -> Scheduler:
     config = EngineConfig(
@@ -41,7 +43,7 @@ def make_scheduler(
         num_kv_blocks=num_blocks,
     )
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching, **bm_kwargs)
-    return Scheduler(config, bm, eos_token_ids=[EOS])
+    return Scheduler(config, bm, eos_token_ids=[EOS], proposer=proposer)
 
 
 def make_seq(request_id: str, tokens: list[int], max_tokens: int | None = 4, **params) -> Sequence:
@@ -67,12 +69,20 @@ class StepView:
     input_rows: list[int | None]
     # Each sequence's computed tokens when the step was scheduled (its batch row's).
     num_computed: list[int]
+    # Each entry's drafted tokens (speculative decoding; empty lists without).
+    drafts: list[list[int]]
 
     @classmethod
     def of(cls, step: ScheduledStep, batch: RunningBatch) -> StepView:
         seqs = [batch.seqs[row] for row in step.rows.tolist()]
         assert all(s is not None for s in seqs)
         rows = step.placeholder_rows.tolist()
+        drafts: list[list[int]] = [[] for _ in seqs]
+        if step.num_drafts is not None:
+            assert step.draft_tokens is not None
+            flat, offset = step.draft_tokens.tolist(), 0
+            for i, n in enumerate(step.num_drafts.tolist()):
+                drafts[i], offset = flat[offset : offset + n], offset + n
         return cls(
             step,
             seqs,  # type: ignore[arg-type]
@@ -81,6 +91,7 @@ class StepView:
             step.samples.tolist(),
             [r if p else None for r, p in zip(rows, step.reads_placeholder.tolist(), strict=True)],
             batch.num_computed[step.rows].tolist(),
+            drafts,
         )
 
     @property
@@ -116,13 +127,16 @@ def reference_plan_arrays(
             for s, n in zip(in_flight.scheduled, in_flight.num_scheduled_tokens, strict=True)
         }
     ids, pos, slots, qsl, lens, logits = [], [], [], [0], [], []
-    for seq, n, samples, computed in zip(
-        out.scheduled, out.num_scheduled_tokens, out.samples, out.num_computed, strict=True
-    ):
+    for seq, n, samples, computed, drafts in zip(
+        out.scheduled, out.num_scheduled_tokens, out.samples, out.num_computed, out.drafts,
+        strict=True,
+    ):  # fmt: skip
         start = computed + pending_tokens.get(id(seq), 0)
         for p in range(start, start + n):
             if p < seq.num_tokens:
                 ids.append(seq.token_ids[p])
+            elif drafts:  # a verify entry: its last token, then its drafts
+                ids.append(drafts[p - seq.num_tokens])
             else:
                 assert p == seq.num_tokens and id(seq) in pending_rows, (seq, p)
                 ids.append(-1 - pending_rows[id(seq)])
@@ -130,8 +144,8 @@ def reference_plan_arrays(
             slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
         qsl.append(qsl[-1] + n)
         lens.append(start + n)
-        if samples:
-            logits.append(qsl[-1] - 1)
+        if samples:  # every verified position of a verify entry, else the last token
+            logits += range(qsl[-1] - 1 - len(drafts), qsl[-1])
     as_i32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
     return {
         "input_ids": as_i32(ids),
@@ -239,10 +253,27 @@ class Stepper:
         return out, finished
 
     def _update(self, out: StepView, tokens: list[int]) -> list[Sequence]:
-        return self.sched.update(out.step, np.asarray(tokens, dtype=np.int64)).finished
+        step = out.step
+        if step.num_drafts is None:
+            return self.sched.update(step, np.asarray(tokens, dtype=np.int64)).finished
+        assert step.draft_tokens is not None and step.sampled_drafts is not None
+        verdict = accept_drafts(np.asarray(tokens), step.sampled_drafts, step.draft_tokens)
+        return self.sched.update(step, verdict.token_ids, verdict.num_emitted).finished
 
     def _sample(self, out: StepView) -> list[int]:
-        return [self.sample(s) for s, smp in zip(out.scheduled, out.samples, strict=True) if smp]
+        """The fake model's token at every sampled position: a verify entry's positions see
+        the drafts before them as the sequence's tokens."""
+        tokens = []
+        for seq, smp, drafts in zip(out.scheduled, out.samples, out.drafts, strict=True):
+            if not smp:
+                continue
+            tokens.append(self.sample(seq))
+            if drafts:
+                ahead = Sequence("ahead", list(seq.token_ids))
+                for draft in drafts:
+                    ahead.token_ids.append(draft)
+                    tokens.append(self.sample(ahead))
+        return tokens
 
     def run_to_completion(self, max_steps: int = 10_000) -> list[Sequence]:
         done: list[Sequence] = []
@@ -270,7 +301,11 @@ class Stepper:
             assert row is not None and batch.seqs[row] is seq and batch.serial[row] == seq.serial
             # At most the step in flight and the one just scheduled.
             assert 0 <= batch.num_placeholders[row] <= 2, seq
-            assert batch.scheduled_end(row) <= seq.num_tokens + batch.num_placeholders[row], seq
+            # (A verify entry in flight also computes its drafts, past the known tokens.)
+            drafts = self.sched.proposer.num_speculative_tokens if self.sched.proposer else 0
+            assert (
+                batch.scheduled_end(row) <= seq.num_tokens + batch.num_placeholders[row] + drafts
+            ), seq
             assert batch.num_tokens[row] == seq.num_tokens, seq
             assert batch.last_token[row] == seq.token_ids[-1], seq
             assert batch.block_table[row, : batch.num_blocks[row]].tolist() == seq.block_table

@@ -11,6 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from tp_engine.speculative.config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The `attention_backend` values a user may give (the command lines offer these). Each rank
 # checks its choice again, with its device and dtype in hand, in
@@ -77,8 +79,25 @@ class EngineConfig:
     # Seconds a request's structured-output grammar may take to compile; a slower one ends
     # that request (the server answers it 400), the others run on.
     structured_outputs_timeout_s: float = 30.0
+    # Speculative decoding (vLLM's `speculative_config`): a dict, its JSON, or a
+    # SpeculativeConfig; None = off. See `tp_engine.speculative`.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is not None:
+            _check(
+                spec.method == "ngram",
+                "speculative_config",
+                f'method "{spec.method}" is not implemented yet; use "ngram"',
+            )
+            _check(
+                not self.async_scheduling,
+                "async_scheduling",
+                "cannot be on with speculative decoding: the next step's drafts and inputs "
+                "depend on the tokens this step accepts; leave it unset or set it False",
+            )
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         if self.max_model_len is not None:
             _check(self.max_model_len >= 1, "max_model_len", "must be >= 1")

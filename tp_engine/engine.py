@@ -86,6 +86,7 @@ from tp_engine.sampling.profiling import profile_sampling
 from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
 from tp_engine.scheduler import RequestRejectedError, ScheduledStep, Scheduler
 from tp_engine.sequence import Sequence, SequenceStatus
+from tp_engine.speculative import NgramProposer, SpecDecodeStats, accept_drafts
 from tp_engine.step_timeline import StepTimeline, gpu_phase_or_null, phase_or_null
 from tp_engine.structured_outputs import GrammarCompiler, GrammarState
 from tp_engine.thinking import (
@@ -137,11 +138,23 @@ def max_logits_rows_per_step(config: EngineConfig) -> int:
     prompt rows, then its sampled row), any other a row if it samples. With chunked prefill the
     scheduler gives prompt logprobs at most max_num_seqs tokens per step, and such a sequence
     is one of the max_num_seqs: at most max_num_seqs + (max_num_seqs - 1) rows. Without it, a
-    whole prompt's rows: up to every token of the step."""
+    whole prompt's rows: up to every token of the step. Speculative decoding adds a row per
+    draft: up to k more per sequence."""
     budget = config.resolved_max_num_batched_tokens
     if not config.enable_chunked_prefill:
         return budget
-    return min(budget, 2 * config.max_num_seqs - 1)
+    return min(budget, (2 + _num_drafts(config)) * config.max_num_seqs - 1)
+
+
+def max_sampled_rows_per_step(config: EngineConfig) -> int:
+    """The most rows one step samples: one per sequence, and one per draft it verifies."""
+    rows = (1 + _num_drafts(config)) * config.max_num_seqs
+    return min(rows, config.resolved_max_num_batched_tokens)
+
+
+def _num_drafts(config: EngineConfig) -> int:
+    spec = config.speculative_config
+    return 0 if spec is None else spec.num_speculative_tokens
 
 
 def runner_config_for(config: EngineConfig) -> RunnerConfig:
@@ -153,6 +166,7 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.resolved_max_num_batched_tokens,
         max_num_logits_rows=max_logits_rows_per_step(config),
+        max_num_sampled_rows=max_sampled_rows_per_step(config),
         dtype=config.dtype,
         seed=config.seed,
         gpu_memory_utilization=config.gpu_memory_utilization,
@@ -230,6 +244,10 @@ class LLMEngine:
         self.sampling = SamplingBatchBuilder(
             self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed
         )
+        self.spec = self.config.speculative_config
+        self.proposer = self._build_proposer()
+        # Drafts proposed and accepted since start (vLLM's spec_decode metrics).
+        self.spec_stats = SpecDecodeStats()
         self.scheduler = self._build_scheduler(self.config)
         self.async_scheduling = self._resolve_async(self.config)
         # The step launched and sampled by the last `step()` call, not applied yet, and outputs
@@ -394,6 +412,10 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
         )
 
     def _release_held(self) -> None:
@@ -601,9 +623,17 @@ class LLMEngine:
                 if step.host_token_ids is None
                 else step.host_token_ids.numpy()
             )
+            num_emitted = None
+            if step.layout.num_drafts is not None:
+                assert scheduled.draft_tokens is not None
+                verdict = accept_drafts(tokens, step.layout.num_drafts, scheduled.draft_tokens)
+                self.spec_stats.record(
+                    step.layout.num_drafts, verdict.num_accepted, self.proposer_k
+                )
+                tokens, num_emitted = verdict.token_ids, verdict.num_emitted
             if step.prompt_logprobs is not None:
                 record_prompt_logprobs(step.prompt_logprobs, step.layout.prompt_rows)
-            result = self.scheduler.update(scheduled, tokens)
+            result = self.scheduler.update(scheduled, tokens, num_emitted)
             if step.logprobs is not None:
                 record_sample_logprobs(step.logprob_seqs, step.logprobs)
             if self._constrained:
@@ -715,6 +745,8 @@ class LLMEngine:
         self.async_scheduling = self._resolve_async(config)
 
     def _resolve_async(self, config: EngineConfig) -> bool:
+        if config.speculative_config is not None:
+            return False  # EngineConfig refuses async_scheduling=True with it
         if config.async_scheduling is not None:
             return config.async_scheduling
         return self.runner.device.type == "cuda"
@@ -723,7 +755,28 @@ class LLMEngine:
         bm = BlockManager(
             num_blocks or self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
-        return Scheduler(config, bm, self.eos_token_ids)
+        scheduler = Scheduler(config, bm, self.eos_token_ids, self.proposer)
+        if self.proposer is not None:
+            self.proposer.follow(scheduler.batch)
+        return scheduler
+
+    def _build_proposer(self) -> NgramProposer | None:
+        """The draft proposer of `speculative_config` (None without one)."""
+        spec = self.spec
+        if spec is None:
+            return None
+        assert spec.method == "ngram"  # EngineConfig refuses the others
+        return NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+            may_draft=self._may_draft,
+        )  # fmt: skip
+
+    def _may_draft(self, rows: np.ndarray) -> np.ndarray:
+        return self.sampling.may_draft(rows)
+
+    @property
+    def proposer_k(self) -> int:
+        return 0 if self.spec is None else self.spec.num_speculative_tokens
 
     # -- shutdown --------------------------------------------------------------------------------
 

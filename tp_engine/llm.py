@@ -34,6 +34,7 @@ from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
 from tp_engine.config import EngineConfig
 from tp_engine.detokenizer import IncrementalDetokenizer
 from tp_engine.engine import EngineDeadError, LLMEngine
+from tp_engine.metrics_reader import Metric, engine_metrics
 from tp_engine.outputs import CompletionOutput, RequestOutput, SequenceOutput, logprob_dicts
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.sequence import SequenceStatus, TokenLogprobs
@@ -88,6 +89,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges since start, vLLM's names (`metrics_reader`): e.g.
+        `vllm:spec_decode_num_accepted_tokens`, `vllm:prefix_cache_hits`."""
+        return engine_metrics(self.engine.stats(), {"model_name": str(self.engine.model_dir)})
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults overridden by the checkpoint's generation_config.json."""

@@ -43,6 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -56,6 +57,17 @@ from tp_engine.sequence import Sequence, SequenceStatus
 def _read_only(arr: np.ndarray) -> np.ndarray:
     arr.flags.writeable = False
     return arr
+
+
+class DraftProposer(Protocol):
+    """Guesses the next tokens of decoding sequences (speculative decoding)."""
+
+    num_speculative_tokens: int
+
+    def propose(self, rows: np.ndarray, max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Drafts for batch `rows` (at most `max_drafts[i]` for row i, 0: none): the draft
+        tokens of every row, row after row, and how many each row has."""
+        ...
 
 
 class RequestRejectedError(ValueError):
@@ -170,6 +182,7 @@ class Scheduler:
         config: EngineConfig,
         block_manager: BlockManager,
         eos_token_ids: Iterable[int] = (),
+        proposer: DraftProposer | None = None,
     ) -> None:
         if config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len")
@@ -194,6 +207,8 @@ class Scheduler:
         self._zeros = _read_only(np.zeros(self.batch.max_rows, dtype=np.int32))
         # Preemptions since start (vLLM's num_preemptions_total).
         self.num_preemptions = 0
+        # Speculative decoding: drafts for the decoding sequences, verified in the step.
+        self.proposer = proposer
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -313,6 +328,10 @@ class Scheduler:
             is_single = ~(ending | one_by_one)
             single, start, num_known = rows[is_single], start[is_single], num_known[is_single]
 
+        verify = None
+        if self.proposer is not None and single.size:
+            single, start, num_known, verify = self._propose(single, start, num_known)
+
         preempted: list[Sequence] = []
         in_step = self._allocate_decode_blocks(single, start, preempted)
         if in_step is not None:
@@ -320,6 +339,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens - single.size
         rows_left = self.max_num_seqs if self.enable_chunked_prefill else None
         entries = _Entries()
+        if verify is not None:
+            budget = self._add_verify_entries(entries, verify, single, budget, preempted)
         for row in rows[one_by_one].tolist():
             seq = b.seqs[row]
             if budget == 0:
@@ -347,6 +368,68 @@ class Scheduler:
             # Sequences about to end leave their place in the step to new ones already.
             self._admit(entries, budget, self.max_num_seqs + num_ending, rows_left)
         return self._finish_step(single, start, num_known, entries, preempted)
+
+    def _propose(
+        self, single: np.ndarray, start: np.ndarray, num_known: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, np.ndarray]] | None]:
+        """Ask the proposer for drafts of the decodes (rows `single`); those that got some
+        leave the single-token path and become verify entries: returns the remaining decodes'
+        arrays and the verify entries as (row, drafts), admission order (None: none)."""
+        assert self.proposer is not None
+        b = self.batch
+        # j drafts can emit j + 1 tokens: stay within the length limit, so a verify entry
+        # never writes K/V past what `check_fits` reserved (the last token is never fed back).
+        max_drafts = np.minimum(
+            b.length_end[single] - num_known - 1, self.proposer.num_speculative_tokens
+        )
+        max_drafts[start >= num_known] = 0  # reads a placeholder (not with speculation)
+        np.maximum(max_drafts, 0, out=max_drafts)
+        if not np.count_nonzero(max_drafts):
+            return single, start, num_known, None
+        draft_tokens, num_drafts = self.proposer.propose(single, max_drafts)
+        drafted = num_drafts > 0
+        if not np.count_nonzero(drafted):
+            return single, start, num_known, None
+        ends = np.cumsum(num_drafts)
+        verify = [
+            (int(row), draft_tokens[end - n : end])
+            for row, n, end in zip(
+                single[drafted].tolist(),
+                num_drafts[drafted].tolist(),
+                ends[drafted].tolist(),
+                strict=True,
+            )
+        ]
+        keep = ~drafted
+        return single[keep], start[keep], num_known[keep], verify
+
+    def _add_verify_entries(
+        self,
+        entries: _Entries,
+        verify: list[tuple[int, np.ndarray]],
+        single: np.ndarray,
+        budget: int,
+        preempted: list[Sequence],
+    ) -> int:
+        """Plan each verify entry (row, drafts): its last token and drafts, fewer drafts when
+        the token budget is short; returns the budget left."""
+        b = self.batch
+        # Each entry's own token first; drafts share what is left of the budget, in order.
+        spare = budget - len(verify)
+        for row, drafts in verify:
+            seq = b.seqs[row]
+            if seq is None or seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            drafts = drafts[: max(0, spare)]
+            num_tokens = 1 + drafts.size
+            in_step = lambda: set(single.tolist()) | set(entries.rows)  # noqa: E731
+            if not self._allocate_or_preempt(seq, num_tokens, in_step, preempted):
+                spare += 1  # its own token is not used either
+                continue
+            self._add_entry(entries, seq, num_tokens, drafts)
+            budget -= num_tokens
+            spare -= drafts.size
+        return budget
 
     def _allocate_decode_blocks(
         self, single: np.ndarray, start: np.ndarray, preempted: list[Sequence]

@@ -92,6 +92,17 @@ class SamplingBatchBuilder:
 
     # -- one step ---------------------------------------------------------------------------------
 
+    def may_draft(self, rows: np.ndarray) -> np.ndarray:
+        """[R] bool: which of batch `rows` may have drafted tokens verified (speculative
+        decoding). Not those with a processor whose edit depends on the output so far (penalties,
+        bad words, min_tokens, a grammar, a thinking budget): the edit of a verified position
+        would depend on the drafts before it."""
+        ok = np.ones(rows.size, dtype=bool)
+        for processor in self.processors:
+            if processor.reads_output:
+                ok &= ~processor.asks(rows)
+        return ok
+
     def build(
         self,
         batch: RunningBatch,

@@ -70,6 +70,10 @@ class Tensors:
 class LogitsProcessor(ABC):
     """Per-row state of one kind of logits change (see the module docstring)."""
 
+    # Whether a row's edit depends on its output tokens so far (then a speculative verify
+    # entry's later positions would need the drafts before them: such rows are not drafted).
+    reads_output = True
+
     def __init__(self, tensors: Tensors) -> None:
         self.t = tensors
         self.vocab_size = tensors.vocab_size
@@ -91,6 +95,10 @@ class LogitsProcessor(ABC):
     def remove_row(self, row: int) -> None:
         if self.state.pop(row, None) is not None:
             self._asks[row] = False
+
+    def asks(self, rows: np.ndarray) -> np.ndarray:
+        """[R] bool: which of batch `rows` have state here."""
+        return self._asks[rows] if self.state else np.zeros(rows.size, dtype=bool)
 
     def asking(self, rows: np.ndarray, live: np.ndarray) -> np.ndarray | None:
         """The positions among this step's sampled rows (the batch rows `rows`) that ask for
@@ -135,6 +143,8 @@ class LogitsProcessor(ABC):
 
 class AllowedTokens(LogitsProcessor):
     """`allowed_token_ids`: every other token is -inf. State: the allowed ids."""
+
+    reads_output = False
 
     def state_for(self, seq: Sequence) -> np.ndarray | None:
         allowed = seq.sampling_params.allowed_token_ids
@@ -214,6 +224,8 @@ class MinTokens(LogitsProcessor):
 
 class LogitBias(LogitsProcessor):
     """`logit_bias`: added to the raw logits. State: the ids and their biases."""
+
+    reads_output = False
 
     def state_for(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
         bias = seq.sampling_params.logit_bias

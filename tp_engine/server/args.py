@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="schedule step t+1 while step t runs (default: on with a GPU, off on CPU)",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--seed", type=int, default=0)
@@ -219,6 +226,7 @@ def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
         enable_expert_parallel=args.enable_expert_parallel,
         kv_cache_dtype=args.kv_cache_dtype,
         structured_outputs_timeout_s=args.structured_outputs_timeout,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -89,6 +89,22 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
         )
+        # Speculative decoding (present when it is on; zero otherwise), vLLM's names.
+        self.spec_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Verify steps of a sequence that carried drafts."
+        )
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed."
+        )
+        self.spec_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position.",
+            ["model_name", "position"],
+            registry=r,
+        )
         self._model_name = model_name
         self._last: EngineStats | None = None
 
@@ -107,9 +123,25 @@ class ServerMetrics:
             (self.prefix_queries, stats.prefix_cache_queries, last and last.prefix_cache_queries),
             (self.prefix_hits, stats.prefix_cache_hits, last and last.prefix_cache_hits),
             (self.preemptions, stats.num_preemptions, last and last.num_preemptions),
+            (self.spec_drafts, stats.spec_num_drafts, last and last.spec_num_drafts),
+            (
+                self.spec_draft_tokens,
+                stats.spec_num_draft_tokens,
+                last and last.spec_num_draft_tokens,
+            ),
+            (
+                self.spec_accepted_tokens,
+                stats.spec_num_accepted_tokens,
+                last and last.spec_num_accepted_tokens,
+            ),
         ):
             if now > (before or 0):
                 counter.inc(now - (before or 0))
+        previous = last.spec_accepted_per_pos if last else []
+        for position, now in enumerate(stats.spec_accepted_per_pos):
+            before = previous[position] if position < len(previous) else 0
+            if now > before:
+                self._spec_per_pos.labels(self._model_name, str(position)).inc(now - before)
         self._last = stats
 
     def request_finished(

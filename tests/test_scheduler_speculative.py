@@ -1,0 +1,120 @@
+"""The scheduler with drafted tokens (speculative decoding), against the fake model: verify
+entries, the rollback of rejected drafts (K/V not counted, surplus blocks returned, the
+workers' table mirrors following), stop checks inside an accepted run, the token budget and
+preemption. Outputs must be those of the fake model run one token at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.control_plane import Stepper, make_scheduler, make_seq, next_token
+from tp_engine.scheduler import Scheduler
+from tp_engine.sequence import Sequence
+
+
+class OracleProposer:
+    """Drafts the fake model's own continuation, each draft replaced by a random token with
+    probability `wrong`, and a random number of them (0 .. the limit)."""
+
+    def __init__(self, k: int, seed: int, wrong: float = 0.3) -> None:
+        self.num_speculative_tokens = k
+        self.rng = np.random.default_rng(seed)
+        self.wrong = wrong
+        self.sched: Scheduler | None = None
+        self.calls: list[tuple[list[int], list[int]]] = []
+
+    def propose(self, rows: np.ndarray, max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        assert self.sched is not None
+        self.calls.append((rows.tolist(), max_drafts.tolist()))
+        drafts: list[int] = []
+        num = np.zeros(rows.size, dtype=np.int32)
+        for i, (row, limit) in enumerate(zip(rows.tolist(), max_drafts.tolist(), strict=True)):
+            seq = self.sched.batch.seqs[row]
+            assert seq is not None
+            ahead = Sequence("ahead", list(seq.token_ids))
+            num[i] = int(self.rng.integers(0, limit + 1))
+            for _ in range(num[i]):
+                token = next_token(ahead)
+                if self.rng.random() < self.wrong:
+                    token = int(self.rng.integers(1, 98))
+                ahead.token_ids.append(token)
+                drafts.append(token)
+        return np.asarray(drafts, dtype=np.int32), num
+
+
+def reference(prompt: list[int], max_tokens: int, stop_ids: tuple[int, ...], max_len: int):
+    seq = Sequence("ref", list(prompt))
+    while seq.num_output_tokens < max_tokens and seq.num_tokens < max_len:
+        token = next_token(seq)
+        seq.token_ids.append(token)
+        if token in stop_ids:
+            break
+    return seq.output_token_ids
+
+
+def spec_scheduler(k: int, seed: int, **kwargs) -> tuple[Scheduler, OracleProposer]:
+    proposer = OracleProposer(k, seed)
+    sched = make_scheduler(proposer=proposer, **kwargs)
+    proposer.sched = sched
+    return sched, proposer
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"num_blocks": 64, "max_num_batched_tokens": 64},
+        {"num_blocks": 64, "max_num_batched_tokens": 6, "max_num_seqs": 4},
+        {"num_blocks": 10, "max_num_batched_tokens": 32},
+        {"num_blocks": 64, "max_num_batched_tokens": 64, "enable_prefix_caching": False},
+    ],
+    ids=["roomy", "small_budget", "small_pool", "no_prefix_cache"],
+)
+def test_outputs_equal_one_token_at_a_time(seed, knobs):
+    rng = np.random.default_rng(seed)
+    sched, proposer = spec_scheduler(k=4, seed=seed, block_size=4, max_model_len=48, **knobs)
+    st = Stepper(sched)
+    cases = []
+    for i in range(6):
+        prompt = rng.integers(1, 98, size=int(rng.integers(1, 14))).tolist()
+        max_tokens = int(rng.integers(1, 24))
+        # Some stop on a token the fake model emits midway, often inside a run of drafts.
+        full = reference(prompt, max_tokens, (), 48)
+        stop_ids = (full[len(full) // 2],) if i % 2 and len(full) > 2 else ()
+        seq = make_seq(f"s{i}", prompt, max_tokens=max_tokens, stop_token_ids=list(stop_ids))
+        sched.add(seq)
+        cases.append((seq, reference(prompt, max_tokens, stop_ids, 48)))
+    for _ in range(400):
+        if not st.has_work():
+            break
+        st.step()
+        batch = sched.batch
+        for seq in sched.running:
+            # Rejected drafts gave their blocks back: no block past the known tokens.
+            assert batch.num_blocks[seq.row] <= -(-seq.num_tokens // sched.block_size), seq
+    assert not sched.has_unfinished()
+    for seq, want in cases:
+        assert seq.output_token_ids == want, seq
+    assert sched.block_manager.usage == 0.0
+    assert any(sum(m) for _, m in proposer.calls), "nothing was ever drafted"
+    if knobs["num_blocks"] == 10:
+        assert sched.num_preemptions > 0
+
+
+def test_drafts_are_capped_by_max_tokens_and_the_budget():
+    sched, proposer = spec_scheduler(k=5, seed=0, block_size=4, max_num_batched_tokens=6)
+    st = Stepper(sched)
+    sched.add(make_seq("a", [1, 2, 3], max_tokens=3))
+    sched.add(make_seq("b", [4, 5, 6], max_tokens=20))
+    st.step()  # both prefilled (one token each sampled)
+    proposer.rng = np.random.default_rng(1)
+    proposer.wrong = 0.0
+    proposer.propose_all = True
+    out, _ = st.step()
+    _rows, limits = proposer.calls[-1]
+    # a has 1 output token of 3: 2 more at most, so at most 1 draft; b up to k.
+    assert limits == [1, 5]
+    # The budget (6 tokens) holds both entries' own tokens and at most 4 drafts.
+    assert sum(out.num_scheduled_tokens) <= 6
+    assert all(len(d) == n - 1 for d, n in zip(out.drafts, out.num_scheduled_tokens, strict=True))

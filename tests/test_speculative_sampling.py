@@ -1,0 +1,83 @@
+"""Speculative decoding end to end on one rank: seeded sampling, logprobs and stop conditions
+are those without speculation, and the metrics carry vLLM's names. (The greedy comparison with
+transformers at TP 1, 2 and 4 is in `test_speculative`.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.test_speculative import CKPT, MAX_TOKENS, NGRAM, _llm, make_prompts
+from tests.tp_cases import build_checkpoints
+from tp_engine import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))[CKPT]
+
+
+def test_sampled_outputs_and_logprobs_are_those_without_speculation(checkpoint):
+    """Seeded sampling (temperature, top-k, top-p, min-p, logit bias), logprobs of the emitted
+    tokens, stop token ids, stop strings and max_tokens: identical with and without drafts."""
+    prompts = make_prompts(643)
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            top_k=20,
+            top_p=0.9,
+            seed=i,
+            max_tokens=MAX_TOKENS,
+            logprobs=2,
+            ignore_eos=True,
+        )
+        for i in range(len(prompts))
+    ]
+    params[0] = SamplingParams(temperature=0.5, min_p=0.1, seed=1, max_tokens=MAX_TOKENS,
+                               logit_bias={7: 2.0}, ignore_eos=True)  # fmt: skip
+    params[1] = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    runs = {}
+    for spec in (None, NGRAM):
+        with _llm(checkpoint, 1, spec) as llm:
+            runs[spec is not None] = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+            )
+            if spec is not None:
+                stats = llm.engine.spec_stats
+                assert stats.num_accepted_tokens > 0
+                # Stop conditions inside an accepted run of drafts: the greedy outputs of the
+                # repeated prompts with a stop token id and a stop string taken from them.
+                greedy = runs[True][1].outputs[0].token_ids
+                stop_id = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                         stop_token_ids=[greedy[3]], ignore_eos=True)  # fmt: skip
+                got = llm.generate([{"prompt_token_ids": prompts[1]}], stop_id, use_tqdm=False)
+                assert got[0].outputs[0].token_ids == greedy[: greedy.index(greedy[3]) + 1]
+    base, spec_run = runs[False], runs[True]
+    for i, (a, b) in enumerate(zip(base, spec_run, strict=True)):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, f"prompt {i}"
+        if a.outputs[0].logprobs is not None:
+            assert len(b.outputs[0].logprobs) == len(a.outputs[0].token_ids)
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                assert x.keys() == y.keys()
+                for t in x:
+                    assert abs(x[t].logprob - y[t].logprob) < 1e-4
+
+
+def test_metrics_have_vllms_names(checkpoint):
+    with _llm(checkpoint, 1, NGRAM) as llm:
+        prompts = make_prompts(643)[:4]
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        metrics = {m.name: m for m in llm.get_metrics()}
+        stats = llm.engine.spec_stats
+    drafts = metrics["vllm:spec_decode_num_drafts"].value
+    assert drafts == stats.num_drafts > 0
+    assert metrics["vllm:spec_decode_num_draft_tokens"].value == stats.num_draft_tokens
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
+    assert 0 < accepted == stats.num_accepted_tokens
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
+    assert len(per_pos) == 3 and sum(per_pos) == accepted
+    assert per_pos == sorted(per_pos, reverse=True)  # a later position needs the earlier ones

@@ -64,6 +64,18 @@ class KVCacheSpec:
         )
 
 
+@dataclass(frozen=True)
+class CacheGroup:
+    """Caches that share block ids (a target model's and its draft model's): one block of the
+    pool costs a block of each."""
+
+    specs: tuple[KVCacheSpec, ...]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(spec.bytes_per_block for spec in self.specs)
+
+
 def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, device: torch.device | str
 ) -> list[KVCachePair]:
@@ -82,7 +94,7 @@ def allocate_kv_cache(
     return [(storage[layer, 0], storage[layer, 1]) for layer in range(spec.num_layers)]
 
 
-def blocks_from_bytes(spec: KVCacheSpec, budget_bytes: int, where: str) -> int:
+def blocks_from_bytes(spec: KVCacheSpec | CacheGroup, budget_bytes: int, where: str) -> int:
     """How many blocks `budget_bytes` holds; a clear error when not even one does."""
     n = budget_bytes // spec.bytes_per_block
     if n < 1:
@@ -94,7 +106,7 @@ def blocks_from_bytes(spec: KVCacheSpec, budget_bytes: int, where: str) -> int:
 
 
 def cpu_num_blocks(
-    spec: KVCacheSpec, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None
+    spec: KVCacheSpec | CacheGroup, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None
 ) -> int:
     """Blocks for a CPU rank: `num_kv_blocks`, else `kv_cache_memory_bytes` (default 1 GiB)."""
     if num_kv_blocks is not None:
@@ -123,7 +135,7 @@ def gpu_kv_budget_bytes(
 
 
 def measure_gpu_num_blocks(
-    spec: KVCacheSpec,
+    spec: KVCacheSpec | CacheGroup,
     warmup: Callable[[], int],
     utilization: float,
     memory: DeviceMemory,

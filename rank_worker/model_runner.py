@@ -18,6 +18,7 @@ runs eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -36,6 +37,7 @@ from rank_worker.cuda_graphs import DecodeGraphRunner, disabled_reason
 from rank_worker.device_memory import CudaMemory, DeviceMemory
 from rank_worker.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.kv_cache import (
+    CacheGroup,
     KVCacheSpec,
     allocate_kv_cache,
     cpu_num_blocks,
@@ -165,6 +167,17 @@ class ModelRunner:
         self.kv_caches: list[KVCachePair] | None = None
         self.num_kv_blocks: int | None = None
         self.graph_runner: DecodeGraphRunner | None = None
+        # Speculative decoding with a draft model: a runner of its own (weights, cache, no
+        # graphs) that shares this runner's table mirror and reads the same step inputs.
+        self.draft: ModelRunner | None = None
+        if config.draft_model is not None:
+            self.draft = ModelRunner(
+                config.draft_model,
+                dataclasses.replace(config, draft_model=None, enforce_eager=True),
+                tp,
+                self.device,
+            )
+            self.draft.block_tables = self.block_tables
         # Seconds per start-up phase: "load" (config, model, weights), "profile" (the memory
         # warm-up and sizing), "kv_cache" (allocation), "kernel_warmup" (first launch of every
         # Triton kernel: compiles on a GPU), "capture" (decode CUDA graphs).
@@ -178,6 +191,14 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
+
+    @property
+    def pool_spec(self) -> KVCacheSpec | CacheGroup:
+        """What one block of the pool holds on this rank: the target's K/V, and the draft
+        model's when there is one."""
+        if self.draft is None:
+            return self.kv_spec
+        return CacheGroup((self.kv_spec, self.draft.kv_spec))
 
     def determine_num_kv_blocks(self, profile_sampling: ProfileSampling | None = None) -> int:
         """Blocks every rank can hold (collective: every rank must call it).
@@ -200,7 +221,7 @@ class ModelRunner:
             # other processes' memory as used), split between the ranks that share the device.
             local = (
                 measure_gpu_num_blocks(
-                    self.kv_spec,
+                    self.pool_spec,
                     lambda: self._warmup(profile_sampling),
                     self.config.gpu_memory_utilization,
                     self.memory,
@@ -210,7 +231,7 @@ class ModelRunner:
             )
         else:
             local = cpu_num_blocks(
-                self.kv_spec, self.config.num_kv_blocks, self.config.kv_cache_memory_bytes
+                self.pool_spec, self.config.num_kv_blocks, self.config.kv_cache_memory_bytes
             )
         return all_reduce_min_int(local, self.tp)
 
@@ -221,10 +242,17 @@ class ModelRunner:
         start = time.perf_counter()
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         self.num_kv_blocks = num_blocks
+        draft = self.draft
+        if draft is not None:
+            draft.kv_caches = allocate_kv_cache(draft.kv_spec, num_blocks, self.device)
+            draft.num_kv_blocks = num_blocks
         self.startup_s["kv_cache"] = time.perf_counter() - start
-        if self.uses_triton:
+        if self.uses_triton or (draft is not None and draft.uses_triton):
             start = time.perf_counter()
-            self._warm_up_kernels()
+            if self.uses_triton:
+                self._warm_up_kernels()
+            if draft is not None and draft.uses_triton:
+                draft._warm_up_kernels()
             self.startup_s["kernel_warmup"] = time.perf_counter() - start
         reason = disabled_reason(
             self.device, self.config.enforce_eager, self.attention_backend, self.tp
@@ -252,6 +280,9 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.release()
         self.graph_runner = None
+        if self.draft is not None:
+            self.draft.release()
+            self.draft = None
         self.kv_caches = None
         self.model = None  # type: ignore[assignment]
         self.input_buffers = None  # type: ignore[assignment]
@@ -279,8 +310,30 @@ class ModelRunner:
         inputs = self._prepare(plan, last_sampled)
         if self.graph_runner is not None and self.graph_runner.can_run(plan):
             hidden = self.graph_runner.run(inputs)  # [B, hidden], one row per sequence
-            return self._logits(hidden, inputs.logits_indices)
-        return self._forward(inputs, self.kv_caches)
+            logits = self._logits(hidden, inputs.logits_indices)
+        else:
+            logits = self._forward(inputs, self.kv_caches)
+        if self.draft is not None:
+            # The draft model's K/V of the same tokens (prompts, accepted drafts): what its
+            # proposals attend to. No logits.
+            self.draft.model(inputs.input_ids, inputs.positions, inputs.meta, self.draft.kv_caches)
+        return logits
+
+    @torch.inference_mode()
+    def execute_draft(
+        self, plan: StepPlan, last_sampled: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """One forward pass of the draft model alone over a DRAFT plan (its table edits apply
+        to the shared mirror): the draft's logits on rank 0, None elsewhere. Placeholder inputs
+        read `last_sampled`, as in `execute` (the previous draft pass's tokens)."""
+        if plan.command != Command.DRAFT:
+            raise ValueError(f"step {plan.step_id}: execute_draft takes DRAFT plans")
+        draft = self.draft
+        if draft is None or draft.kv_caches is None:
+            raise RuntimeError(f"step {plan.step_id}: a DRAFT plan, but no draft model is loaded")
+        inputs = self._prepare(plan, last_sampled)
+        hidden = draft.model(inputs.input_ids, inputs.positions, inputs.meta, draft.kv_caches)
+        return draft._logits(hidden, inputs.logits_indices)
 
     def _prepare(self, plan: StepPlan, last_sampled: torch.Tensor | None = None) -> StepInputs:
         return prepare_inputs(
@@ -386,12 +439,17 @@ class ModelRunner:
         the sizing subtracts from the peak (the real cache replaces it)."""
         plan, num_blocks, num_sampled = self._warmup_plan()
         scratch = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
-        logits = self._forward(self._prepare_scratch(plan), scratch)  # [B', V] on rank 0
+        inputs = self._prepare_scratch(plan)
+        logits = self._forward(inputs, scratch)  # [B', V] on rank 0
+        if self.draft is not None:
+            draft_scratch = allocate_kv_cache(self.draft.kv_spec, num_blocks, self.device)
+            self.draft.model(inputs.input_ids, inputs.positions, inputs.meta, draft_scratch)
+            del draft_scratch
         if logits is not None and profile_sampling is not None:
             # Sampled rows first, then prompt-logprob rows (`_warmup_plan`).
             profile_sampling(logits, num_sampled)
         del scratch, logits
-        return num_blocks * self.kv_spec.bytes_per_block
+        return num_blocks * self.pool_spec.bytes_per_block
 
 
 def synthetic_plan(

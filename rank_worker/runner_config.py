@@ -58,6 +58,10 @@ class RunnerConfig:
     # events. For tests: CPU CI then executes what only a GPU would (no effect on a GPU, which
     # always takes them).
     gpu_data_paths: bool = False
+    # Speculative decoding with a draft model: its checkpoint directory. Every rank loads it,
+    # sharded as the target is, with a KV cache of its own on the same block ids (a block
+    # costs both caches' bytes), written by every RUN plan and by DRAFT plans.
+    draft_model: str | None = None
 
     @property
     def resolved_max_num_logits_rows(self) -> int:

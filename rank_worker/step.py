@@ -17,7 +17,7 @@ import torch
 from rank_worker.fault_injection import Fault
 from rank_worker.model_runner import ModelRunner
 from rank_worker.tp import TPInfo, broadcast_tensor
-from shm_ipc import StepPlan
+from shm_ipc import Command, StepPlan
 
 
 def placeholder_rows(plan: StepPlan) -> int:
@@ -58,4 +58,6 @@ class StepExecutor:
             else:
                 last_sampled = torch.empty(num_rows, dtype=torch.int64, device=self.runner.device)
             broadcast_tensor(last_sampled, self.tp)
+        if plan.command == Command.DRAFT:
+            return self.runner.execute_draft(plan, last_sampled=last_sampled)
         return self.runner.execute(plan, last_sampled=last_sampled)

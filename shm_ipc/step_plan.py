@@ -49,7 +49,7 @@ from operator import attrgetter
 import numpy as np
 
 MAGIC = b"STPL"
-VERSION = 2
+VERSION = 3  # 3: the DRAFT command
 _HEADER = struct.Struct("<4sHHQIIIIII")
 HEADER_SIZE = _HEADER.size  # 40 bytes
 _I32 = np.dtype("<i4")
@@ -82,6 +82,9 @@ class Command(enum.IntEnum):
 
     RUN = 1  # run one forward pass over the plan's tokens
     EXIT = 2  # leave the worker loop cleanly; the arrays are empty
+    # Speculative decoding with a draft model: one forward pass of the draft model alone, over
+    # the plan's tokens (its logits rows are the draft's; the target's cache is untouched).
+    DRAFT = 3
 
 
 # A plan's arrays in wire order, in one call.
@@ -109,7 +112,7 @@ class StepPlan:
 
     # Monotonic step counter from rank 0; errors and timeouts name it so a stuck step is findable.
     step_id: int
-    # RUN or EXIT; workers never look a method up by name.
+    # RUN, DRAFT or EXIT; workers never look a method up by name.
     command: Command
     # [T] token ids to embed: the not-yet-computed tail of each sequence (prefill chunk or the
     # one decode token). `-1 - r` stands for the token sampled from logits row r of the step

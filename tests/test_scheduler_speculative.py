@@ -17,12 +17,17 @@ class OracleProposer:
     """Drafts the fake model's own continuation, each draft replaced by a random token with
     probability `wrong`, and a random number of them (0 .. the limit)."""
 
-    def __init__(self, k: int, seed: int, wrong: float = 0.3) -> None:
+    def __init__(self, k: int, seed: int, wrong: float = 0.3, after: bool = False) -> None:
         self.num_speculative_tokens = k
+        # Like a draft model: drafts made once blocks are allocated, exactly as many as asked.
+        self.drafts_after_allocation = after
         self.rng = np.random.default_rng(seed)
         self.wrong = wrong
         self.sched: Scheduler | None = None
         self.calls: list[tuple[list[int], list[int]]] = []
+
+    def eligible(self, rows: np.ndarray) -> np.ndarray:
+        return rows % 5 != 4  # some rows are never drafted
 
     def propose(self, rows: np.ndarray, max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         assert self.sched is not None
@@ -33,7 +38,11 @@ class OracleProposer:
             seq = self.sched.batch.seqs[row]
             assert seq is not None
             ahead = Sequence("ahead", list(seq.token_ids))
-            num[i] = int(self.rng.integers(0, limit + 1))
+            num[i] = limit if self.drafts_after_allocation else int(self.rng.integers(0, limit + 1))
+            if self.drafts_after_allocation:
+                # Its blocks are there: every drafted position has a slot.
+                blocks = self.sched.batch.num_blocks[row]
+                assert seq.num_tokens - 1 + limit <= blocks * self.sched.block_size, seq
             for _ in range(num[i]):
                 token = next_token(ahead)
                 if self.rng.random() < self.wrong:
@@ -53,13 +62,16 @@ def reference(prompt: list[int], max_tokens: int, stop_ids: tuple[int, ...], max
     return seq.output_token_ids
 
 
-def spec_scheduler(k: int, seed: int, **kwargs) -> tuple[Scheduler, OracleProposer]:
-    proposer = OracleProposer(k, seed)
+def spec_scheduler(
+    k: int, seed: int, after: bool = False, **kwargs
+) -> tuple[Scheduler, OracleProposer]:
+    proposer = OracleProposer(k, seed, after=after)
     sched = make_scheduler(proposer=proposer, **kwargs)
     proposer.sched = sched
     return sched, proposer
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before_blocks", "after_blocks"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize(
     "knobs",
@@ -71,9 +83,11 @@ def spec_scheduler(k: int, seed: int, **kwargs) -> tuple[Scheduler, OraclePropos
     ],
     ids=["roomy", "small_budget", "small_pool", "no_prefix_cache"],
 )
-def test_outputs_equal_one_token_at_a_time(seed, knobs):
+def test_outputs_equal_one_token_at_a_time(seed, knobs, after):
     rng = np.random.default_rng(seed)
-    sched, proposer = spec_scheduler(k=4, seed=seed, block_size=4, max_model_len=48, **knobs)
+    sched, proposer = spec_scheduler(
+        k=4, seed=seed, after=after, block_size=4, max_model_len=48, **knobs
+    )
     st = Stepper(sched)
     cases = []
     for i in range(6):

@@ -237,7 +237,7 @@ def _sample_plan(logits_indices: list[int] | None = None, **arrays: np.ndarray) 
         ({"magic": b"XTPL"}, "magic"),
         ({"version": VERSION + 1}, "version"),
         ({"command": 0}, "command"),
-        ({"command": 3}, "command"),
+        ({"command": 4}, "command"),
         ({"command": 2**16 - 1}, "command"),
         ({"t": 5}, "bytes"),
         ({"t": 2**32 - 1}, "bytes"),

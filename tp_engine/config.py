@@ -88,11 +88,6 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", spec)
         if spec is not None:
             _check(
-                spec.method == "ngram",
-                "speculative_config",
-                f'method "{spec.method}" is not implemented yet; use "ngram"',
-            )
-            _check(
                 not self.async_scheduling,
                 "async_scheduling",
                 "cannot be on with speculative decoding: the next step's drafts and inputs "

@@ -87,6 +87,7 @@ from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
 from tp_engine.scheduler import RequestRejectedError, ScheduledStep, Scheduler
 from tp_engine.sequence import Sequence, SequenceStatus
 from tp_engine.speculative import NgramProposer, SpecDecodeStats, accept_drafts
+from tp_engine.speculative.draft_model import DraftModelProposer
 from tp_engine.step_timeline import StepTimeline, gpu_phase_or_null, phase_or_null
 from tp_engine.structured_outputs import GrammarCompiler, GrammarState
 from tp_engine.thinking import (
@@ -177,6 +178,7 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         enable_expert_parallel=config.enable_expert_parallel,
         kv_cache_dtype=config.kv_cache_dtype,
         gpu_data_paths=config.gpu_data_paths,
+        draft_model=_draft_model_dir(config),
     )
 
 
@@ -201,6 +203,9 @@ class LLMEngine:
         self.tp = tp
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.vocab_size = int(hf_config.vocab_size)
+        draft_dir = _draft_model_dir(self.config)
+        if draft_dir is not None:
+            check_draft_model(draft_dir, self.vocab_size, self.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, model_dir)
         # SamplingParams fields the checkpoint sets for requests that leave them unset.
         self.generation_defaults = sampling_defaults(model_dir)
@@ -559,6 +564,17 @@ class LLMEngine:
 
     def _run_forward(self, plan: StepPlan, in_flight: SampledStep | None) -> torch.Tensor:
         """Send `plan` to the other ranks and run rank 0's forward pass over it."""
+        return self._run_plan(plan, in_flight.token_ids if in_flight is not None else None)
+
+    def _run_draft_plan(self, plan: StepPlan, sampled: torch.Tensor | None) -> torch.Tensor:
+        """A DRAFT plan of the draft-model proposer (numbered here), run on every rank."""
+        plan = dataclasses.replace(plan, step_id=self.step_id)
+        self.step_id += 1
+        with self._phase("draft", plan.step_id):
+            return self._run_plan(plan, sampled)
+
+    def _run_plan(self, plan: StepPlan, sampled: torch.Tensor | None) -> torch.Tensor:
+        """Publish `plan` and run rank 0's pass; `sampled`: what its placeholder ids read."""
         step_id = plan.step_id
         with self._failures_named(f"step {step_id}"):
             if self.channel is not None:
@@ -567,7 +583,6 @@ class LLMEngine:
                     # A worker that died since the last step would leave rank 0 waiting in the
                     # forward's first collective; find out now, with its rank and report.
                     self.channel.check_readers()
-            sampled = in_flight.token_ids if in_flight is not None else None
             with self._phase("forward", step_id), self._gpu_phase("gpu_forward", step_id):
                 logits = self.executor.run(plan, sampled)
         assert logits is not None  # rank 0 always gets the gathered logits
@@ -760,12 +775,15 @@ class LLMEngine:
             self.proposer.follow(scheduler.batch)
         return scheduler
 
-    def _build_proposer(self) -> NgramProposer | None:
+    def _build_proposer(self) -> NgramProposer | DraftModelProposer | None:
         """The draft proposer of `speculative_config` (None without one)."""
         spec = self.spec
         if spec is None:
             return None
-        assert spec.method == "ngram"  # EngineConfig refuses the others
+        if spec.method == "draft_model":
+            return DraftModelProposer(
+                spec.num_speculative_tokens, self._run_draft_plan, may_draft=self._may_draft
+            )
         return NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
             may_draft=self._may_draft,
@@ -797,6 +815,35 @@ class LLMEngine:
                     channel.close()
         finally:
             self.runner.release()
+
+
+def _draft_model_dir(config: EngineConfig) -> str | None:
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    return spec.model
+
+
+def check_draft_model(draft_dir: str, vocab_size: int, tokenizer: Any) -> None:
+    """Refuse a draft model whose vocabulary is not the target's (its drafts would be other
+    tokens): the same number of logits rows and the same tokenizer vocabulary."""
+    from transformers import AutoTokenizer
+
+    path = Path(draft_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"speculative_config: the draft model {draft_dir!r} has no config.json")
+    draft_vocab = int(load_hf_config(path).vocab_size)
+    if draft_vocab != vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary ({draft_vocab} logits rows) "
+            f"differs from the target's ({vocab_size}); a draft must share the target's "
+            "tokenizer and vocabulary (e.g. Qwen3-0.6B for any larger Qwen3)"
+        )
+    if AutoTokenizer.from_pretrained(str(path)).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            "speculative_config: the draft model's tokenizer differs from the target's; a draft "
+            "must share the target's vocabulary"
+        )
 
 
 def _demo_model_dir() -> Path:

@@ -63,10 +63,18 @@ class DraftProposer(Protocol):
     """Guesses the next tokens of decoding sequences (speculative decoding)."""
 
     num_speculative_tokens: int
+    # False: `propose` runs before the verify entries' blocks are allocated and may give a row
+    # fewer drafts than asked (n-gram lookup). True: it runs once they are allocated and gives
+    # exactly the drafts asked (a draft model, which writes its own K/V at those positions).
+    drafts_after_allocation: bool
+
+    def eligible(self, rows: np.ndarray) -> np.ndarray:
+        """[R] bool: which of batch `rows` may be drafted at all."""
+        ...
 
     def propose(self, rows: np.ndarray, max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Drafts for batch `rows` (at most `max_drafts[i]` for row i, 0: none): the draft
-        tokens of every row, row after row, and how many each row has."""
+        """Drafts for batch `rows` (at most `max_drafts[i]` for row i): the draft tokens of
+        every row, row after row, and how many each row has."""
         ...
 
 
@@ -371,64 +379,90 @@ class Scheduler:
 
     def _propose(
         self, single: np.ndarray, start: np.ndarray, num_known: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, np.ndarray]] | None]:
-        """Ask the proposer for drafts of the decodes (rows `single`); those that got some
-        leave the single-token path and become verify entries: returns the remaining decodes'
-        arrays and the verify entries as (row, drafts), admission order (None: none)."""
-        assert self.proposer is not None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, np.ndarray | None]] | None]:
+        """Pick the decodes (rows `single`) that get drafts; they leave the single-token path
+        and become verify entries. Returns the remaining decodes' arrays and the verify entries
+        as (row, drafts wanted, the drafts or None until allocated), admission order (None:
+        no entry)."""
+        proposer = self.proposer
+        assert proposer is not None
         b = self.batch
         # j drafts can emit j + 1 tokens: stay within the length limit, so a verify entry
         # never writes K/V past what `check_fits` reserved (the last token is never fed back).
         max_drafts = np.minimum(
-            b.length_end[single] - num_known - 1, self.proposer.num_speculative_tokens
+            b.length_end[single] - num_known - 1, proposer.num_speculative_tokens
         )
         max_drafts[start >= num_known] = 0  # reads a placeholder (not with speculation)
         np.maximum(max_drafts, 0, out=max_drafts)
-        if not np.count_nonzero(max_drafts):
+        candidates = np.flatnonzero(max_drafts)
+        if candidates.size:
+            candidates = candidates[proposer.eligible(single[candidates])]
+        if not candidates.size:
             return single, start, num_known, None
-        draft_tokens, num_drafts = self.proposer.propose(single, max_drafts)
-        drafted = num_drafts > 0
-        if not np.count_nonzero(drafted):
-            return single, start, num_known, None
-        ends = np.cumsum(num_drafts)
+        rows, wanted = single[candidates], max_drafts[candidates]
+        drafts: list[np.ndarray | None] = [None] * rows.size
+        if not proposer.drafts_after_allocation:
+            tokens, wanted = proposer.propose(rows, wanted)
+            ends = np.cumsum(wanted).tolist()
+            drafts = [tokens[end - n : end] for n, end in zip(wanted.tolist(), ends, strict=True)]
+        drafted = wanted > 0
         verify = [
-            (int(row), draft_tokens[end - n : end])
-            for row, n, end in zip(
-                single[drafted].tolist(),
-                num_drafts[drafted].tolist(),
-                ends[drafted].tolist(),
-                strict=True,
+            (row, n, d)
+            for row, n, d, ok in zip(
+                rows.tolist(), wanted.tolist(), drafts, drafted.tolist(), strict=True
             )
+            if ok
         ]
-        keep = ~drafted
+        if not verify:
+            return single, start, num_known, None
+        keep = np.ones(single.size, dtype=bool)
+        keep[candidates[drafted]] = False
         return single[keep], start[keep], num_known[keep], verify
 
     def _add_verify_entries(
         self,
         entries: _Entries,
-        verify: list[tuple[int, np.ndarray]],
+        verify: list[tuple[int, int, np.ndarray | None]],
         single: np.ndarray,
         budget: int,
         preempted: list[Sequence],
     ) -> int:
-        """Plan each verify entry (row, drafts): its last token and drafts, fewer drafts when
-        the token budget is short; returns the budget left."""
+        """Plan each verify entry (row, drafts wanted, drafts): its last token and drafts,
+        fewer drafts when the token budget is short; returns the budget left. Blocks are
+        allocated (preempting as needed) for every position first, then a proposer that drafts
+        after allocation is asked for the drafts."""
         b = self.batch
         # Each entry's own token first; drafts share what is left of the budget, in order.
         spare = budget - len(verify)
-        for row, drafts in verify:
+        planned: list[tuple[Sequence, int, np.ndarray | None]] = []
+        for row, wanted, drafts in verify:
             seq = b.seqs[row]
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            drafts = drafts[: max(0, spare)]
-            num_tokens = 1 + drafts.size
-            in_step = lambda: set(single.tolist()) | set(entries.rows)  # noqa: E731
-            if not self._allocate_or_preempt(seq, num_tokens, in_step, preempted):
+            n = min(wanted, max(0, spare))
+            in_step = lambda: (  # noqa: E731
+                set(single.tolist()) | set(entries.rows) | {s.row for s, _, _ in planned}
+            )
+            if not self._allocate_or_preempt(seq, 1 + n, in_step, preempted):
                 spare += 1  # its own token is not used either
                 continue
-            self._add_entry(entries, seq, num_tokens, drafts)
-            budget -= num_tokens
-            spare -= drafts.size
+            planned.append((seq, n, None if drafts is None else drafts[:n]))
+            budget -= 1 + n
+            spare -= n
+        late = [(seq, n) for seq, n, drafts in planned if drafts is None and n]
+        if late:
+            assert self.proposer is not None
+            rows = np.array([seq.row for seq, _ in late], dtype=np.intp)
+            wanted = np.array([n for _, n in late], dtype=np.int32)
+            tokens, counts = self.proposer.propose(rows, wanted)
+            assert np.array_equal(counts, wanted), "a late proposer gives the drafts asked"
+            ends = np.cumsum(wanted).tolist()
+            made = {
+                id(seq): tokens[end - n : end] for (seq, n), end in zip(late, ends, strict=True)
+            }
+            planned = [(seq, n, made.get(id(seq), d)) for seq, n, d in planned]
+        for seq, n, drafts in planned:
+            self._add_entry(entries, seq, 1 + n, drafts if n else None)
         return budget
 
     def _allocate_decode_blocks(

@@ -1,5 +1,7 @@
 """Speculative decoding: a proposer guesses each decoding sequence's next tokens, and the target
-model checks them all in one forward pass (see `tp_engine.speculative.verify`)."""
+model checks them all in one forward pass (see `tp_engine.speculative.verify`). The proposers:
+`ngram` (lookup in the sequence's own tokens) and `draft_model` (a smaller model on the same
+ranks; import it from `tp_engine.speculative.draft_model`, which needs the plan builder)."""
 
 from tp_engine.speculative.config import SpeculativeConfig
 from tp_engine.speculative.metrics import SpecDecodeStats

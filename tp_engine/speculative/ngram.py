@@ -44,8 +44,10 @@ def longest_suffix_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[in
 
 class NgramProposer:
     """Proposes up to k draft tokens per row from the row's own tokens (the scheduler's
-    `DraftProposer`). `may_draft(rows)`: which rows may be drafted at all (the sampling
-    builder's rule); None: all."""
+    `DraftProposer`; it knows its drafts before any block is allocated). `may_draft(rows)`:
+    which rows may be drafted at all (the sampling builder's rule); None: all."""
+
+    drafts_after_allocation = False
 
     def __init__(
         self,
@@ -91,13 +93,16 @@ class NgramProposer:
 
     # -- proposals ---------------------------------------------------------------------------------
 
+    def eligible(self, rows: np.ndarray) -> np.ndarray:
+        if self.may_draft is None:
+            return np.ones(rows.size, dtype=bool)
+        return self.may_draft(rows)
+
     def propose(self, rows: np.ndarray, max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Drafts for `rows` (at most `max_drafts[i]` for row i): `(draft_tokens [D] int32 in row
         order, num_drafts [R] int32)`."""
         num_drafts = np.zeros(rows.size, dtype=np.int32)
         drafts: list[np.ndarray] = []
-        if self.may_draft is not None:
-            max_drafts = np.where(self.may_draft(rows), max_drafts, 0)
         for i, (row, limit) in enumerate(zip(rows.tolist(), max_drafts.tolist(), strict=True)):
             if limit <= 0:
                 continue

@@ -10,7 +10,7 @@ import pytest
 
 from tests.test_speculative import CKPT, MAX_TOKENS, NGRAM, _llm, make_prompts
 from tests.tp_cases import build_checkpoints
-from tp_engine import SamplingParams
+from tp_engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -81,3 +81,33 @@ def test_metrics_have_vllms_names(checkpoint):
     per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
     assert len(per_pos) == 3 and sum(per_pos) == accepted
     assert per_pos == sorted(per_pos, reverse=True)  # a later position needs the earlier ones
+
+
+def test_structured_outputs_are_those_without_speculation(tmp_path):
+    """Every kind of constraint, greedy and seeded: the mask applies at every verified
+    position (the matcher follows the drafts and is rolled back), so the tokens are those
+    without speculation (whose validity `test_structured_outputs` checks), and drafts of
+    constrained rows were verified."""
+    from tests.test_structured_outputs import MAX_MODEL_LEN as LONG
+    from tests.test_structured_outputs import prompts, requests
+    from tests.tp_cases import CHECKPOINTS
+    from tp_engine.checkpoints import build_random_qwen3
+
+    model = build_random_qwen3(tmp_path / CKPT, max_position_embeddings=LONG, **CHECKPOINTS[CKPT])
+    reqs = [r for r in requests() if r[1].n == 1]
+    # Prompts that repeat themselves, so that n-gram lookup drafts from the first step on.
+    prompt_ids = [(p * 3)[:40] for p in prompts(len(reqs))]
+    runs = {}
+    for spec in (None, NGRAM):
+        with LLM(str(model), block_size=4, num_kv_blocks=256, max_num_seqs=8,
+                 max_num_batched_tokens=LONG, speculative_config=spec) as llm:  # fmt: skip
+            runs[spec is not None] = llm.generate(
+                [{"prompt_token_ids": p} for p in prompt_ids],
+                [p for _, p in reqs],
+                use_tqdm=False,
+            )
+            if spec is not None:
+                stats = llm.engine.spec_stats
+                assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    for (kind, _), a, b in zip(reqs, runs[False], runs[True], strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, kind

@@ -600,13 +600,14 @@ class LLMEngine:
             if layout.num_sampled_rows:
                 rows = scheduled.rows[scheduled.samples]
                 live = self.scheduler.batch.live(rows, scheduled.serials[scheduled.samples])
-                ahead = None
+                ahead = drafts = None
                 if layout.num_drafts is not None:
                     # A verify entry samples each of its positions: its row once per position.
                     counts = layout.num_drafts + 1
                     rows, live = np.repeat(rows, counts), np.repeat(live, counts)
                     ahead = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
-                batch = self.sampling.build(self.scheduler.batch, rows, live, ahead)
+                    drafts = _drafts_per_row(layout.num_drafts, scheduled.draft_tokens)
+                batch = self.sampling.build(self.scheduler.batch, rows, live, ahead, drafts)
                 result = sample_batch(logits[layout.sampled], batch.metadata)
                 token_ids = result.token_ids
                 host_token_ids = host.copy(result.token_ids)
@@ -815,6 +816,19 @@ class LLMEngine:
                     channel.close()
         finally:
             self.runner.release()
+
+
+def _drafts_per_row(
+    num_drafts: np.ndarray, draft_tokens: np.ndarray | None
+) -> list[np.ndarray | None]:
+    """Each sampled row's entry's drafts (None without), for `num_drafts` [S] per sampled
+    entry and their tokens, entry after entry."""
+    assert draft_tokens is not None
+    ends = np.cumsum(num_drafts).tolist()
+    per_row: list[np.ndarray | None] = []
+    for n, end in zip(num_drafts.tolist(), ends, strict=True):
+        per_row += [draft_tokens[end - n : end] if n else None] * (n + 1)
+    return per_row
 
 
 def _draft_model_dir(config: EngineConfig) -> str | None:

@@ -31,7 +31,12 @@ import torch
 from tp_engine.running_batch import RunningBatch
 from tp_engine.sampling import SamplingMetadata
 from tp_engine.sampling.groups import plan_groups, seed_bits
-from tp_engine.sampling.processors import LogitsProcessor, Tensors, builtin_processors
+from tp_engine.sampling.processors import (
+    DraftsAhead,
+    LogitsProcessor,
+    Tensors,
+    builtin_processors,
+)
 from tp_engine.sequence import Sequence
 
 
@@ -94,13 +99,13 @@ class SamplingBatchBuilder:
 
     def may_draft(self, rows: np.ndarray) -> np.ndarray:
         """[R] bool: which of batch `rows` may have drafted tokens verified (speculative
-        decoding). Not those with a processor whose edit depends on the output so far (penalties,
-        bad words, min_tokens, a grammar, a thinking budget): the edit of a verified position
-        would depend on the drafts before it."""
+        decoding). Not those with a processor whose edit depends on the output so far and that
+        cannot follow drafts (penalties, bad words, min_tokens, a thinking budget, a grammar
+        outside its constrained phase): the edit of a verified position would depend on the
+        drafts before it. A grammar's matcher follows them (`GrammarMasks`)."""
         ok = np.ones(rows.size, dtype=bool)
         for processor in self.processors:
-            if processor.reads_output:
-                ok &= ~processor.asks(rows)
+            ok &= ~processor.blocks_drafts(rows)
         return ok
 
     def build(
@@ -109,10 +114,12 @@ class SamplingBatchBuilder:
         rows: np.ndarray,
         live: np.ndarray | None = None,
         positions_ahead: np.ndarray | None = None,
+        drafts: list[np.ndarray | None] | None = None,
     ) -> SamplingBatch:
         """The metadata for sampling `rows` (batch rows, in sampled-row order). A row sampled
         at several positions (a speculative verify entry) appears once per position, with
-        `positions_ahead` 0, 1, ...: how far past the row's next output position it samples."""
+        `positions_ahead` 0, 1, ...: how far past the row's next output position it samples,
+        and `drafts[i]` its entry's drafts (what a grammar's matcher follows ahead)."""
         self.follow(batch)
         rows = np.asarray(rows, dtype=np.intp)
         if live is None:
@@ -125,7 +132,12 @@ class SamplingBatchBuilder:
         if asking:
             edited = np.unique(np.concatenate([positions for _, positions in asking]))
             edited_index[edited] = np.arange(edited.size)
-            edits = (p.edit(rows, positions, edited_index, edited.size) for p, positions in asking)
+            ahead = None
+            if positions_ahead is not None and drafts is not None:
+                ahead = DraftsAhead(positions_ahead, drafts)
+            edits = (
+                p.edit(rows, positions, edited_index, edited.size, ahead) for p, positions in asking
+            )
             fields["logits_edits"] = tuple(edit for edit in edits if edit is not None)
             if fields["logits_edits"]:
                 fields["edited_rows"] = self._ints(edited)

@@ -41,7 +41,7 @@ from tp_engine.sampling.edits import (
 )
 from tp_engine.sampling.tensors import GrammarMask, PenaltyTensors
 from tp_engine.sequence import Sequence
-from tp_engine.structured_outputs import fill_bitmasks
+from tp_engine.structured_outputs import Phase, fill_bitmasks
 from tp_engine.thinking import forced_think_end
 from tp_engine.transfers import to_device_async
 
@@ -70,8 +70,9 @@ class Tensors:
 class LogitsProcessor(ABC):
     """Per-row state of one kind of logits change (see the module docstring)."""
 
-    # Whether a row's edit depends on its output tokens so far (then a speculative verify
-    # entry's later positions would need the drafts before them: such rows are not drafted).
+    # Whether a row's edit depends on its output tokens so far: then a speculative verify
+    # entry's later positions need the drafts before them, which only a processor that takes
+    # `DraftsAhead` in `edit` can do; the others' rows are not drafted (`blocks_drafts`).
     reads_output = True
 
     def __init__(self, tensors: Tensors) -> None:
@@ -100,6 +101,12 @@ class LogitsProcessor(ABC):
         """[R] bool: which of batch `rows` have state here."""
         return self._asks[rows] if self.state else np.zeros(rows.size, dtype=bool)
 
+    def blocks_drafts(self, rows: np.ndarray) -> np.ndarray:
+        """[R] bool: which of batch `rows` this processor keeps from being drafted."""
+        if not self.reads_output:
+            return np.zeros(rows.size, dtype=bool)
+        return self.asks(rows)
+
     def asking(self, rows: np.ndarray, live: np.ndarray) -> np.ndarray | None:
         """The positions among this step's sampled rows (the batch rows `rows`) that ask for
         this processor; None when none does. `live` False: the row's sequence stopped running
@@ -110,10 +117,17 @@ class LogitsProcessor(ABC):
         return positions if positions.size else None
 
     def edit(
-        self, rows: np.ndarray, positions: np.ndarray, edited_index: np.ndarray, num_edited: int
+        self,
+        rows: np.ndarray,
+        positions: np.ndarray,
+        edited_index: np.ndarray,
+        num_edited: int,
+        ahead: DraftsAhead | None = None,
     ) -> LogitsEdit | None:
         """The edit of `positions` (from `asking`), addressed to the edited copy of the step's
-        logits: position i is its row `edited_index[i]` of `num_edited`."""
+        logits: position i is its row `edited_index[i]` of `num_edited`. `ahead`: the drafts
+        before each sampled row of a speculative verify entry (only processors that read the
+        output look at it; their rows are not drafted otherwise)."""
         states = [self.state[row] for row in rows[positions].tolist()]
         return self.make_edit(edited_index[positions], states, num_edited)
 
@@ -357,29 +371,93 @@ class Penalties(LogitsProcessor):
         )
 
 
+@dataclass(frozen=True)
+class DraftsAhead:
+    """A step's sampled rows that verify drafts: row i samples `ahead[i]` positions past its
+    sequence's next one, after the drafts `drafts[i][:ahead[i]]` (its entry's)."""
+
+    ahead: np.ndarray
+    drafts: list[np.ndarray | None]
+
+    def before(self, i: int) -> list[int]:
+        j = int(self.ahead[i])
+        drafts = self.drafts[i]
+        return [] if j == 0 or drafts is None else drafts[:j].tolist()
+
+
 class GrammarMasks(LogitsProcessor):
     """Structured outputs: the token bitmask of the rows whose constraint masks their next
     token, filled by their matchers (which have followed every token applied so far). State:
-    the sequence (its matcher is `seq.grammar`)."""
+    the sequence (its matcher is `seq.grammar`).
+
+    A verify entry's positions are masked as each would be had the drafts before it been
+    sampled: the matcher follows the drafts, fills each position's mask, and is rolled back.
+    A draft the grammar refuses cannot be accepted (the mask before it excludes it), so the
+    positions after it keep the last mask. Only rows in the constrained phase are drafted
+    (thinking boundaries are not followed back)."""
 
     def state_for(self, seq: Sequence) -> Sequence | None:
         return seq if seq.grammar is not None else None
 
+    def blocks_drafts(self, rows: np.ndarray) -> np.ndarray:
+        blocked = np.zeros(rows.size, dtype=bool)
+        for i in np.flatnonzero(self.asks(rows)).tolist():
+            grammar = self.state[int(rows[i])].grammar
+            blocked[i] = grammar.phase is not Phase.CONSTRAINED
+        return blocked
+
+    def edit(
+        self,
+        rows: np.ndarray,
+        positions: np.ndarray,
+        edited_index: np.ndarray,
+        num_edited: int,
+        ahead: DraftsAhead | None = None,
+    ) -> LogitsEdit | None:
+        if ahead is None or not np.count_nonzero(ahead.ahead[positions]):
+            return super().edit(rows, positions, edited_index, num_edited)
+        # A verify entry's first position as any row's; its later ones after the drafts.
+        later = ahead.ahead[positions] > 0
+        first = positions[~later]
+        bitmask, filled = self._fill(
+            edited_index[first], [self.state[row] for row in rows[first].tolist()], num_edited
+        )
+        for pos in positions[later].tolist():
+            seq = self.state[int(rows[pos])]
+            out = int(edited_index[pos])
+            grammar = seq.grammar
+            if grammar.advance(seq.token_ids + ahead.before(pos), seq.num_prompt_tokens):
+                grammar.fill(bitmask, out)
+            else:  # after a draft the grammar refuses: never emitted, any mask will do
+                bitmask[out] = -1
+            grammar.advance(seq.token_ids, seq.num_prompt_tokens)  # back to the output
+            filled.append(out)
+        return MaskByGrammar(GrammarMask(self.t.put(bitmask), tuple(filled)))
+
     def make_edit(
         self, positions: np.ndarray, states: list[Sequence], num_rows: int
     ) -> LogitsEdit | None:
+        bitmask, rows = self._fill(positions, states, num_rows)
+        if not rows:
+            return None
+        return MaskByGrammar(GrammarMask(self.t.put(bitmask), tuple(rows)))
+
+    def _fill(
+        self, positions: np.ndarray, states: list[Sequence], num_rows: int
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The host bitmask of rows `positions` (of `num_rows`) whose matcher masks the next
+        token, and those rows."""
         chosen = [
             (int(pos), seq.grammar)
             for pos, seq in zip(positions, states, strict=True)
             if seq.grammar.masks_next
         ]
-        if not chosen:
-            return None
         # Rows of the whole step, so the mask's row i is logits row i; only `chosen` are filled.
         bitmask = torch.empty((num_rows, (self.vocab_size + 31) // 32), dtype=torch.int32)
         rows = [pos for pos, _ in chosen]
-        fill_bitmasks([g for _, g in chosen], bitmask, rows)
-        return MaskByGrammar(GrammarMask(self.t.put(bitmask), tuple(rows)))
+        if chosen:
+            fill_bitmasks([g for _, g in chosen], bitmask, rows)
+        return bitmask, rows
 
 
 class ThinkingBudget(LogitsProcessor):

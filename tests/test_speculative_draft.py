@@ -12,7 +12,7 @@ import pytest
 from tests.test_speculative import CKPT, check_matches_hf, hf_greedy
 from tests.tp_cases import MAX_MODEL_LEN, build_checkpoints
 from tp_engine import LLM
-from tp_engine.checkpoints import build_random_qwen3
+from tp_engine.checkpoints import build_random_qwen3, truncate_layers
 
 pytestmark = pytest.mark.slow
 
@@ -23,34 +23,9 @@ K = 3
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
     target = build_checkpoints(root)[CKPT]
-    return {"target": target, "draft": first_layer_of(target, root / "draft")}
-
-
-def first_layer_of(target: Path, out: Path) -> Path:
-    """A draft made of the target's first layer, embeddings, final norm and head (a
-    layer-dropped copy: cheap, and it agrees with the target often enough that both accepted
-    and rejected drafts occur)."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(target, out)
-    config = json.loads((out / "config.json").read_text())
-    keep = 1
-    config["num_hidden_layers"] = keep
-    if "layer_types" in config:
-        config["layer_types"] = config["layer_types"][:keep]
-    (out / "config.json").write_text(json.dumps(config))
-    for path in out.glob("*.safetensors"):
-        tensors = load_file(path)
-        dropped = {
-            name: t
-            for name, t in tensors.items()
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < keep
-        }
-        save_file(dropped, path, metadata={"format": "pt"})
-    return out
+    # The target's first layer (a layer-dropped copy): cheap, and it agrees with the target
+    # often enough that both accepted and rejected drafts occur.
+    return {"target": target, "draft": truncate_layers(target, root / "draft", 1)}
 
 
 @pytest.fixture(scope="module")

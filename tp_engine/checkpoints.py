@@ -726,3 +726,26 @@ def dequantize_checkpoint_fp8(src_dir: str | Path, out_dir: str | Path) -> Path:
     if pending:
         raise ValueError(f"FP8 weights or scales without their partner: {sorted(pending)}")
     return out
+
+
+def truncate_layers(src_dir: str | Path, out_dir: str | Path, num_layers: int) -> Path:
+    """A copy of `src_dir`'s checkpoint with its first `num_layers` decoder layers only (the
+    embeddings, final norm, head and tokenizer unchanged): a layer-dropped draft model for
+    speculative decoding, which shares the target's vocabulary and agrees with it often.
+    Returns `out_dir`."""
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+
+    def convert(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        match = layer.match(name)
+        return {} if match and int(match.group(1)) >= num_layers else {name: t}
+
+    def edit(config: dict[str, Any]) -> None:
+        if not 1 <= num_layers <= config["num_hidden_layers"]:
+            raise ValueError(
+                f"num_layers must be in [1, {config['num_hidden_layers']}], got {num_layers}"
+            )
+        config["num_hidden_layers"] = num_layers
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:num_layers]
+
+    return _rewrite_checkpoint(Path(src_dir), Path(out_dir), convert, edit)

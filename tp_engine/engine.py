@@ -255,6 +255,16 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self.scheduler = self._build_scheduler(self.config)
         self.async_scheduling = self._resolve_async(self.config)
+        if self.spec is not None:
+            logger.info(
+                "speculative decoding (%s, k=%d): synchronous scheduling; verify steps run "
+                "eagerly%s",
+                self.spec.method,
+                self.spec.num_speculative_tokens,
+                " (the decode CUDA graphs replay only steps without drafts)"
+                if self.runner.graph_runner is not None
+                else "",
+            )
         # The step launched and sampled by the last `step()` call, not applied yet, and outputs
         # of a call that an exception interrupted (the next call returns them).
         self._in_flight: SampledStep | None = None

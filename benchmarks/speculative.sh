@@ -4,8 +4,8 @@
 #   bash benchmarks/speculative.sh [OUT_DIR]    (default benchmarks/results/cpu/speculative)
 #
 # `launch/bench.py --workload repetition` (each prompt a random passage repeated --copies
-# times, every sequence generating --max-output-len tokens) on the demo model, greedy and at
-# temperature 0.8 (seeded per request by the engine's seed), four ways: no speculation, n-gram
+# times, every sequence generating --max-output-len tokens) on the demo model, at 1, 4 and 32
+# sequences ($NUM_SEQS), greedy and at temperature 0.8, three ways: no speculation, n-gram
 # lookup (k = 4), and a draft model (k = 4) made of the demo model's first layer
 # (`tp_engine.checkpoints.truncate_layers`). Writes one result JSON and raw log per run,
 # COMMANDS (every command as run) and summary.json / summary.md (output tokens per second,
@@ -17,40 +17,43 @@ OUT=${1:-benchmarks/results/cpu/speculative}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
 : > "$OUT/COMMANDS"
-MODEL=${MODEL:-$("$PY" -c 'from tp_engine.checkpoints import demo_checkpoint_dir as d; print(d())')}
+NUM_KV_BLOCKS=${NUM_KV_BLOCKS-1024}  # set it empty to size the pool from memory (GPU)
+[ -n "${MODEL:-}" ] || MODEL=$("$PY" -c 'from tp_engine.checkpoints import demo_checkpoint_dir as d; print(d())')
 DRAFT=$(mktemp -d)/draft
 trap 'rm -rf "$(dirname "$DRAFT")"' EXIT
 "$PY" -c "import sys; from tp_engine.checkpoints import truncate_layers as t; t(sys.argv[1], sys.argv[2], 1)" "$MODEL" "$DRAFT"
 
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 DRAFTCFG="{\"method\": \"draft_model\", \"model\": \"$DRAFT\", \"num_speculative_tokens\": 4}"
+for N in ${NUM_SEQS:-1 4 32}; do
 for TEMP in 0 0.8; do
     for NAME in none ngram draft; do
         SPEC=()
         [ "$NAME" = ngram ] && SPEC=(--speculative-config "$NGRAM")
         [ "$NAME" = draft ] && SPEC=(--speculative-config "$DRAFTCFG")
-        RUN=("$PY" launch/bench.py --model "$MODEL" --workload repetition --num-seqs 32
+        RUN=("$PY" launch/bench.py --model "$MODEL" --workload repetition --num-seqs "$N"
              --passage-len 32 --copies 4 --max-output-len 128 --temperature "$TEMP"
-             --max-model-len 512 --num-kv-blocks 1024 "${SPEC[@]}"
-             --output-json "$OUT/bench-$NAME-t$TEMP.json" ${BENCH_ARGS:-})
+             --max-model-len 512 ${NUM_KV_BLOCKS:+--num-kv-blocks $NUM_KV_BLOCKS} "${SPEC[@]}"
+             --output-json "$OUT/bench-$NAME-n$N-t$TEMP.json" ${BENCH_ARGS:-})
         printf '%q ' "${RUN[@]}" >> "$OUT/COMMANDS"; echo >> "$OUT/COMMANDS"
-        "${RUN[@]}" 2>&1 | tee "$OUT/bench-$NAME-t$TEMP.log"
+        "${RUN[@]}" 2>&1 | tee "$OUT/bench-$NAME-n$N-t$TEMP.log"
     done
 done
+done
 
-"$PY" - "$OUT" <<'PY'
+"$PY" - "$OUT" ${NUM_SEQS:-1 4 32} <<'PY'
 import json, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
 rows = []
-for temp in ("0", "0.8"):
-    base = json.loads((out / f"bench-none-t{temp}.json").read_text())["output_tokens_per_s"]
+for (n, temp) in [(n, t) for n in sys.argv[2:] for t in ("0", "0.8")]:
+    base = json.loads((out / f"bench-none-n{n}-t{temp}.json").read_text())["output_tokens_per_s"]
     for name in ("none", "ngram", "draft"):
-        r = json.loads((out / f"bench-{name}-t{temp}.json").read_text())
+        r = json.loads((out / f"bench-{name}-n{n}-t{temp}.json").read_text())
         spec = r.get("speculative") or {}
         rows.append({
-            "temperature": float(temp), "method": name,
+            "num_seqs": int(n), "temperature": float(temp), "method": name,
             "output_tokens_per_s": r["output_tokens_per_s"],
             "speedup": r["output_tokens_per_s"] / base,
             "mean_acceptance_length": spec.get("mean_acceptance_length"),
@@ -58,12 +61,12 @@ for temp in ("0", "0.8"):
             "device": r["device"], "commit": r.get("commit"),
         })
 (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-lines = ["| temperature | method | output tok/s | vs none | mean acceptance length | accepted / drafted |",
-         "| --- | --- | --- | --- | --- | --- |"]
+lines = ["| sequences | temperature | method | output tok/s | vs none | mean acceptance length | accepted / drafted |",
+         "| --- | --- | --- | --- | --- | --- | --- |"]
 for r in rows:
     mal = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
     acc = "" if r["method"] == "none" else "{} / {}".format(*r["accepted_of_draft_tokens"])
-    lines.append(f"| {r['temperature']} | {r['method']} | {r['output_tokens_per_s']:.1f} | "
+    lines.append(f"| {r['num_seqs']} | {r['temperature']} | {r['method']} | {r['output_tokens_per_s']:.1f} | "
                  f"{r['speedup']:.2f}x | {mal} | {acc} |")
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tp_cases import MAX_MODEL_LEN, build_checkpoints
+from tests.tp_cases import MAX_MODEL_LEN, build_checkpoints, hf_greedy
 from tp_engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -42,20 +42,12 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def references(checkpoints) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
     """prompts and transformers' greedy continuations, by checkpoint (full recompute each step)."""
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoConfig
 
     refs = {}
     for name in CKPTS:
-        model = Qwen3ForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32).eval()
-        prompts = make_prompts(model.config.vocab_size)
-        outs = []
-        with torch.no_grad():
-            for prompt in prompts:
-                ids = list(prompt)
-                for _ in range(MAX_TOKENS):
-                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-                outs.append(ids[len(prompt) :])
-        refs[name] = (prompts, outs)
+        prompts = make_prompts(AutoConfig.from_pretrained(checkpoints[name]).vocab_size)
+        refs[name] = (prompts, hf_greedy(checkpoints[name], prompts, MAX_TOKENS))
     return refs
 
 

@@ -12,10 +12,9 @@ group open for the whole of its module, and a process can hold only one.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.test_llm_e2e import MAX_TOKENS, check_matches_hf, make_prompts
-from tests.tp_cases import build_checkpoints
+from tests.tp_cases import build_checkpoints, hf_greedy
 from tp_engine import LLM
 
 pytestmark = pytest.mark.slow
@@ -30,18 +29,10 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def references(checkpoint) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoConfig
 
-    model = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    prompts = make_prompts(model.config.vocab_size)
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(MAX_TOKENS):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            outs.append(ids[len(prompt) :])
-    return {CKPT: (prompts, outs)}
+    prompts = make_prompts(AutoConfig.from_pretrained(checkpoint).vocab_size)
+    return {CKPT: (prompts, hf_greedy(checkpoint, prompts, MAX_TOKENS))}
 
 
 def test_triton_kernels_match_hf_tp2(checkpoint, references):

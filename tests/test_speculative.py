@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.tp_cases import MAX_MODEL_LEN, build_checkpoints
+from tests.tp_cases import MAX_MODEL_LEN, build_checkpoints, hf_greedy
 from tp_engine import LLM, SamplingParams
 from tp_engine.config import EngineConfig
 from tp_engine.detokenizer import IncrementalDetokenizer
@@ -205,25 +205,15 @@ def checkpoint(tmp_path_factory) -> Path:
     return build_checkpoints(tmp_path_factory.mktemp("ckpt"))[CKPT]
 
 
-def hf_greedy(checkpoint: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts and transformers' greedy continuations (full recompute each step)."""
-    from transformers import Qwen3ForCausalLM
-
-    model = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    prompts = make_prompts(model.config.vocab_size)
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(MAX_TOKENS):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            outs.append(ids[len(prompt) :])
-    return prompts, outs
+def hf_greedy_reference(checkpoint: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts and transformers' greedy continuations of them."""
+    prompts = make_prompts(643)  # the test tokenizer's size, the checkpoint's vocabulary
+    return prompts, hf_greedy(checkpoint, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint) -> tuple[list[list[int]], list[list[int]]]:
-    return hf_greedy(checkpoint)
+    return hf_greedy_reference(checkpoint)
 
 
 def _llm(checkpoint: Path, tp: int, spec: dict | None) -> LLM:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_speculative import CKPT, check_matches_hf, hf_greedy
+from tests.test_speculative import CKPT, check_matches_hf, hf_greedy_reference
 from tests.tp_cases import MAX_MODEL_LEN, build_checkpoints
 from tp_engine import LLM
 from tp_engine.checkpoints import build_random_qwen3, truncate_layers
@@ -30,7 +30,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    return hf_greedy(checkpoints["target"])
+    return hf_greedy_reference(checkpoints["target"])
 
 
 def _llm(checkpoints, tp: int, draft: str) -> LLM:

@@ -270,3 +270,19 @@ def tp_worker(
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out)
         raise
+
+
+def hf_greedy(checkpoint: Path | str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Transformers' greedy continuations of `prompts` in float32, recomputing the whole
+    sequence every step (the reference the engine's outputs must equal)."""
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            outs.append(ids[len(prompt) :])
+    return outs

@@ -59,6 +59,34 @@ class RowListener(Protocol):
     def remove_row(self, row: int) -> None: ...
 
 
+class RowFollower:
+    """A row listener of one running batch at a time (the engine builds a new batch when it is
+    reconfigured): `follow` leaves the previous batch, resets the per-row state
+    (`reset_rows`) and replays the new batch's running rows through `add_row`."""
+
+    _batch: RunningBatch | None = None
+
+    def follow(self, batch: RunningBatch) -> None:
+        if batch is self._batch:
+            return
+        if self._batch is not None:
+            self._batch.row_listeners.remove(self)
+        self._batch = batch
+        batch.row_listeners.append(self)
+        self.reset_rows(batch.max_rows)
+        for row in batch.order.tolist():
+            self.add_row(row, batch.seqs[row])  # type: ignore[arg-type]
+
+    def reset_rows(self, max_rows: int) -> None:
+        """Forget every row's state (a batch of `max_rows` rows follows)."""
+
+    def add_row(self, row: int, seq: Sequence) -> None:
+        raise NotImplementedError
+
+    def remove_row(self, row: int) -> None:
+        raise NotImplementedError
+
+
 @dataclass
 class TableChanges:
     """Block-table edits since the last plan, in the order they happened (flat lists, ready

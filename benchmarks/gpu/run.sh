@@ -6,6 +6,7 @@
 #   benchmarks/gpu/run.sh moe     # fused MoE kernel vs torch, Qwen3-30B-A3B experts, B 1/64/256;
 #                                 # structured-output bitmask fill and apply, 1/64/256 rows
 #   benchmarks/gpu/run.sh fp8     # 8B shape: bf16 vs FP8 weights, auto vs fp8 KV cache
+#   benchmarks/gpu/run.sh spec    # speculative decoding (ngram, draft model) vs none, 0.6B shape
 #   benchmarks/gpu/run.sh PART... # any of the steps below by name, in the order given
 #
 # Everything goes under $OUT (default /tmp/gpu-out): one log per step, the result files, and
@@ -221,6 +222,19 @@ build_random_qwen3(sys.argv[1], hidden_size=256, num_layers=2, num_heads=2, num_
   done
 }
 
+spec() {
+  # Issue 25: benchmarks/speculative.sh (repetition workload; none, ngram and a draft made of
+  # the target's first layer; 1, 4 and 32 sequences, greedy and T=0.8) on the 0.6B shape.
+  local model="" blocks=1024
+  if [ $GPU = 1 ]; then
+    model=$($PY -c 'from benchmarks.models import resolve_model; print(resolve_model("0.6B"))')
+    blocks=""  # sized from memory
+  fi
+  MODEL=$model NUM_KV_BLOCKS=$blocks PYTHON=$PY \
+    step speculative 480 bash benchmarks/speculative.sh "$WORK/speculative"
+  pack
+}
+
 # -- parts -------------------------------------------------------------------------------------
 
 [ $# -gt 0 ] || set -- check
@@ -230,6 +244,7 @@ for part in "$@"; do
     bench) env_info; bench_small; serving; profile; bench_8b ;;
     moe) env_info; moe; structured ;;
     fp8) env_info; fp8 ;;
+    spec) env_info; spec ;;
     env_info|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile|structured|fp8) $part ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

@@ -1,7 +1,8 @@
 """Paged attention in plain torch: the reference backend and the CPU path.
 
-Correctness first, and fast enough for CPU tests: decodes (one query each) are attended in one
-batched step over contexts padded to the longest; every other sequence (a prefill, a prefill
+Correctness first, and fast enough for CPU tests: decodes and other short queries (a
+speculative verify entry, a small chunk: up to `BATCHED_QUERY_MAX` tokens) are attended in one
+batched step over contexts padded to the longest; every longer sequence (a prefill, a prefill
 chunk, a prefill after a cached prefix) is attended on its own, so no batch is padded to the
 longest prompt. Scores and softmax are computed in fp32 whatever the cache dtype. An fp8 cache
 stores `K / k_scale` saturated to e4m3's ±448 and is read back times the scale (the same
@@ -18,6 +19,9 @@ from rank_worker.attention.metadata import AttentionMetadata
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 _FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
+# Sequences computing at most this many tokens (decodes, speculative verify entries, small
+# chunks) are attended together, padded to the longest of them; longer ones one by one.
+BATCHED_QUERY_MAX = 16
 
 
 def _scale(kv_scales: torch.Tensor | None, which: int, cache: torch.Tensor) -> torch.Tensor | None:
@@ -134,21 +138,31 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens = meta.seq_lens_host  # [B]
         device = query.device
 
-        decodes = np.flatnonzero(query_lens == 1)
-        if decodes.size:
-            rows = torch.from_numpy(qsl[decodes].astype(np.int64)).to(device)  # [n]
-            idx = torch.from_numpy(decodes).to(device)
-            q = query[rows].view(-1, 1, num_kv_heads, group, head_dim)  # [n, 1, kv, g, d]
-            context = int(seq_lens[decodes].max())
+        short = np.flatnonzero(query_lens <= BATCHED_QUERY_MAX)
+        if short.size:
+            # Decodes and short queries (speculative verify entries, small chunks) in one
+            # padded step: query rows padded by repeating each sequence's last one, whose
+            # results are dropped.
+            lens = query_lens[short]  # [n]
+            q_max = int(lens.max())
+            offsets = np.arange(q_max)
+            tokens = qsl[short][:, None] + np.minimum(offsets, lens[:, None] - 1)  # [n, Q]
+            real = offsets < lens[:, None]  # [n, Q]
+            idx = torch.from_numpy(short).to(device)
+            q = query[torch.from_numpy(tokens.reshape(-1)).to(device)]
+            q = q.view(short.size, q_max, num_kv_heads, group, head_dim)  # [n, Q, kv, g, d]
+            context = int(seq_lens[short].max())
             table = meta.block_table[idx]  # [n, W]
             k = from_cache(gather_context(k_cache, table, context), k_scale)  # [n, L, kv, d]
             v = from_cache(gather_context(v_cache, table, context), v_scale)
             o = _attend_padded(
-                q, k, v, torch.ones_like(idx), meta.seq_lens[idx].long(), scale
-            )  # [n, 1, kv, g, d]
-            out[rows] = o.reshape(-1, num_heads, head_dim).to(out.dtype)
+                q, k, v, torch.from_numpy(lens.astype(np.int64)).to(device),
+                meta.seq_lens[idx].long(), scale,
+            )  # [n, Q, kv, g, d]  # fmt: skip
+            o = o.reshape(short.size, q_max, num_heads, head_dim)
+            out[torch.from_numpy(tokens[real]).to(device)] = o[torch.from_numpy(real)].to(out.dtype)
 
-        for i in np.flatnonzero(query_lens > 1):
+        for i in np.flatnonzero(query_lens > BATCHED_QUERY_MAX):
             start, end, context = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
             q = query[start:end].view(1, end - start, num_kv_heads, group, head_dim)
             table = meta.block_table[i : i + 1]  # [1, W]

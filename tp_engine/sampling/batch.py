@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tp_engine.running_batch import RunningBatch
+from tp_engine.running_batch import RowFollower, RunningBatch
 from tp_engine.sampling import SamplingMetadata
 from tp_engine.sampling.groups import plan_groups, seed_bits
 from tp_engine.sampling.processors import (
@@ -47,7 +47,7 @@ class SamplingBatch:
     logprob_seqs: list[Sequence] = field(default_factory=list)
 
 
-class SamplingBatchBuilder:
+class SamplingBatchBuilder(RowFollower):
     def __init__(
         self, vocab_size: int, eos_token_ids: Iterable[int], device: torch.device, seed: int
     ) -> None:
@@ -55,9 +55,6 @@ class SamplingBatchBuilder:
         self.device = torch.device(device)
         self.tensors = Tensors(vocab_size, self.device)
         self.processors: list[LogitsProcessor] = builtin_processors(self.tensors, eos_token_ids)
-        # The batch whose rows the processors follow (the scheduler's; a new one after the
-        # engine reconfigures).
-        self._batch: RunningBatch | None = None
         # Draws the noise seed of each sequence without a seed of its own, at its first row.
         self.rng = np.random.default_rng(seed)
         # Batch row -> the noise seed of the sequence in it (int64 holding 64 bits).
@@ -65,19 +62,10 @@ class SamplingBatchBuilder:
 
     # -- the batch's rows (RunningBatch's row listener) ------------------------------------------
 
-    def follow(self, batch: RunningBatch) -> None:
-        """Follow `batch`'s rows from now on (the processors forget any earlier batch)."""
-        if batch is self._batch:
-            return
-        if self._batch is not None:
-            self._batch.row_listeners.remove(self)
-        self._batch = batch
-        batch.row_listeners.append(self)
+    def reset_rows(self, max_rows: int) -> None:
         for processor in self.processors:
-            processor.reset(batch.max_rows)
-        self.seeds = np.zeros(batch.max_rows, dtype=np.int64)
-        for row in batch.order.tolist():
-            self.add_row(row, batch.seqs[row])  # type: ignore[arg-type]
+            processor.reset(max_rows)
+        self.seeds = np.zeros(max_rows, dtype=np.int64)
 
     def add_row(self, row: int, seq: Sequence) -> None:
         if seq.noise_seed is None:

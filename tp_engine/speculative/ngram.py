@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tp_engine.running_batch import RunningBatch
+from tp_engine.running_batch import RowFollower
 from tp_engine.sequence import Sequence
 
 
@@ -42,7 +42,7 @@ def longest_suffix_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[in
     return best_end, best_n
 
 
-class NgramProposer:
+class NgramProposer(RowFollower):
     """Proposes up to k draft tokens per row from the row's own tokens (the scheduler's
     `DraftProposer`; it knows its drafts before any block is allocated). `may_draft(rows)`:
     which rows may be drafted at all (the sampling builder's rule); None: all."""
@@ -59,7 +59,6 @@ class NgramProposer:
         self.num_speculative_tokens = k
         self.min_n, self.max_n = min_n, max_n
         self.may_draft = may_draft
-        self._batch: RunningBatch | None = None
         # Row -> its sequence, and a token buffer whose first `_count[row]` entries are filled.
         self._seqs: dict[int, Sequence] = {}
         self._tokens: dict[int, np.ndarray] = {}
@@ -67,19 +66,10 @@ class NgramProposer:
 
     # -- the batch's rows (RunningBatch's row listener) ------------------------------------------
 
-    def follow(self, batch: RunningBatch) -> None:
-        """Follow `batch`'s rows from now on (forgetting any earlier batch's)."""
-        if batch is self._batch:
-            return
-        if self._batch is not None:
-            self._batch.row_listeners.remove(self)
-        self._batch = batch
-        batch.row_listeners.append(self)
+    def reset_rows(self, max_rows: int) -> None:
         self._seqs.clear()
         self._tokens.clear()
         self._count.clear()
-        for row in batch.order.tolist():
-            self.add_row(row, batch.seqs[row])  # type: ignore[arg-type]
 
     def add_row(self, row: int, seq: Sequence) -> None:
         self._seqs[row] = seq

@@ -562,6 +562,8 @@ class LLMEngine:
             scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return None
+        # A draft model's DRAFT plans, sent while scheduling, took the ids before this one.
+        step_id = self.step_id
         with self._phase("build_plan", step_id):
             plan, layout = plan_step(scheduled, step_id, self.scheduler.batch)
         self.step_id += 1

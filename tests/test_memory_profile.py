@@ -89,6 +89,30 @@ def test_runner_sizes_the_cache_from_its_own_use(checkpoint):
     assert runner.kv_caches[0][0].shape[0] == blocks
 
 
+def test_a_draft_models_cache_shares_the_measured_pool(checkpoint, tmp_path):
+    """Speculative decoding with a draft model: a block of the pool holds both models' K/V, so
+    the GPU sizing divides the budget (and the warm-up's scratch) by both caches' bytes, and
+    both caches get the same block count."""
+    from tp_engine.checkpoints import truncate_layers
+
+    draft = str(truncate_layers(checkpoint, tmp_path / "draft", 1))
+    config = RunnerConfig(
+        max_model_len=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+        gpu_memory_utilization=0.5, draft_model=draft,
+    )  # fmt: skip
+    peak = 20 << 20
+    runner = ModelRunner(checkpoint, config, TPInfo(0, 1), "cpu", memory=DeviceStandIn(peak))
+    blocks = runner.determine_num_kv_blocks()
+    target, small = KVCacheSpec(2, 2, 16, 4, torch.float32), KVCacheSpec(1, 2, 16, 4, torch.float32)
+    assert runner.draft is not None and runner.draft.kv_spec == small
+    per_block = target.bytes_per_block + small.bytes_per_block
+    scratch = math.ceil(32 / 4) * per_block
+    assert blocks == (int(TOTAL * 0.5) - (peak - scratch) - OUTSIDE) // per_block
+    runner.init_kv_cache(blocks)
+    assert runner.kv_caches[0][0].shape[0] == runner.draft.kv_caches[0][0].shape[0] == blocks
+    assert runner.draft.block_tables is runner.block_tables  # one mirror for both
+
+
 def test_shutdown_frees_every_tensor_of_the_engine(checkpoint):
     """What a GPU gives back on shutdown is what the process stops referencing: weights, KV
     cache and staging buffers must all be unreachable once the LLM is shut down, even while the

@@ -273,16 +273,11 @@ def tp_worker(
 
 
 def hf_greedy(checkpoint: Path | str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Transformers' greedy continuations of `prompts` in float32, recomputing the whole
-    sequence every step (the reference the engine's outputs must equal)."""
+    """Transformers' greedy continuations of `prompts` in float32 from a dense checkpoint
+    (`moe_cases.hf_greedy` on the loaded model): the reference the engine must equal."""
     from transformers import Qwen3ForCausalLM
 
+    from tests.moe_cases import hf_greedy as greedy_of
+
     model = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(max_tokens):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            outs.append(ids[len(prompt) :])
-    return outs
+    return greedy_of(model, prompts, max_tokens)

@@ -137,6 +137,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tp", type=int, nargs="*", default=[2, 4])
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9,
+        help="each engine's share of the device (less when other processes share it)",
+    )  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -145,7 +149,9 @@ def main() -> int:
     dtype = "bfloat16" if cuda else "float32"
     common = dict(dtype=dtype, block_size=16, max_num_seqs=16, max_model_len=1024,
                   max_num_batched_tokens=256)  # fmt: skip
-    if not cuda:
+    if cuda:
+        common["gpu_memory_utilization"] = args.gpu_memory_utilization
+    else:
         common["num_kv_blocks"] = 256
     result: dict = {"benchmark": "greedy_checks", **environment(), "dtype": dtype,
                     "near_tie_nats": NEAR_TIE_NATS, "engine_args": common, "runs": {}}  # fmt: skip

@@ -7,6 +7,9 @@
 #                                 # structured-output bitmask fill and apply, 1/64/256 rows
 #   benchmarks/gpu/run.sh fp8     # 8B shape: bf16 vs FP8 weights, auto vs fp8 KV cache
 #   benchmarks/gpu/run.sh spec    # speculative decoding (ngram, draft model) vs none, 0.6B shape
+#   benchmarks/gpu/run.sh lease   # all of it by priority for a short lease, within $DEADLINE s
+#                                 # (default 520): the `gpu` tests in two concurrent groups, the
+#                                 # greedy checks, then benchmarks and profiles while time lasts
 #   benchmarks/gpu/run.sh PART... # any of the steps below by name, in the order given
 #
 # Everything goes under $OUT (default /tmp/gpu-out): one log per step, the result files, and
@@ -45,10 +48,20 @@ pack() {
   done
 }
 
+# A whole pass's deadline (seconds since start): a step gets at most what is left of it, and
+# one with under 20 s left is not started.
+DEADLINE=${DEADLINE:-100000}
+
 # step NAME TIMEOUT_S CMD...: runs CMD with its output in $WORK/NAME.log (first line: the command).
 step() {
   local name=$1 limit=$2
   shift 2
+  local left=$((DEADLINE - SECONDS))
+  if [ $left -lt 20 ]; then
+    echo "[$(date +%T) +${SECONDS}s] $name: not started, ${left}s of the deadline left"
+    return 0
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
   echo "[$(date +%T) +${SECONDS}s] $name: $*"
   { echo "\$ $*"; echo; } >"$WORK/$name.log"
   timeout -k 15 "$limit" "$@" >>"$WORK/$name.log" 2>&1
@@ -235,6 +248,59 @@ spec() {
   pack
 }
 
+tiles() {
+  step decode-tiles 120 $PY benchmarks/gpu/decode_tiles.py --out "$WORK"
+}
+
+# lease: the issue-35 pass for a lease of about 15 minutes, in one call. The `gpu` tests run as
+# two concurrent groups (the kernel tests spread over pytest-xdist workers, when it is installed;
+# the engine-level tests in one process, since they size memory from what the device has free)
+# while the 0.6B checkpoint is built; the greedy checks follow the engine-level group. Timed work
+# starts only once every test has finished, so that nothing else shares the GPU while it runs.
+lease() {
+  DEADLINE=${LEASE_DEADLINE:-520}
+  env_info
+  local xdist=()
+  $PY -c 'import xdist' 2>/dev/null && xdist=(-n 6)
+  local kernel_tests=(tests/test_kernels_attention.py tests/test_kernels_store_kv.py
+    tests/test_kernels_elementwise.py tests/test_kernels_moe.py tests/test_kernels_fp8.py)
+  step pytest-gpu-kernels 400 $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 -rs \
+    "${xdist[@]}" "${kernel_tests[@]}" &
+  local kernels_pid=$!
+  # test_memory_profile compares cache sizes that count other processes' memory: it runs alone.
+  local ignore=(--ignore tests/test_memory_profile.py)
+  for f in "${kernel_tests[@]}"; do ignore+=(--ignore "$f"); done
+  local model=0.6B tiny=() prof_tiny=() prof_256=(--num-seqs 256 --prompt-len 1024)
+  if [ $GPU = 0 ]; then
+    model=$($PY -c 'from benchmarks.models import resolve_model; print(resolve_model(None))')
+    tiny=(--num-seqs 8 --min-input-len 16 --max-input-len 64 --min-output-len 8
+      --max-output-len 32 --num-kv-blocks 256)
+    prof_tiny=(--steps 5)
+    prof_256=(--num-seqs 4 --prompt-len 16)
+  fi
+  step ckpt-0.6B 200 $PY -c 'import sys; from benchmarks.models import resolve_model as r
+print(r(sys.argv[1]))' "$model" &
+  local ckpt_pid=$!
+  step pytest-gpu-engine 300 $PY -m pytest -q -m gpu -p no:cacheprovider --durations=15 -rs \
+    "${ignore[@]}" tests
+  step greedy 300 $PY benchmarks/gpu/greedy_checks.py --out "$WORK/greedy" \
+    --gpu-memory-utilization 0.5
+  cp "$WORK/greedy/greedy_checks.json" "$WORK/" 2>/dev/null
+  wait $kernels_pid $ckpt_pid
+  step pytest-gpu-memory 120 $PY -m pytest -q -m gpu -p no:cacheprovider -rs \
+    tests/test_memory_profile.py
+  tiles
+  bench_one "$model" 0.6B-tp1-async --async-scheduling "${tiny[@]}"
+  step profile-async-256 150 $PY benchmarks/gpu/profile_decode.py --model "$model" \
+    --out "$WORK/profile-async-256" "${prof_256[@]}" --steps 20 "${prof_tiny[@]}"
+  step profile-async-1 120 $PY benchmarks/gpu/profile_decode.py --model "$model" \
+    --out "$WORK/profile-async-1" --num-seqs 1 --steps 20 "${prof_tiny[@]}"
+  bench_one "$model" 0.6B-tp1-sync --no-async-scheduling "${tiny[@]}"
+  attention
+  [ $((DEADLINE - SECONDS)) -gt 90 ] && serving
+  pack
+}
+
 # -- parts -------------------------------------------------------------------------------------
 
 [ $# -gt 0 ] || set -- check
@@ -245,7 +311,8 @@ for part in "$@"; do
     moe) env_info; moe; structured ;;
     fp8) env_info; fp8 ;;
     spec) env_info; spec ;;
-    env_info|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile|structured|fp8) $part ;;
+    lease) lease ;;
+    env_info|tiles|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile|structured|fp8) $part ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

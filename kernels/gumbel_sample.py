@@ -35,6 +35,11 @@ _M1 = 0x7FEB352D
 _M2 = 0x846CA68B
 # Mixed into the counter so that counter 0 and seed 0 do not make an all-zero key.
 _COUNTER_SALT = 0x9E3779B9
+# The kernel's copies: a @triton.jit function reads only globals made `tl.constexpr` (the
+# interpreter reads any global, so only a GPU compile catches a plain int here).
+_M1_C = tl.constexpr(_M1)
+_M2_C = tl.constexpr(_M2)
+_COUNTER_SALT_C = tl.constexpr(_COUNTER_SALT)
 _BLOCK = 1024
 # Rows per chunk of the reference (its int64 temporaries are ~8 bytes x V per row, each).
 _REF_ROWS = 16
@@ -107,9 +112,9 @@ def gumbel_sample_ref(
 @triton.jit
 def _mix(x):
     x = x ^ (x >> 16)
-    x = x * tl.full([], _M1, tl.uint32)
+    x = x * tl.full([], _M1_C, tl.uint32)
     x = x ^ (x >> 15)
-    x = x * tl.full([], _M2, tl.uint32)
+    x = x * tl.full([], _M2_C, tl.uint32)
     return x ^ (x >> 16)
 
 
@@ -136,9 +141,9 @@ def _gumbel_sample_kernel(
     counter = tl.load(counters_ptr + g)
     lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    key = _mix((counter & 0xFFFFFFFF).to(tl.uint32) ^ tl.full([], _COUNTER_SALT, tl.uint32))
+    key = _mix((counter & 0xFFFFFFFF).to(tl.uint32) ^ tl.full([], _COUNTER_SALT_C, tl.uint32))
     key = _mix(_mix(key ^ lo) ^ hi)
-    salt = tl.full([], _COUNTER_SALT, tl.uint32)
+    salt = tl.full([], _COUNTER_SALT_C, tl.uint32)
     greedy = inv_temp == 0.0
     cols = tl.arange(0, BLOCK)
 

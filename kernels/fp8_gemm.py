@@ -51,8 +51,10 @@ def _token_group_quant_kernel(
     offs = group * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
     # fp32 first: the interpreter's direct bf16 -> fp8 conversion rounds differently from torch.
     x = tl.load(x_ptr + token * stride_xt + offs).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX_VALUE, MIN_SCALE)
-    q = tl.clamp(x / scale, -FP8_MAX_VALUE, FP8_MAX_VALUE)
+    # IEEE divisions, as torch divides: `/` on a GPU is an approximate division (2 ulp), which
+    # moves values that sit on an e4m3 rounding tie (common from bf16 inputs) to the other side.
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), FP8_MAX_VALUE), MIN_SCALE)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_VALUE, FP8_MAX_VALUE)
     tl.store(q_ptr + token * K + offs, to_e4m3(q, q_ptr.dtype.element_ty, INTERPRETED))
     tl.store(s_ptr + token * (K // GROUP_SIZE) + group, scale)
 

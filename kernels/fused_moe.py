@@ -180,7 +180,7 @@ def _moe_down_kernel(
     tl.store(out_ptrs, y.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def launch_meta(dtype: torch.dtype, interpret: bool) -> dict[str, object]:
+def launch_meta(dtype: torch.dtype, interpret: bool, fp8: bool = False) -> dict[str, object]:
     """Constexprs and launch options of both kernels (shared with the sm_90 compile test).
 
     Independent of the number of tokens, so that one binary serves every step. 16-bit on a GPU:
@@ -189,11 +189,13 @@ def launch_meta(dtype: torch.dtype, interpret: bool) -> dict[str, object]:
     decode is bound by those reads) by 64 columns by 64 of K, 3 stages: the gate/up kernel
     holds two B tiles, ~72 KiB of shared memory. fp32 ("ieee" dot on the FMA units, the exact
     path for tests) takes small tiles. Interpreter: 16s, so that tiny test shapes span several
-    tiles. Not tuned by GPU timing yet (`benchmarks/gpu/moe_micro.py` measures it).
+    tiles. FP8 experts take the 16-bit tiles whatever the model's dtype: their dot runs on e4m3
+    operands, which sm_90 takes only with K >= 32 (an fp32 model's 16-wide K fails to compile).
+    Not tuned by GPU timing yet (`benchmarks/gpu/moe_micro.py` measures it).
     """
     if interpret:
         block_m, block_n, block_k, num_warps, num_stages = 16, 16, 16, 4, 1
-    elif dtype == torch.float32:
+    elif dtype == torch.float32 and not fp8:
         block_m, block_n, block_k, num_warps, num_stages = 16, 32, 16, 4, 2
     else:
         block_m, block_n, block_k, num_warps, num_stages = 64, 64, 64, 4, 3
@@ -303,7 +305,7 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0 or num_experts == 0:
         return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=x.device)
-    meta = launch_meta(x.dtype, interpreting(_moe_gate_up_kernel))
+    meta = launch_meta(x.dtype, interpreting(_moe_gate_up_kernel), fp8)
     if fp8:
         # The fp8 dot takes its operands as they are, even under the interpreter (which
         # multiplies e4m3 exactly); only 16-bit operands need the interpreter's upcast.

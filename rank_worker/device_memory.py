@@ -60,3 +60,25 @@ class CudaMemory:
     def reset_peak(self) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+
+
+# CUDA model runners of this process not yet released (by id), for `drop_cuda_user`.
+_cuda_users: set[int] = set()
+
+
+def add_cuda_user(owner: object) -> None:
+    _cuda_users.add(id(owner))
+
+
+def drop_cuda_user(owner: object) -> None:
+    """`owner` gave its device memory back. When it was the process's last CUDA runner, cuBLAS's
+    workspaces go back too: torch keeps one per (handle, stream) in its allocator, 32 MiB each
+    on Hopper, so after an engine they stay allocated (seen on an H200: 32 MiB after an eager
+    engine, 64 after one with graphs) and the process is not back where it started. Never while
+    another runner lives: its captured graphs hold those workspaces' addresses."""
+    _cuda_users.discard(id(owner))
+    if _cuda_users or not torch.cuda.is_available():
+        return
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()

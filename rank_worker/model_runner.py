@@ -34,7 +34,7 @@ from rank_worker.architectures import build_model
 from rank_worker.attention.selection import get_backend, select_backend, select_layer_kernels
 from rank_worker.block_tables import BlockTables
 from rank_worker.cuda_graphs import DecodeGraphRunner, disabled_reason
-from rank_worker.device_memory import CudaMemory, DeviceMemory
+from rank_worker.device_memory import CudaMemory, DeviceMemory, add_cuda_user, drop_cuda_user
 from rank_worker.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.kv_cache import (
     CacheGroup,
@@ -113,6 +113,7 @@ class ModelRunner:
             # Triton launches on the current device, whatever device its tensors are on.
             torch.cuda.set_device(self.device)
             memory = memory or CudaMemory(self.device)
+            add_cuda_user(self)
         self.memory = memory
         # Bytes of this process's tensors before this runner made any: not the engine's, and
         # left out of its measured use (`gpu_kv_budget_bytes`).
@@ -290,6 +291,7 @@ class ModelRunner:
         gc.collect()  # modules hold reference cycles (parent <-> submodules via hooks)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            drop_cuda_user(self)
             torch.cuda.empty_cache()
 
     @torch.inference_mode()

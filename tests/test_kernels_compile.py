@@ -48,8 +48,16 @@ def _unspecialised(fn) -> set[str]:
     return out
 
 
-def _compile(fn, dtype: str, consts: dict) -> int:
-    """Compile `fn` for sm_90 with `consts`; returns its shared memory in bytes."""
+def _compile(fn, dtype: str, consts: dict, ptr_types: dict[str, str] | None = None) -> int:
+    """Compile `fn` for sm_90 with `consts`; returns its shared memory in bytes (see `_build`)."""
+    return int(_build(fn, dtype, consts, ptr_types).metadata.shared)
+
+
+def _build(fn, dtype: str, consts: dict, ptr_types: dict[str, str] | None = None):
+    """Compile `fn` for sm_90 with `consts`; returns the compiled kernel. Pointers are of
+    `dtype` unless `ptr_types` (name -> Triton type, e.g. "fp8e4nv", "i64") or the index and
+    fp32 sets above say otherwise."""
+    ptr_types = ptr_types or {}
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -60,7 +68,9 @@ def _compile(fn, dtype: str, consts: dict) -> int:
         if name in consts:
             signature[name] = "constexpr"
             continue
-        if name.endswith("_ptr"):
+        if name in ptr_types:
+            signature[name] = "*" + ptr_types[name]
+        elif name.endswith("_ptr"):
             ty = "i32" if name in _INDEX_PTRS else "fp32" if name in _FP32_PTRS else dtype
             signature[name] = "*" + ty
         else:
@@ -72,8 +82,7 @@ def _compile(fn, dtype: str, consts: dict) -> int:
         if name not in excluded and (name.endswith("_ptr") or name.startswith("stride")):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    return int(kernel.metadata.shared)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def compile_report() -> dict[str, int]:
@@ -83,12 +92,13 @@ def compile_report() -> dict[str, int]:
     import torch
     import triton
 
-    from kernels import activation, decode_attention, prefill_attention, rmsnorm, rotary
+    from kernels import activation, decode_attention, fp8_gemm, prefill_attention, rmsnorm, rotary
 
     # `kernels.store_kv` the attribute is the re-exported function; the module is in sys.modules.
     store_kv = importlib.import_module("kernels.store_kv")
     qk_norm_rope = importlib.import_module("kernels.qk_norm_rope")
     fused_moe = importlib.import_module("kernels.fused_moe")
+    gumbel = importlib.import_module("kernels.gumbel_sample")
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     report = {}
@@ -104,13 +114,25 @@ def compile_report() -> dict[str, int]:
             group, head_dim, block_size, torch_dtype[dt], interpret=False
         )
         name = f"prefill-{dt}-d{head_dim}-g{group}-bs{block_size}"
-        report[name] = _compile(prefill_attention._prefill_attention_kernel, dt, meta)
+        report[name] = _compile(
+            prefill_attention._prefill_attention_kernel, dt, dict(meta, KV_FP8=False)
+        )
         # One binary for any split count (a runtime value, see kernels.decode_attention).
         meta = decode_attention.launch_meta(
             group, 8 * group, head_dim, block_size, torch_dtype[dt], interpret=False
         )
         name = f"decode-{dt}-d{head_dim}-g{group}-bs{block_size}"
-        report[name] = _compile(decode_attention._decode_split_kernel, dt, meta)
+        report[name] = _compile(decode_attention._decode_split_kernel, dt, dict(meta, KV_FP8=False))
+    # The fp8 KV cache (e4m3 pages, bf16 queries) in both attention kernels.
+    fp8_kv = {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv", "kv_scale_ptr": "fp32"}
+    meta = decode_attention.launch_meta(8, 64, 128, 16, torch.bfloat16, interpret=False)
+    report["decode-bf16-kvfp8"] = _compile(
+        decode_attention._decode_split_kernel, "bf16", dict(meta, KV_FP8=True), fp8_kv
+    )
+    meta = prefill_attention.launch_meta(8, 128, 16, torch.bfloat16, interpret=False)
+    report["prefill-bf16-kvfp8"] = _compile(
+        prefill_attention._prefill_attention_kernel, "bf16", dict(meta, KV_FP8=True), fp8_kv
+    )
     merge = dict(
         NUM_HEADS=64,
         SPLITS_PAD=triton.next_power_of_2(decode_attention.MAX_SPLITS),
@@ -143,6 +165,47 @@ def compile_report() -> dict[str, int]:
         report[name] = _compile(fused_moe._moe_gate_up_kernel, dt, gate_up)
         down = dict(meta, HIDDEN=hidden, INTER=inter)
         report[f"moe_down-{dt}-h{hidden}-i{inter}"] = _compile(fused_moe._moe_down_kernel, dt, down)
+    # FP8 experts (e4m3 weights and activations with fp32 group scales) under bf16 and fp32
+    # models: the dot's K takes e4m3 operands, which need K >= 32 on sm_90.
+    for dt in ("bf16", "fp32"):
+        meta = dict(fused_moe.launch_meta(torch_dtype[dt], interpret=False, fp8=True), FP8=True)
+        e4m3 = {
+            "x_ptr": "fp8e4nv",
+            "w13_ptr": "fp8e4nv",
+            "x_scale_ptr": "fp32",
+            "w_scale_ptr": "fp32",
+        }
+        gate_up = dict(meta, HIDDEN=2048, INTER=768, TOP_K=8)
+        report[f"moe_gate_up-fp8-{dt}"] = _compile(fused_moe._moe_gate_up_kernel, dt, gate_up, e4m3)
+        e4m3 = {
+            "act_ptr": "fp8e4nv",
+            "w2_ptr": "fp8e4nv",
+            "act_scale_ptr": "fp32",
+            "w_scale_ptr": "fp32",
+        }
+        down = dict(meta, HIDDEN=2048, INTER=768)
+        report[f"moe_down-fp8-{dt}"] = _compile(fused_moe._moe_down_kernel, dt, down, e4m3)
+    # FP8 linear layers: activation quantization (from bf16 and fp32) and the W8A8 GEMM.
+    for dt in ("bf16", "fp32"):
+        quant = dict(K=4096, GROUP_SIZE=128, FP8_MAX_VALUE=448.0, MIN_SCALE=1e-10,
+                     INTERPRETED=False, num_warps=1)  # fmt: skip
+        types = {"q_ptr": "fp8e4nv", "s_ptr": "fp32"}
+        kernel = _build(fp8_gemm._token_group_quant_kernel, dt, quant, types)
+        report[f"fp8_quant-{dt}"] = int(kernel.metadata.shared)
+        # Quantization must divide as torch does (IEEE, round to nearest): `/` in Triton is an
+        # approximate division on a GPU, which the interpreter cannot show.
+        ptx = kernel.asm["ptx"]
+        report[f"approximate-divisions-fp8_quant-{dt}"] = ptx.count("div.full") + ptx.count(
+            "div.approx"
+        )
+    gemm = dict(fp8_gemm.launch_meta(interpret=False), N=4096, K=4096, GROUP_SIZE=128)
+    types = {"xq_ptr": "fp8e4nv", "w_ptr": "fp8e4nv", "xs_ptr": "fp32", "ws_ptr": "fp32"}
+    report["w8a8_gemm"] = _compile(fp8_gemm._w8a8_block_matmul_kernel, "bf16", gemm, types)
+    # One-pass sampling over fp32 logits (its constants are globals the JIT must accept).
+    types = {"out_ptr": "i64", "rows_ptr": "i64", "seeds_ptr": "i64", "counters_ptr": "i64"}
+    report["gumbel_sample"] = _compile(
+        gumbel._gumbel_sample_kernel, "fp32", dict(BLOCK=gumbel._BLOCK), types
+    )
     return report
 
 
@@ -165,7 +228,10 @@ def test_every_kernel_compiles_for_sm90():
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
     report = json.loads(line.removeprefix("REPORT "))
+    approx = {k: report.pop(k) for k in list(report) if k.startswith("approximate-divisions")}
+    assert len(approx) == 2 and not any(approx.values()), approx
     too_big = {k: v for k, v in report.items() if v > SM90_MAX_SHARED_BYTES}
     assert not too_big, f"more shared memory than an sm_90 block can have: {too_big}"
-    # 4 prefill, 4 decode, merge, store_kv, 2 rmsnorm, rotary, silu, 2 qk_norm_rope, 3 x 2 MoE
-    assert len(report) == 22, sorted(report)
+    # 4 prefill, 4 decode, merge, store_kv, 2 rmsnorm, rotary, silu, 2 qk_norm_rope, 3 x 2 MoE;
+    # 2 with an fp8 KV cache, 2 x 2 fp8 MoE, 2 fp8 quant, the W8A8 GEMM, Gumbel sampling
+    assert len(report) == 32, sorted(report)

@@ -157,3 +157,24 @@ def test_three_engines_in_a_row_gpu(checkpoint):
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == before
     assert sizes[0] == sizes[1] == sizes[2] and outputs[0] == outputs[1] == outputs[2]
+
+
+def test_cublas_workspaces_go_back_with_the_last_runner(monkeypatch):
+    """cuBLAS's workspaces (torch allocations that outlive an engine) are cleared when the last
+    CUDA runner of the process is released, and never while another runner (whose graphs hold
+    their addresses) lives. The CUDA calls are stand-ins; the bookkeeping is the GPU's."""
+    from rank_worker import device_memory
+
+    cleared = []
+    monkeypatch.setattr(device_memory, "_cuda_users", set())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(1), raising=False
+    )
+    first, second = object(), object()
+    device_memory.add_cuda_user(first)
+    device_memory.add_cuda_user(second)
+    device_memory.drop_cuda_user(first)
+    assert cleared == []
+    device_memory.drop_cuda_user(second)
+    assert cleared == [1]

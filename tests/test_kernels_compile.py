@@ -201,11 +201,17 @@ def compile_report() -> dict[str, int]:
     gemm = dict(fp8_gemm.launch_meta(interpret=False), N=4096, K=4096, GROUP_SIZE=128)
     types = {"xq_ptr": "fp8e4nv", "w_ptr": "fp8e4nv", "xs_ptr": "fp32", "ws_ptr": "fp32"}
     report["w8a8_gemm"] = _compile(fp8_gemm._w8a8_block_matmul_kernel, "bf16", gemm, types)
-    # One-pass sampling over fp32 logits (its constants are globals the JIT must accept).
-    types = {"out_ptr": "i64", "rows_ptr": "i64", "seeds_ptr": "i64", "counters_ptr": "i64"}
-    report["gumbel_sample"] = _compile(
-        gumbel._gumbel_sample_kernel, "fp32", dict(BLOCK=gumbel._BLOCK), types
-    )
+    # One-pass sampling over fp32 logits, each row in slices (its constants are globals the
+    # JIT must accept): the min-p maxima, the slices' samples with and without min-p, the merge.
+    i64 = dict.fromkeys(["out_ptr", "rows_ptr", "seeds_ptr", "counters_ptr", "part_id_ptr"], "i64")
+    block = dict(BLOCK=gumbel._BLOCK)
+    report["gumbel_split_max"] = _compile(gumbel._split_max_kernel, "fp32", dict(block), i64)
+    for min_p in (False, True):
+        consts = dict(block, MIN_P=min_p, SPLITS_PAD=gumbel._SPLITS_PAD)
+        name = f"gumbel_split_sample-minp{min_p}"
+        report[name] = _compile(gumbel._split_sample_kernel, "fp32", consts, i64)
+    merge = dict(SPLITS_PAD=gumbel._SPLITS_PAD)
+    report["gumbel_split_merge"] = _compile(gumbel._split_merge_kernel, "fp32", merge, i64)
     return report
 
 
@@ -233,5 +239,5 @@ def test_every_kernel_compiles_for_sm90():
     too_big = {k: v for k, v in report.items() if v > SM90_MAX_SHARED_BYTES}
     assert not too_big, f"more shared memory than an sm_90 block can have: {too_big}"
     # 4 prefill, 4 decode, merge, store_kv, 2 rmsnorm, rotary, silu, 2 qk_norm_rope, 3 x 2 MoE;
-    # 2 with an fp8 KV cache, 2 x 2 fp8 MoE, 2 fp8 quant, the W8A8 GEMM, Gumbel sampling
-    assert len(report) == 32, sorted(report)
+    # 2 with an fp8 KV cache, 2 x 2 fp8 MoE, 2 fp8 quant, the W8A8 GEMM, 4 of Gumbel sampling
+    assert len(report) == 35, sorted(report)

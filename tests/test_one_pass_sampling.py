@@ -22,6 +22,8 @@ if not torch.cuda.is_available():  # before the first `import kernels`
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.gumbel_sample import (
+    MAX_SPLITS,
+    choose_num_splits,
     gumbel_ref,
     gumbel_sample,
     gumbel_sample_ref,
@@ -158,6 +160,61 @@ def test_kernel_equals_reference_under_the_interpreter(vocab: int) -> None:
         pytest.skip("the gpu test below covers the kernel on a GPU")
     args = kernel_case(9, vocab, "cpu")
     assert gumbel_sample(*args).tolist() == gumbel_sample_ref(*args).tolist()
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+def test_split_rows_sample_the_same_token(num_splits: int) -> None:
+    """A row cut into slices (5: more slices than 1024-token tiles, so some are empty) samples
+    exactly what one pass samples, min-p rows included; without min-p the first read is
+    skipped."""
+    if torch.cuda.is_available():
+        pytest.skip("the gpu tests cover the kernel on a GPU")
+    args = kernel_case(12, 3001, "cpu", seed=num_splits)
+    want = gumbel_sample_ref(*args)
+    assert gumbel_sample(*args, num_splits=num_splits).tolist() == want.tolist()
+    no_min_p = (*args[:3], torch.full_like(args[3], float("-inf")), *args[4:])
+    got = gumbel_sample(*no_min_p, any_min_p=False, num_splits=num_splits)
+    assert got.tolist() == gumbel_sample_ref(*no_min_p).tolist()
+
+
+def test_equal_maxima_in_two_slices_give_the_lowest_token() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the gpu tests cover the kernel on a GPU")
+    logits = torch.zeros(2, 3000)
+    logits[:, [2500, 700, 1900]] = 5.0  # three slices of 1024 hold an equal maximum each
+    rows, greedy = torch.arange(2), torch.zeros(2)
+    off, seeds, counters = (
+        torch.full((2,), float("-inf")),
+        torch.zeros(2, dtype=torch.int64),
+        torch.zeros(2, dtype=torch.int64),
+    )
+    got = gumbel_sample(logits, rows, greedy, off, seeds, counters, num_splits=3)
+    assert got.tolist() == [700, 700] == logits.argmax(-1).tolist()
+
+
+def test_min_p_floor_is_the_whole_rows() -> None:
+    """min-p over a split row: the floor comes from the row's maximum, not each slice's. One
+    token in the first slice stands 1 nat above the rest and min-p 0.5 keeps only it; a floor
+    from each slice's own maximum would let the other slices' best tokens win on noise."""
+    if torch.cuda.is_available():
+        pytest.skip("the gpu tests cover the kernel on a GPU")
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(16, 3000, generator=g).clamp(max=3.0)
+    logits[:, 100] = 4.0
+    rows, inv_temp = torch.arange(16), torch.ones(16)
+    log_min_p = torch.full((16,), float(np.log(0.5)))
+    seeds = torch.randint(0, 2**62, (16,), generator=g)
+    counters = torch.arange(16)
+    args = (logits, rows, inv_temp, log_min_p, seeds, counters)
+    assert gumbel_sample(*args, num_splits=3).tolist() == [100] * 16
+    assert gumbel_sample_ref(*args).tolist() == [100] * 16
+
+
+def test_split_count_fills_the_device_and_keeps_slices_long() -> None:
+    assert choose_num_splits(1, 151_936, 132) == MAX_SPLITS  # one row: as many as allowed
+    assert choose_num_splits(256, 151_936, 132) == 5  # 8 programs per SM
+    assert choose_num_splits(4096, 151_936, 132) == 1
+    assert choose_num_splits(1, 3000, 132) == 2  # at least 2 tiles of 1024 a slice
 
 
 def test_sampler_with_the_kernel_equals_the_reference_path() -> None:

@@ -102,7 +102,7 @@ def _one_pass(source: torch.Tensor, group: SampleGroup, rows: torch.Tensor | Non
     rows = group.src_rows if rows is None else rows
     args = (source, rows, group.inv_temp, group.log_min_p, group.seeds, group.counters)
     if source.is_cuda or _force_kernels:
-        return gumbel_sample(*args)
+        return gumbel_sample(*args, any_min_p=group.any_min_p)
     return gumbel_sample_ref(*args)
 
 

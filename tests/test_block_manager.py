@@ -263,3 +263,66 @@ def test_a_huge_pool_makes_its_blocks_only_when_used():
     assert bm.allocate_slots(c, c.num_tokens, [])
     assert c.block_table == [3, 4] and len(bm.blocks._made) == 5
     assert bm.usage == 5 / 10_000_000
+
+
+def test_a_new_weight_epoch_never_hits_kv_of_the_old_weights():
+    """After `advance_epoch` (new weights) the same prompt gets no hit, even on blocks a running
+    sequence still holds, and that sequence (kept across the update) registers nothing more:
+    its later blocks attend to K/V of the old weights. A sequence admitted afterwards shares
+    with later ones as before."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    prompt = list(range(1, 14))  # 3 full blocks + 1 token
+    kept = Sequence("kept", prompt)
+    admit(bm, kept)
+    compute_all(bm, kept)
+    assert admit(bm, Sequence("same-epoch", prompt)) == kept.block_table[:3]
+
+    assert bm.advance_epoch(flush=False) == 1
+    fresh = Sequence("fresh", prompt)
+    assert admit(bm, fresh) == []  # the kept blocks are still cached, under epoch 0's chain
+    kept.token_ids += [99, 98, 97]  # 16 tokens: a 4th full block, computed after the update
+    assert bm.allocate_slots(kept, 3, start=13)
+    before = dict(bm.cached)
+    compute_all(bm, kept)
+    assert bm.cached == before  # nothing of the kept sequence is registered under any epoch
+
+    compute_all(bm, fresh)
+    assert admit(bm, Sequence("later", prompt)) == fresh.block_table[:3]
+
+
+def test_epoch_zero_base_hashes_are_the_plain_chain():
+    """The root is None for the base model at epoch 0: hashes are what they were before
+    roots existed, so nothing cached or tested changes."""
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    seq = Sequence("a", list(range(1, 9)))
+    admit(bm, seq)
+    compute_all(bm, seq)
+    first = hash_block_tokens(None, (1, 2, 3, 4))
+    assert seq.cache_root is None
+    assert seq.block_hashes == [first, hash_block_tokens(first, (5, 6, 7, 8))]
+
+
+def test_cache_tags_separate_chains():
+    """Sequences with different tags (an adapter's load id) share no block; equal tags do."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    prompt = list(range(1, 10))
+    base, a1, a1_again, a2 = (Sequence(n, prompt) for n in ("base", "a1", "a1b", "a2"))
+    a1.cache_tags = a1_again.cache_tags = (("adapter", 1),)
+    a2.cache_tags = (("adapter", 2),)
+    for seq in (base, a1):
+        admit(bm, seq)
+        compute_all(bm, seq)
+    assert admit(bm, a2) == []
+    assert admit(bm, a1_again) == a1.block_table[:2]
+
+
+def test_advance_epoch_flushes_unreferenced_blocks():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    seq = Sequence("a", list(range(1, 10)))
+    admit(bm, seq)
+    compute_all(bm, seq)
+    bm.free(seq)
+    assert len(bm.cached) == 2
+    bm.advance_epoch()
+    assert bm.cached == {} and bm.num_free_blocks == 8
+    bm.check_integrity()

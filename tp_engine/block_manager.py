@@ -44,6 +44,20 @@ def hash_block_tokens(parent_hash: int | None, token_ids: TokenIds[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
+def prefix_cache_root(epoch: int, tags: tuple[tuple[str, object], ...] = ()) -> int | None:
+    """The root of a sequence's hash chain: None for the base model at weight epoch 0 (so those
+    hashes are what they always were), else a hash of the epoch and the sequence's tags.
+
+    K/V depends on more than tokens: on the weights that computed it (`epoch`, advanced by every
+    weight update) and on an adapter. Rooting the chain there makes blocks of different
+    weights or adapters different keys; tags are (namespace, value) pairs, so a user's salt can
+    never spell an adapter's id.
+    """
+    if epoch == 0 and not tags:
+        return None
+    return hash(("prefix-cache root", ("epoch", epoch), *tags))
+
+
 class KVBlock:
     """One physical block of `block_size` token slots, plus its free-queue links."""
 
@@ -214,6 +228,9 @@ class BlockManager:
         # Prefix-cache counters in tokens, counted once per successful admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # The weights' epoch, advanced by every weight update (`advance_epoch`): part of every
+        # hash chain's root, so K/V of other weights is never a hit.
+        self.epoch = 0
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -238,6 +255,7 @@ class BlockManager:
         sequence that must compute its whole prompt (`reads_prefix_cache`: prompt logprobs) gets
         no hit.
         """
+        self._root(seq)
         if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         hashes = self._block_hashes(seq)
@@ -248,7 +266,7 @@ class BlockManager:
             block = self.cached.get(hashes[i])
             if (
                 block is None
-                or block.parent_hash != (hashes[i - 1] if i else None)
+                or block.parent_hash != (hashes[i - 1] if i else seq.cache_root)
                 or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs])
             ):
                 break
@@ -346,16 +364,18 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        bs, cached, hash_fn = self.block_size, self.cached, self._hash_fn
+        bs, cached, hash_fn, epoch = self.block_size, self.cached, self._hash_fn, self.epoch
         made = self.blocks._made  # a block in a block table was made when it was handed out
         for seq, computed in zip(seqs, num_computed, strict=True):
             first, num_full = seq.num_committed_blocks, computed // bs
-            if num_full <= first:
+            # A sequence admitted under other weights (kept running across an update) holds
+            # their K/V, and every later block of it attends to that K/V: none of it is shared.
+            if num_full <= first or seq.cache_epoch != epoch:
                 continue
             # Committed blocks have their hashes already (first <= len(hashes)).
             hashes, tokens, table = seq.block_hashes, seq.token_ids, seq.block_table
             for i in range(first, num_full):
-                parent = hashes[i - 1] if i else None
+                parent = hashes[i - 1] if i else seq.cache_root
                 # One copy of the block's ids, for the hash (which takes a tuple as it is) and
                 # for the block.
                 block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
@@ -401,6 +421,16 @@ class BlockManager:
                 self.free_queue.appendleft(block)
         del seq.block_table[keep:]
 
+    def advance_epoch(self, flush: bool = True) -> int:
+        """New weights: K/V computed before now is never a hit again. Later admissions chain
+        from the new epoch's root; sequences admitted before commit nothing more. `flush`
+        also frees the unreferenced cached blocks at once (their hashes could never match
+        again; without it they age out of the free queue). Returns the new epoch."""
+        self.epoch += 1
+        if flush:
+            self.reset_prefix_cache()
+        return self.epoch
+
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached block; returns how many were dropped."""
         dropped = [block for block in self.cached.values() if block.ref_cnt == 0]
@@ -411,6 +441,15 @@ class BlockManager:
         return len(dropped)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _root(self, seq: Sequence) -> None:
+        """At admission: chain `seq`'s hashes from the current epoch's root for its tags
+        (recomputed, lazily, when that root changed since they were made)."""
+        root = prefix_cache_root(self.epoch, seq.cache_tags)
+        if seq.cache_root != root:
+            seq.block_hashes.clear()
+            seq.cache_root = root
+        seq.cache_epoch = self.epoch
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
@@ -426,9 +465,8 @@ class BlockManager:
         hashes = seq.block_hashes
         bs = self.block_size
         for i in range(len(hashes), seq.num_tokens // bs):
-            hashes.append(
-                self._hash_fn(hashes[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs])
-            )
+            parent = hashes[i - 1] if i else seq.cache_root
+            hashes.append(self._hash_fn(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     # -- checking ----------------------------------------------------------------------------------

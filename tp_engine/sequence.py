@@ -126,11 +126,20 @@ class Sequence:
         self.num_cached_tokens = 0
         # Physical KV block ids, one per logical block, owned by the BlockManager's bookkeeping.
         self.block_table: list[int] = []
-        # Chained prefix-cache hashes of the full blocks of token_ids (tokens only, so they stay
-        # valid across preemption) and how many leading blocks of block_table have been offered
-        # to the prefix cache. Both are maintained by the BlockManager.
+        # Chained prefix-cache hashes of the full blocks of token_ids (tokens and the chain's
+        # root, so they stay valid across preemption) and how many leading blocks of
+        # block_table have been offered to the prefix cache. Both are maintained by the
+        # BlockManager.
         self.block_hashes: list[int] = []
         self.num_committed_blocks = 0
+        # What besides its tokens decides whose K/V this sequence may share (an adapter's load
+        # id, a user's salt): tagged pairs such as ("adapter", 7), hashed with the weight epoch
+        # into the root of its hash chain (`prefix_cache_root`). Empty: the base model.
+        self.cache_tags: tuple[tuple[str, object], ...] = ()
+        # The BlockManager's weight epoch when this sequence's K/V started (its last
+        # admission) and the root its block_hashes were chained from (None: base, epoch 0).
+        self.cache_epoch = 0
+        self.cache_root: int | None = None
         self.num_preemptions = 0
         # Stop token id or stop string that ended the sequence, if any.
         self.stop_reason: int | str | None = None

@@ -409,3 +409,44 @@ def test_protect_metrics_and_docs_needs_a_key():
         server_args(args)
     args.api_key = "k"
     assert server_args(args).limits.protect_metrics_and_docs
+
+
+def _bare_guarded_app(paths, methods=("GET",)):
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    async def ok(request):
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route(p, ok, methods=list(methods)) for p in paths])
+    return TestClient(RequestGuard(app, RequestLimits(allowed_hosts=()), API_KEY))
+
+
+def test_the_key_covers_every_route_outside_the_open_list():
+    """Inverted guard: a route nobody listed (the RL and admin routes, anything added later) needs
+    the key; only the open list answers without it."""
+    keyed = ["/v1", "/v1/models", "/tokenize", "/tokenizer_info", "/health_generate", "/sleep",
+             "/update_weights_from_disk", "/pause", "/some/future/route"]  # fmt: skip
+    open_ = ["/health", "/version", "/metrics", "/docs", "/openapi.json", "/get_model_info",
+             "/get_server_info", "/get_load"]  # fmt: skip
+    client = _bare_guarded_app(keyed + open_)
+    for path in keyed:
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers=AUTH).status_code == 200, path
+    for path in open_:
+        assert client.get(path).status_code == 200, path
+
+
+def test_a_post_without_a_body_passes_the_media_type_check():
+    """RL clients send `POST /sleep?level=1` with no body and no Content-Type: nothing to check.
+    A body still has to be JSON, chunked or not."""
+    client = _bare_guarded_app(["/sleep"], methods=("POST",))
+    assert client.post("/sleep?level=1", headers=AUTH).status_code == 200
+    assert client.post("/sleep", headers={**AUTH, "Content-Length": "0"}).status_code == 200
+    text = {**AUTH, "Content-Type": "text/plain"}
+    assert client.post("/sleep", content=b"level=1", headers=text).status_code == 415
+    chunked = client.post("/sleep", content=iter([b"level=1"]), headers=AUTH)
+    assert chunked.status_code == 415
+    assert client.post("/sleep", json={"level": 1}, headers=AUTH).status_code == 200

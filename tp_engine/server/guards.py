@@ -6,15 +6,21 @@ answers, in this order and before the body is read:
     check                                            refused with
     Host header not one this server answers to       421  (DNS rebinding: a page on evil.example
                                                            resolving to 127.0.0.1)
-    a route that reads or costs, without the key     401  (/v1/*, /tokenize, /detokenize,
-                                                           /tokenizer_info; /metrics and the docs
-                                                           pages too with --protect-metrics-and-docs)
+    any route but the open list, without the key     401  (every route that reads or costs, and
+                                                           every one added later; /metrics and
+                                                           the docs pages too with
+                                                           --protect-metrics-and-docs)
     a body that is not application/json              415  (a web page's form or text/plain POST
-                                                           needs no CORS preflight; JSON does)
+                                                           needs no CORS preflight; JSON does; a
+                                                           POST with no body, as RL clients send
+                                                           /sleep?level=1, has none to check)
     a body over the limit                            413  (by Content-Length at once, else while
                                                            it streams in, never buffering more)
 
-`/health`, `/version` and `/metrics` stay open without a key, as in vLLM.
+Open without a key (`_OPEN_PATHS`): `/health`, `/version`, `/metrics` and the docs pages, as in
+vLLM, and the worker facts that sglang-router reads (`/get_model_info`, `/get_server_info`,
+`/get_load` and their SGLang aliases). The key covers everything else, so a route added later
+(the weight-update and sleep routes, pooling) is never open by omission.
 
 `RequestLimits` travels to the API process in Hello; `check_nesting` is the iterative depth
 check that JSON documents from a request (schemas, tool parameters) pass before any recursive
@@ -35,8 +41,9 @@ from tp_engine.server.http_errors import APIError, bad_request
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _WILDCARD_BINDS = ("0.0.0.0", "::", "")
-_KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
-_DOCS_PATHS = ("/docs", "/redoc", "/openapi.json", "/metrics")
+_DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/metrics")
+_ROUTER_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info", "/get_load")
+_OPEN_PATHS = frozenset(("/health", "/version", *_DOCS_PATHS, *_ROUTER_PATHS))
 _BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
@@ -149,7 +156,7 @@ class RequestGuard:
                     "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                     code="invalid_api_key",
                 )
-        if scope["method"] in _BODY_METHODS:
+        if scope["method"] in _BODY_METHODS and _has_body(headers):
             media_type = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
             if media_type != b"application/json":
                 return APIError(
@@ -163,9 +170,9 @@ class RequestGuard:
         return None
 
     def _needs_key(self, path: str) -> bool:
-        if path.startswith(_KEYED_PREFIXES) or path == "/v1":
+        if path not in _OPEN_PATHS:
             return True
-        return self.limits.protect_metrics_and_docs and path.startswith(_DOCS_PATHS)
+        return self.limits.protect_metrics_and_docs and path in _DOCS_PATHS
 
     def _too_large(self) -> APIError:
         return BodyTooLarge(
@@ -192,6 +199,15 @@ class RequestGuard:
             return message
 
         return bounded
+
+
+def _has_body(headers: dict[bytes, bytes]) -> bool:
+    """Whether the request announces a body: a non-zero Content-Length, or a chunked one (whose
+    length nobody knows up front). A bodiless POST carries neither, or `Content-Length: 0`."""
+    if b"transfer-encoding" in headers:
+        return True
+    length = headers.get(b"content-length")
+    return length is not None and length.strip() not in (b"", b"0")
 
 
 class BodyTooLarge(APIError):

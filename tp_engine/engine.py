@@ -71,6 +71,7 @@ from rank_worker.tp import TPInfo
 from shm_ipc import ChannelError, PlanBroadcaster, StepPlan
 from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
+from tp_engine.engine_states import Gate, PauseMode
 from tp_engine.failures import EngineDeadError, FailureGuard, diagnose_stall
 from tp_engine.generation_config import eos_token_ids, sampling_defaults
 from tp_engine.outputs import EngineStats, SequenceOutput, StepOutputs
@@ -253,6 +254,8 @@ class LLMEngine:
         self.proposer = self._build_proposer()
         # Drafts proposed and accepted since start (vLLM's spec_decode metrics).
         self.spec_stats = SpecDecodeStats()
+        # Paused (`pause`), and how; None while serving.
+        self.pause_mode: PauseMode | None = None
         self.scheduler = self._build_scheduler(self.config)
         self.async_scheduling = self._resolve_async(self.config)
         if self.spec is not None:
@@ -417,6 +420,45 @@ class LLMEngine:
             or any(held for _, held in self._held.values())
             or bool(self._compiling)
         )
+
+    def has_work(self) -> bool:
+        """Whether `step()` can make progress now: unfinished requests that the engine's state
+        lets run (paused: the running ones in "wait" mode only), or a step in flight."""
+        if self._in_flight is not None:
+            return True
+        if self.pause_mode is None:
+            return self.has_unfinished()
+        return self.pause_mode is PauseMode.WAIT and len(self.scheduler.batch) > 0
+
+    def pause(self, mode: PauseMode) -> list[str]:
+        """Stop serving new work (`tp_engine.engine_states`): nothing is admitted until `resume`;
+        "abort" ends every unfinished sequence now (returns their ids: their outputs say
+        FINISHED_ABORTED with what they had), "wait" lets the running ones finish, "keep" also
+        freezes those. The step in flight is applied first, so nothing runs on the ranks once
+        this returns in "abort" and "keep" mode; its outputs come with the next `step()`."""
+        self._quiesce()
+        aborted = []
+        if mode is PauseMode.ABORT:
+            running = [seq.seq_id for seq in self.scheduler.running]
+            waiting = [seq.seq_id for seq in self.scheduler.waiting]
+            outside = [seq.seq_id for seq in self._queued_outside()]
+            aborted = [sid for sid in running + waiting + outside if self.abort_request(sid)]
+        self.pause_mode = mode
+        self.scheduler.gate = Gate.for_pause(mode)
+        return aborted
+
+    def resume(self) -> None:
+        """Serve again after `pause`: waiting requests are admitted, frozen ones continue."""
+        self.pause_mode = None
+        self.scheduler.gate = Gate.for_pause(None)
+
+    def _quiesce(self) -> None:
+        """Apply the step in flight (asynchronous scheduling), so that every sequence's state
+        is current and no step is running on the ranks; its outputs come with the next
+        `step()`."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._undelivered = self._undelivered.then(self._apply(step))
 
     def stats(self) -> EngineStats:
         scheduler, bm = self.scheduler, self.scheduler.block_manager
@@ -784,6 +826,7 @@ class LLMEngine:
             num_blocks or self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         scheduler = Scheduler(config, bm, self.eos_token_ids, self.proposer)
+        scheduler.gate = Gate.for_pause(self.pause_mode)
         if self.proposer is not None:
             self.proposer.follow(scheduler.batch)
         return scheduler

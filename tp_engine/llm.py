@@ -256,6 +256,11 @@ class LLM:
         start = time.perf_counter()
         remaining = set(samples)
         try:
+            if self.engine.pause_mode is not None:
+                # Nothing would be admitted: refuse rather than step forever.
+                raise RuntimeError(
+                    f"the engine is paused ({self.engine.pause_mode.value}): resume it first"
+                )
             while remaining:
                 if self._launcher_gone is not None:
                     raise EngineDeadError(self._launcher_gone)

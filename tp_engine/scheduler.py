@@ -50,6 +50,7 @@ import numpy as np
 from shm_ipc.step_plan import batch_rows
 from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
+from tp_engine.engine_states import Gate
 from tp_engine.running_batch import RunningBatch, TableChanges
 from tp_engine.sequence import Sequence, SequenceStatus
 
@@ -217,6 +218,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Speculative decoding: drafts for the decoding sequences, verified in the step.
         self.proposer = proposer
+        # What the engine's state allows (paused: no admissions; paused "keep": no steps).
+        self.gate = Gate()
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -307,7 +310,8 @@ class Scheduler:
         """Pick this step's batch. An empty step is a normal result (nothing to do, or waiting
         requests that do not fit yet)."""
         b = self.batch
-        rows = b.order  # running rows, admission order (intp)
+        # Running rows, admission order (intp); none while the engine holds them (paused "keep").
+        rows = b.order if self.gate.stepping else b.order[:0]
         placeholders = b.num_placeholders[rows]
         num_known = b.num_tokens[rows]  # tokens known (prompt + sampled), per running row
         start = b.num_computed[rows] + b.num_inflight[rows]  # where each one's next token is
@@ -372,7 +376,7 @@ class Scheduler:
             budget -= num_tokens
             if takes_rows:
                 rows_left -= num_tokens
-        if not preempted:
+        if not preempted and self.gate.admitting:
             # Sequences about to end leave their place in the step to new ones already.
             self._admit(entries, budget, self.max_num_seqs + num_ending, rows_left)
         return self._finish_step(single, start, num_known, entries, preempted)

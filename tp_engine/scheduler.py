@@ -13,6 +13,8 @@ not already part of this step is preempted (its blocks are freed and it is recom
 usually from the prefix cache); if that is the sequence itself, it steps aside. Nothing is
 admitted in a step that preempted, since the pool is evidently tight. A request that could never
 fit is refused by `add`, so every admitted sequence can always make progress: no livelock.
+Speculative drafts are optional work: they get blocks only once every scheduled sequence's own
+tokens have theirs, and only free ones (cut to fit), so a draft never preempts anyone.
 
 `update()` takes the sampled token of every sequence that finished its uncomputed tokens this
 step, advances the token accounting, registers newly full blocks in the prefix cache and
@@ -170,6 +172,16 @@ class _Entries:
     num_drafts: list[int] = field(default_factory=list)
     draft_tokens: list[np.ndarray] = field(default_factory=list)
     num_decodes: int = 0
+
+
+@dataclass(frozen=True)
+class _Verify:
+    """A verify entry being planned: its sequence, the drafts it gets (so far) and the drafts
+    themselves (None until a proposer that drafts after allocation has made them)."""
+
+    seq: Sequence
+    num_drafts: int
+    drafts: np.ndarray | None
 
 
 @dataclass(frozen=True)
@@ -347,8 +359,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens - single.size
         rows_left = self.max_num_seqs if self.enable_chunked_prefill else None
         entries = _Entries()
+        # Verify entries' own tokens and prefill chunks get their blocks first, preempting as
+        # any decode would; drafts are optional work and only take blocks left free after that.
+        planned: list[_Verify] = []
         if verify is not None:
-            budget = self._add_verify_entries(entries, verify, single, budget, preempted)
+            budget, planned = self._reserve_verify_entries(verify, single, budget, preempted)
+        chunks: list[tuple[Sequence, int]] = []
         for row in rows[one_by_one].tolist():
             seq = b.seqs[row]
             if budget == 0:
@@ -365,13 +381,20 @@ class Scheduler:
                 num_tokens = min(num_tokens, rows_left)
                 if num_tokens == 0:
                     continue
-            in_step = lambda: set(single.tolist()) | set(entries.rows)  # noqa: E731
+            in_step = lambda: (  # noqa: E731
+                set(single.tolist()) | {v.seq.row for v in planned} | {s.row for s, _ in chunks}
+            )
             if not self._allocate_or_preempt(seq, num_tokens, in_step, preempted):
                 continue
-            self._add_entry(entries, seq, num_tokens)
+            chunks.append((seq, num_tokens))
             budget -= num_tokens
             if takes_rows:
                 rows_left -= num_tokens
+        if planned:
+            # Drafts cut short by the free blocks leave their budget to admissions.
+            budget += self._add_verify_entries(entries, planned)
+        for seq, num_tokens in chunks:
+            self._add_entry(entries, seq, num_tokens)
         if not preempted:
             # Sequences about to end leave their place in the step to new ones already.
             self._admit(entries, budget, self.max_num_seqs + num_ending, rows_left)
@@ -419,51 +442,73 @@ class Scheduler:
         keep[candidates[drafted]] = False
         return single[keep], start[keep], num_known[keep], verify
 
-    def _add_verify_entries(
+    def _reserve_verify_entries(
         self,
-        entries: _Entries,
         verify: list[tuple[int, int, np.ndarray | None]],
         single: np.ndarray,
         budget: int,
         preempted: list[Sequence],
-    ) -> int:
-        """Plan each verify entry (row, drafts wanted, drafts): its last token and drafts,
-        fewer drafts when the token budget is short; returns the budget left. Blocks are
-        allocated (preempting as needed) for every position first, then a proposer that drafts
-        after allocation is asked for the drafts."""
+    ) -> tuple[int, list[_Verify]]:
+        """The token budget and each verify entry's (row, drafts wanted, drafts) own token's
+        block, preempting for it as for any decode: fewer drafts when the budget is short.
+        Returns the budget left and the entries kept (in order); their drafts get blocks later,
+        from what is free (`_add_verify_entries`)."""
         b = self.batch
         # Each entry's own token first; drafts share what is left of the budget, in order.
         spare = budget - len(verify)
-        planned: list[tuple[Sequence, int, np.ndarray | None]] = []
+        planned: list[_Verify] = []
         for row, wanted, drafts in verify:
             seq = b.seqs[row]
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(wanted, max(0, spare))
-            in_step = lambda: (  # noqa: E731
-                set(single.tolist()) | set(entries.rows) | {s.row for s, _, _ in planned}
-            )
-            if not self._allocate_or_preempt(seq, 1 + n, in_step, preempted):
+            in_step = lambda: set(single.tolist()) | {v.seq.row for v in planned}  # noqa: E731
+            if not self._allocate_or_preempt(seq, 1, in_step, preempted):
                 spare += 1  # its own token is not used either
                 continue
-            planned.append((seq, n, None if drafts is None else drafts[:n]))
+            planned.append(_Verify(seq, n, drafts))
             budget -= 1 + n
             spare -= n
-        late = [(seq, n) for seq, n, drafts in planned if drafts is None and n]
+        return budget, planned
+
+    def _add_verify_entries(self, entries: _Entries, planned: list[_Verify]) -> int:
+        """Plan the verify entries (own tokens' blocks held already): their drafts cut to the
+        positions the blocks they hold and the free blocks can take, in order, so that a draft
+        never makes anyone be preempted; then a proposer that drafts after allocation is asked
+        for them. Returns the budget of the drafts cut."""
+        b, bm, bs = self.batch, self.block_manager, self.block_size
+        cut = 0
+        ready: list[_Verify] = []
+        for v in planned:
+            seq, n = v.seq, v.num_drafts
+            assert seq.row is not None
+            start = b.scheduled_end(seq.row)
+            if n:
+                # Positions start + 1 .. start + n, after the entry's own token at start.
+                room = (len(seq.block_table) + bm.num_free_blocks) * bs - (start + 1)
+                fit = max(0, min(n, room))
+                if fit:
+                    assert bm.allocate_slots(seq, 1 + fit, start=start), "the room was free"
+                    b.sync_blocks(seq)
+                cut += n - fit
+                n = fit
+            ready.append(_Verify(seq, n, None if v.drafts is None else v.drafts[:n]))
+        late = [v for v in ready if v.drafts is None and v.num_drafts]
         if late:
             assert self.proposer is not None
-            rows = np.array([seq.row for seq, _ in late], dtype=np.intp)
-            wanted = np.array([n for _, n in late], dtype=np.int32)
+            rows = np.array([v.seq.row for v in late], dtype=np.intp)
+            wanted = np.array([v.num_drafts for v in late], dtype=np.int32)
             tokens, counts = self.proposer.propose(rows, wanted)
             assert np.array_equal(counts, wanted), "a late proposer gives the drafts asked"
             ends = np.cumsum(wanted).tolist()
             made = {
-                id(seq): tokens[end - n : end] for (seq, n), end in zip(late, ends, strict=True)
+                id(v.seq): tokens[end - v.num_drafts : end]
+                for v, end in zip(late, ends, strict=True)
             }
-            planned = [(seq, n, made.get(id(seq), d)) for seq, n, d in planned]
-        for seq, n, drafts in planned:
-            self._add_entry(entries, seq, 1 + n, drafts if n else None)
-        return budget
+            ready = [_Verify(v.seq, v.num_drafts, made.get(id(v.seq), v.drafts)) for v in ready]
+        for v in ready:
+            self._add_entry(entries, v.seq, 1 + v.num_drafts, v.drafts if v.num_drafts else None)
+        return cut
 
     def _allocate_decode_blocks(
         self, single: np.ndarray, start: np.ndarray, preempted: list[Sequence]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.control_plane import Stepper, make_scheduler, make_seq, next_token
+from tp_engine.plan_builder import build_step_plan
 from tp_engine.scheduler import Scheduler
 from tp_engine.sequence import Sequence
 
@@ -208,3 +209,28 @@ def test_drafts_are_cut_to_the_free_blocks_rather_than_preempt(after):
     for seq in (a, b):
         want = reference(seq.prompt_token_ids, seq.sampling_params.max_tokens, (), 64)
         assert seq.output_token_ids == want
+
+
+def test_discard_returns_the_blocks_reserved_for_drafts():
+    """A verify step that is never applied (the forward failed after its plan went out): its
+    drafts' block goes back at once, the workers' mirrors hear of it with the next plan, and
+    the sequence goes on to the same output."""
+    proposer = OracleProposer(k=3, seed=0, wrong=0.0, full=True)
+    sched = make_scheduler(num_blocks=8, block_size=4, proposer=proposer)
+    proposer.sched = sched
+    st = Stepper(sched)
+    a = make_seq("a", [1, 2], max_tokens=8)
+    sched.add(a)
+    st.step()
+    free = sched.block_manager.num_free_blocks
+    step = sched.schedule()  # position 2 and drafts at 3, 4, 5: a second block
+    assert step.num_drafts is not None and step.num_drafts.tolist() == [3]
+    assert len(a.block_table) == 2 and sched.block_manager.num_free_blocks == free - 1
+    st.mirror.apply(build_step_plan(step, st.step_id))
+    st.step_id += 1
+    sched.discard(step)
+    assert len(a.block_table) == 1 and sched.block_manager.num_free_blocks == free
+    assert sched.batch.num_blocks[a.row] == 1
+    st.check()
+    st.run_to_completion()  # each plan checked against the mirror, which saw the truncation
+    assert a.output_token_ids == reference([1, 2], 8, (), 64)

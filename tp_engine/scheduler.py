@@ -908,8 +908,12 @@ class Scheduler:
     def discard(self, step: ScheduledStep) -> None:
         """Undo the in-flight accounting of a scheduled step whose tokens will never be applied
         (an exception, or Ctrl-C, between scheduling and update): its sequences compute those
-        tokens again."""
+        tokens again, and blocks reserved for its drafts are returned."""
         b = self.batch
         live = b.live(step.rows, step.serials)
         b.num_inflight[step.rows[live]] -= step.num_scheduled[live]
         b.num_placeholders[step.rows[step.samples & live]] -= 1
+        if step.num_drafts is not None:
+            # Blocks reserved for the drafts go back now, not at the row's next drafted step:
+            # until then they would sit idle while others wait or get preempted for blocks.
+            self._release_unused_blocks(step.rows[live & (step.num_drafts > 0)])

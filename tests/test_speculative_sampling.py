@@ -111,3 +111,32 @@ def test_structured_outputs_are_those_without_speculation(tmp_path):
                 assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     for (kind, _), a, b in zip(reqs, runs[False], runs[True], strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, kind
+
+
+def test_min_tokens_and_thinking_budget_rows_draft_once_past_their_condition(checkpoint):
+    """Rows with min_tokens, and rows whose thinking budget forces `</think>`, are not drafted
+    while the condition holds (their logits edits would depend on the drafts) but are once it
+    is past: drafts of theirs are accepted, and the tokens are those without speculation."""
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(643)[:5]]
+    greedy = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    thinking = SamplingParams(**greedy, thinking_token_budget=3, think_start_token_id=641,
+                              think_end_token_id=642, thinking_in_prompt=True)  # fmt: skip
+    with _llm(checkpoint, 1, None) as llm:
+        plain = llm.generate(prompts, SamplingParams(**greedy), use_tqdm=False)
+        # A stop id no output reaches: min_tokens then bans it (and nothing else happens).
+        used = {t for o in plain for t in o.outputs[0].token_ids}
+        min_tokens = SamplingParams(**greedy, min_tokens=6,
+                                    stop_token_ids=[min(set(range(643)) - used)])  # fmt: skip
+        base = {
+            "min_tokens": llm.generate(prompts, min_tokens, use_tqdm=False),
+            "thinking": llm.generate(prompts, thinking, use_tqdm=False),
+        }
+    for o in base["thinking"]:  # the budget forced `</think>` after 3 tokens
+        assert o.outputs[0].token_ids[3] == 642
+    with _llm(checkpoint, 1, NGRAM) as llm:
+        for kind, params in (("min_tokens", min_tokens), ("thinking", thinking)):
+            before = llm.engine.spec_stats.num_accepted_tokens
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.engine.spec_stats.num_accepted_tokens > before, kind
+            for i, (a, b) in enumerate(zip(base[kind], outs, strict=True)):
+                assert b.outputs[0].token_ids == a.outputs[0].token_ids, (kind, i)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.control_plane import Stepper, make_scheduler, make_seq, next_token
+from tests.control_plane import Stepper, StepView, make_scheduler, make_seq, next_token
 from tp_engine.plan_builder import build_step_plan
 from tp_engine.scheduler import Scheduler
 from tp_engine.sequence import Sequence
+from tp_engine.speculative import accept_drafts
 
 
 class OracleProposer:
@@ -234,3 +235,30 @@ def test_discard_returns_the_blocks_reserved_for_drafts():
     st.check()
     st.run_to_completion()  # each plan checked against the mirror, which saw the truncation
     assert a.output_token_ids == reference([1, 2], 8, (), 64)
+
+
+def test_update_says_how_many_tokens_each_entry_gave_its_sequence():
+    """What the counters of output read: a run of drafts cut by a stop gave its tokens up to
+    the stop, and an entry whose sequence was aborted before the step was applied gave none."""
+    proposer = OracleProposer(k=3, seed=0, wrong=0.0, full=True)
+    sched = make_scheduler(num_blocks=16, block_size=4, proposer=proposer)
+    proposer.sched = sched
+    st = Stepper(sched)
+    full = reference([1, 2], 8, (), 64)
+    assert full[2] not in full[:2]
+    a = make_seq("a", [1, 2], max_tokens=8, stop_token_ids=[full[2]])  # its 3rd token stops it
+    b = make_seq("b", [3, 4, 5], max_tokens=8)
+    c = make_seq("c", [6, 7], max_tokens=8)
+    for seq in (a, b, c):
+        sched.add(seq)
+    st.step()  # the prompts, and each one's first token
+    step = sched.schedule()  # each verifies 3 drafts, all right
+    assert step.num_drafts is not None and step.num_drafts.tolist() == [3, 3, 3]
+    tokens = st._sample(StepView.of(step, sched.batch))
+    sched.abort("c")
+    verdict = accept_drafts(np.asarray(tokens), step.sampled_drafts, step.draft_tokens)
+    assert verdict.num_emitted.tolist() == [4, 4, 4]
+    result = sched.update(step, verdict.token_ids, verdict.num_emitted)
+    assert result.num_appended.tolist() == [2, 4, 0]
+    assert a.output_token_ids == full[:3] and a.is_finished
+    sched.check_integrity()

@@ -192,6 +192,10 @@ class UpdateResult:
     sampled: list[Sequence]
     # Sequences that finished in this update (sampled ones and prompt-only ones).
     finished: list[Sequence]
+    # [S] int32: tokens appended for each of the step's sampled entries, in sampled order: 0
+    # where its sequence stopped running before the step was applied, fewer than it emitted
+    # where a token of a speculative run stopped it (what the counters of output count).
+    num_appended: np.ndarray
 
 
 class Scheduler:
@@ -759,6 +763,7 @@ class Scheduler:
             kept = num.copy()
             kept[step.samples] -= step.num_drafts[step.samples] - (num_emitted - 1)
         sampled = rows if num_samples == rows.size else rows[step.samples]
+        sampled_live = None  # [S] which sampled entries still run their sequence (None: all)
         # Rows still running the sequence they held when the step was scheduled; the others
         # were aborted, preempted or finished meanwhile, and their entries are discarded.
         if step.num_removals != b.num_removals:  # else no row has changed hands since
@@ -787,10 +792,16 @@ class Scheduler:
 
         b.num_placeholders[sampled] -= 1
         seqs = list(map(b.seqs.__getitem__, sampled.tolist()))
+        num_appended = np.zeros(num_samples, dtype=np.int32)
         if num_emitted is None or num_emitted.size == num_emitted.sum():
             finished = self._append(sampled, tokens)
+            appended: np.ndarray | int = 1
         else:
-            finished = self._append_ragged(sampled, tokens, num_emitted)
+            finished, appended = self._append_ragged(sampled, tokens, num_emitted)
+        if sampled_live is None:
+            num_appended[:] = appended
+        else:
+            num_appended[sampled_live] = appended
         if num_emitted is not None:
             self._release_unused_blocks(sampled[b.serial[sampled] != 0])
         if ahead is not None:
@@ -803,7 +814,7 @@ class Scheduler:
             prompt_done = rows[b.prompt_only[rows] & (computed >= b.num_tokens[rows])]
             for row in prompt_done.tolist():
                 finished.append(self._end(b.seqs[row], SequenceStatus.FINISHED_LENGTH_CAPPED))
-        return UpdateResult(seqs, finished)  # type: ignore[arg-type]
+        return UpdateResult(seqs, finished, num_appended)  # type: ignore[arg-type]
 
     def _commit_full_blocks(
         self, rows: np.ndarray, computed: np.ndarray, before: np.ndarray | None
@@ -835,19 +846,21 @@ class Scheduler:
 
     def _append_ragged(
         self, rows: np.ndarray, tokens: np.ndarray, num_emitted: np.ndarray
-    ) -> list[Sequence]:
+    ) -> tuple[list[Sequence], np.ndarray]:
         """Append `num_emitted[i]` tokens to row i, one round per position, so that each token
         meets the stop checks as it would alone: a sequence stopped by its j-th token gets no
-        more."""
+        more. Returns the sequences stopped and the tokens appended to each row."""
         b = self.batch
         serials = b.serial[rows]
         offsets = np.cumsum(num_emitted) - num_emitted
         finished: list[Sequence] = []
+        appended = np.zeros(rows.size, dtype=np.int32)
         for j in range(int(num_emitted.max())):
             # Rows with a j-th token whose sequence is still running (a stop frees the row).
             going = (num_emitted > j) & (b.serial[rows] == serials)
             finished += self._append(rows[going], tokens[offsets[going] + j])
-        return finished
+            appended += going
+        return finished, appended
 
     def _release_unused_blocks(self, rows: np.ndarray) -> None:
         """Rows (running) that hold blocks past their known tokens, reserved for drafts that

@@ -30,7 +30,13 @@ from tp_engine.server.messages import Hello
 from tp_engine.server.prompts import PromptBuilder
 from tp_engine.server.protocol import ChatCompletionRequest
 from tp_engine.server.tool_calls import ToolCallBlock, ToolPlan, serialize, tool_plan
-from tp_engine.thinking import ThinkingState, forced_think_end, think_tokens, with_think_tokens
+from tp_engine.thinking import (
+    ThinkingState,
+    forced_think_end,
+    think_tokens,
+    thinking_over,
+    with_think_tokens,
+)
 
 MARKERS = (THINK, END_THINK, TOOL_CALL, END_TOOL_CALL, IM_END)
 
@@ -293,6 +299,27 @@ def test_forced_think_end(output, in_prompt, budget, forced):
                             think_end_token_id=END, thinking_in_prompt=in_prompt)  # fmt: skip
     assert forced_think_end(output, params) == forced
     assert forced_think_end(tuple(output), params) == forced
+
+
+@pytest.mark.parametrize(
+    ("output", "in_prompt", "over"),
+    [
+        ([START, 1, 2, END, 3], False, True),
+        ([START, 1, 2], False, False),
+        ([1, END, 2], False, False),  # a </think> before any <think> closes nothing
+        ([1, 2, 3], False, False),  # may still start thinking
+        ([1, END], True, True),
+        ([1, 2], True, False),
+    ],
+)
+def test_thinking_over_means_nothing_is_forced_whatever_follows(output, in_prompt, over):
+    params = SamplingParams(thinking_token_budget=1, think_start_token_id=START,
+                            think_end_token_id=END, thinking_in_prompt=in_prompt)  # fmt: skip
+    assert thinking_over(output, params) is over
+    if over:  # no continuation gets a forced token
+        for more in ([], [START], [START, 4, 5, 6], [4] * 5):
+            assert forced_think_end(output + more, params) is None
+    assert thinking_over(output, SamplingParams())  # no budget: nothing to wait for
 
 
 def test_no_budget_or_no_ids_forces_nothing():

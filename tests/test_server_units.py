@@ -274,6 +274,58 @@ def test_engine_counters_advance_by_their_difference():
     assert value("vllm:kv_cache_usage_perc", labels) == 0
 
 
+class _Client:
+    """What a Generation reads of its engine client when it applies deltas."""
+
+    def __init__(self) -> None:
+        self.metrics = ServerMetrics("m")
+        self.aborted: list[str] = []
+
+    def abort(self, request_id, sample_indices=None, *, stopped=False) -> None:
+        self.aborted.append(request_id)
+
+
+def test_token_metrics_count_output_tokens_one_by_one(tokenizer, monkeypatch):
+    """Multi-token deltas (speculative decoding): generation tokens count the tokens output,
+    not those after a stop string, and inter-token latency is observed once per token after
+    the first (a delta's gap spread over its tokens), summing to the decode time."""
+    from tp_engine.sampling_params import SamplingParams
+    from tp_engine.server import generation
+    from tp_engine.server.generation import Generation, PromptInput, StopOptions
+
+    ids = tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
+    clock = [100.0]
+    monkeypatch.setattr(generation.time, "monotonic", lambda: clock[0])
+    client = _Client()
+    stop = StopOptions(["fox jumps"], False, True, 0)
+    gen = Generation(client, tokenizer, "r", [PromptInput([1, 2])], lambda p: SamplingParams(), 2,
+                     stop)  # fmt: skip
+    first, second = gen.choices
+
+    def apply(choice, tokens, at):
+        clock[0] = at
+        return gen._apply(choice, Delta("r-0", choice.sample_index, tokens, None, None, None,
+                                        None, None, None))  # fmt: skip
+
+    apply(first, ids[:1], 101.0)
+    apply(first, ids[1:4], 101.3)  # 3 tokens 0.3 s later: 0.1 s each
+    # " fox", " jum", "ps" end the stop string: " over", " the", " laz" are never output.
+    update = apply(first, ids[4:10], 101.9)
+    assert update.token_ids == ids[4:7] and first.finish_reason == "stop"
+    value = client.metrics.registry.get_sample_value
+    labels = {"model_name": "m"}
+    assert value("vllm:generation_tokens_total", labels) == 7
+    assert value("vllm:inter_token_latency_seconds_count", labels) == 6
+    assert value("vllm:inter_token_latency_seconds_sum", labels) == pytest.approx(0.9)
+    assert value("vllm:inter_token_latency_seconds_bucket", {**labels, "le": "0.1"}) == 3
+    # A first delta of 3 tokens: its later 2 came with the first, no gap.
+    apply(second, ids[:3], 102.0)
+    assert value("vllm:generation_tokens_total", labels) == 10
+    assert value("vllm:inter_token_latency_seconds_count", labels) == 8
+    assert value("vllm:inter_token_latency_seconds_sum", labels) == pytest.approx(0.9)
+    assert value("vllm:time_to_first_token_seconds_count", labels) == 2
+
+
 def test_waiting_for_the_api_process_stops_when_asked():
     # Start-up waits for the API process to connect; a stop signal (or its death) must end
     # the wait at once rather than after the start-up timeout.

@@ -83,10 +83,22 @@ def test_accept_drafts_emits_the_accepted_prefix_and_the_targets_next():
 
 def test_spec_decode_stats_count_per_position():
     stats = SpecDecodeStats()
-    stats.record(np.array([3, 2, 0]), np.array([3, 1, 0]), k=3)
+    # Entries: 3 drafts all output (4 tokens), 2 drafts and 1 output, no drafts.
+    stats.record(np.array([3, 2, 0]), np.array([4, 2, 1]), k=3)
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 4)
     assert stats.accepted_per_pos == [2, 1, 1]
     assert stats.mean_acceptance_length == 3.0
+
+
+def test_spec_decode_stats_count_only_drafts_that_became_output():
+    """A run of 3 accepted drafts whose second token stopped its sequence gave 1 draft to the
+    output; an entry whose sequence stopped running before the step was applied (0 tokens
+    appended) counts for nothing, not even as a draft."""
+    stats = SpecDecodeStats()
+    stats.record(np.array([3, 2, 2]), np.array([2, 0, 3]), k=3)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 3)
+    assert stats.accepted_per_pos == [2, 1, 0]
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
 
 
 def test_verification_keeps_the_target_distribution():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.test_speculative import CKPT, MAX_TOKENS, NGRAM, _llm, make_prompts
@@ -111,3 +112,83 @@ def test_structured_outputs_are_those_without_speculation(tmp_path):
                 assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     for (kind, _), a, b in zip(reqs, runs[False], runs[True], strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, kind
+
+
+def test_min_tokens_and_thinking_budget_rows_draft_once_past_their_condition(checkpoint):
+    """Rows with min_tokens, and rows whose thinking budget forces `</think>`, are not drafted
+    while the condition holds (their logits edits would depend on the drafts) but are once it
+    is past: drafts of theirs are accepted, and the tokens are those without speculation."""
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(643)[:5]]
+    greedy = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    thinking = SamplingParams(**greedy, thinking_token_budget=3, think_start_token_id=641,
+                              think_end_token_id=642, thinking_in_prompt=True)  # fmt: skip
+    with _llm(checkpoint, 1, None) as llm:
+        plain = llm.generate(prompts, SamplingParams(**greedy), use_tqdm=False)
+        # A stop id no output reaches: min_tokens then bans it (and nothing else happens).
+        used = {t for o in plain for t in o.outputs[0].token_ids}
+        min_tokens = SamplingParams(**greedy, min_tokens=6,
+                                    stop_token_ids=[min(set(range(643)) - used)])  # fmt: skip
+        base = {
+            "min_tokens": llm.generate(prompts, min_tokens, use_tqdm=False),
+            "thinking": llm.generate(prompts, thinking, use_tqdm=False),
+        }
+    for o in base["thinking"]:  # the budget forced `</think>` after 3 tokens
+        assert o.outputs[0].token_ids[3] == 642
+    with _llm(checkpoint, 1, NGRAM) as llm:
+        for kind, params in (("min_tokens", min_tokens), ("thinking", thinking)):
+            before = llm.engine.spec_stats.num_accepted_tokens
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.engine.spec_stats.num_accepted_tokens > before, kind
+            for i, (a, b) in enumerate(zip(base[kind], outs, strict=True)):
+                assert b.outputs[0].token_ids == a.outputs[0].token_ids, (kind, i)
+
+
+def _run_engine(llm: LLM, prompt: list[int], params: SamplingParams) -> list[tuple[int, int]]:
+    """Step one request to its end: (tokens output, decode tokens) of every step."""
+    engine = llm.engine
+    engine.add_request("r", prompt, params)
+    steps = []
+    while engine.has_unfinished():
+        out = engine.step()
+        steps.append((sum(len(o.new_token_ids) for o in out.outputs), out.num_decode_tokens))
+    return steps
+
+
+def test_counters_count_what_was_output(checkpoint):
+    """Accepted drafts are those that became output tokens (a step's tokens beyond its first),
+    also when a stop token cuts an accepted run, and decode tokens exclude drafts that were
+    not output: each step's decode tokens are its output tokens but the prompt's first one."""
+    prompt = make_prompts(643)[3]
+    greedy = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with _llm(checkpoint, 1, NGRAM) as llm:
+        stats = llm.engine.spec_stats
+        steps = _run_engine(llm, prompt, SamplingParams(**greedy))
+    output = [n for n, _ in steps]
+    assert stats.num_accepted_tokens == sum(output) - len(output) > 0
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # some drafts were rejected
+    assert [d for _, d in steps] == [0] + output[1:]
+    # The target as its own draft: every draft is accepted, and a stop token on the second
+    # token of a run (one not output before) leaves the drafts after it accepted but never
+    # output. (An n-gram run only repeats tokens output before, which would have stopped it.)
+    own = {"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 3}
+    with _llm(checkpoint, 1, own) as llm:
+        stats = llm.engine.spec_stats
+        steps = _run_engine(llm, prompt, SamplingParams(**greedy))
+        output = [n for n, _ in steps]
+        assert stats.num_accepted_tokens == stats.num_draft_tokens == sum(output) - len(output)
+        tokens = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**greedy),
+                              use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+        ends = np.cumsum(output)
+        stop_at = next(
+            end - n + 1
+            for end, n in zip(ends.tolist(), output, strict=True)
+            if n == 4 and tokens[end - n + 1] not in tokens[: end - n + 1]
+        )
+        accepted, drafts = stats.num_accepted_tokens, stats.num_draft_tokens
+        steps = _run_engine(llm, prompt, SamplingParams(**greedy, stop_token_ids=[tokens[stop_at]]))
+    output = [n for n, _ in steps]
+    assert output[-1] == 2 and sum(output) == stop_at + 1  # the run's last 2 drafts dropped
+    assert stats.num_accepted_tokens - accepted == sum(output) - len(output)
+    assert stats.num_draft_tokens - drafts == 3 * (len(output) - 1)
+    assert [d for _, d in steps] == [0] + output[1:]
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens

@@ -697,13 +697,17 @@ class LLMEngine:
             if step.layout.num_drafts is not None:
                 assert scheduled.draft_tokens is not None
                 verdict = accept_drafts(tokens, step.layout.num_drafts, scheduled.draft_tokens)
-                self.spec_stats.record(
-                    step.layout.num_drafts, verdict.num_accepted, self.proposer_k
-                )
                 tokens, num_emitted = verdict.token_ids, verdict.num_emitted
             if step.prompt_logprobs is not None:
                 record_prompt_logprobs(step.prompt_logprobs, step.layout.prompt_rows)
             result = self.scheduler.update(scheduled, tokens, num_emitted)
+            num_decode_tokens = scheduled.num_decodes
+            if step.layout.num_drafts is not None:
+                # Counted once applied: only drafts that became output tokens are accepted.
+                self.spec_stats.record(step.layout.num_drafts, result.num_appended, self.proposer_k)
+                # Drafts that were not output (rejected, or after a stop) decoded nothing.
+                output_drafts = np.maximum(result.num_appended - 1, 0)
+                num_decode_tokens -= int((step.layout.num_drafts - output_drafts).sum())
             if step.logprobs is not None:
                 record_sample_logprobs(step.logprob_seqs, step.logprobs)
             if self._constrained:
@@ -712,8 +716,8 @@ class LLMEngine:
             sampled_ids = {id(seq) for seq in result.sampled}
             # A prompt-only request ends without a token; its caller still has to hear of it.
             outputs += [self._output(s) for s in result.finished if id(s) not in sampled_ids]
-        num_decodes = scheduled.num_decodes
-        return StepOutputs(outputs, scheduled.num_batched_tokens - num_decodes, num_decodes)
+        num_prefill_tokens = scheduled.num_batched_tokens - scheduled.num_decodes
+        return StepOutputs(outputs, num_prefill_tokens, num_decode_tokens)
 
     def _output(self, seq: Sequence) -> SequenceOutput:
         """The news of `seq` since its last output: its new tokens (several after a

@@ -55,7 +55,8 @@ class StepOutputs:
     """What one `LLMEngine.step` produced."""
 
     outputs: list[SequenceOutput]
-    # Tokens computed: prompt chunks and decodes (throughput figures, the server's watchdog).
+    # Tokens computed (throughput figures, the server's watchdog): prompt chunks, and decodes
+    # that stand (a speculative step's drafts count only where they became output tokens).
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 

@@ -13,6 +13,8 @@ not already part of this step is preempted (its blocks are freed and it is recom
 usually from the prefix cache); if that is the sequence itself, it steps aside. Nothing is
 admitted in a step that preempted, since the pool is evidently tight. A request that could never
 fit is refused by `add`, so every admitted sequence can always make progress: no livelock.
+Speculative drafts are optional work: they get blocks only once every scheduled sequence's own
+tokens have theirs, and only free ones (cut to fit), so a draft never preempts anyone.
 
 `update()` takes the sampled token of every sequence that finished its uncomputed tokens this
 step, advances the token accounting, registers newly full blocks in the prefix cache and
@@ -174,6 +176,16 @@ class _Entries:
 
 
 @dataclass(frozen=True)
+class _Verify:
+    """A verify entry being planned: its sequence, the drafts it gets (so far) and the drafts
+    themselves (None until a proposer that drafts after allocation has made them)."""
+
+    seq: Sequence
+    num_drafts: int
+    drafts: np.ndarray | None
+
+
+@dataclass(frozen=True)
 class UpdateResult:
     """What applying a step did."""
 
@@ -181,6 +193,10 @@ class UpdateResult:
     sampled: list[Sequence]
     # Sequences that finished in this update (sampled ones and prompt-only ones).
     finished: list[Sequence]
+    # [S] int32: tokens appended for each of the step's sampled entries, in sampled order: 0
+    # where its sequence stopped running before the step was applied, fewer than it emitted
+    # where a token of a speculative run stopped it (what the counters of output count).
+    num_appended: np.ndarray
 
 
 class Scheduler:
@@ -351,8 +367,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens - single.size
         rows_left = self.max_num_seqs if self.enable_chunked_prefill else None
         entries = _Entries()
+        # Verify entries' own tokens and prefill chunks get their blocks first, preempting as
+        # any decode would; drafts are optional work and only take blocks left free after that.
+        planned: list[_Verify] = []
         if verify is not None:
-            budget = self._add_verify_entries(entries, verify, single, budget, preempted)
+            budget, planned = self._reserve_verify_entries(verify, single, budget, preempted)
+        chunks: list[tuple[Sequence, int]] = []
         for row in rows[one_by_one].tolist():
             seq = b.seqs[row]
             if budget == 0:
@@ -369,13 +389,20 @@ class Scheduler:
                 num_tokens = min(num_tokens, rows_left)
                 if num_tokens == 0:
                     continue
-            in_step = lambda: set(single.tolist()) | set(entries.rows)  # noqa: E731
+            in_step = lambda: (  # noqa: E731
+                set(single.tolist()) | {v.seq.row for v in planned} | {s.row for s, _ in chunks}
+            )
             if not self._allocate_or_preempt(seq, num_tokens, in_step, preempted):
                 continue
-            self._add_entry(entries, seq, num_tokens)
+            chunks.append((seq, num_tokens))
             budget -= num_tokens
             if takes_rows:
                 rows_left -= num_tokens
+        if planned:
+            # Drafts cut short by the free blocks leave their budget to admissions.
+            budget += self._add_verify_entries(entries, planned)
+        for seq, num_tokens in chunks:
+            self._add_entry(entries, seq, num_tokens)
         if not preempted and self.gate.admitting:
             # Sequences about to end leave their place in the step to new ones already.
             self._admit(entries, budget, self.max_num_seqs + num_ending, rows_left)
@@ -423,51 +450,73 @@ class Scheduler:
         keep[candidates[drafted]] = False
         return single[keep], start[keep], num_known[keep], verify
 
-    def _add_verify_entries(
+    def _reserve_verify_entries(
         self,
-        entries: _Entries,
         verify: list[tuple[int, int, np.ndarray | None]],
         single: np.ndarray,
         budget: int,
         preempted: list[Sequence],
-    ) -> int:
-        """Plan each verify entry (row, drafts wanted, drafts): its last token and drafts,
-        fewer drafts when the token budget is short; returns the budget left. Blocks are
-        allocated (preempting as needed) for every position first, then a proposer that drafts
-        after allocation is asked for the drafts."""
+    ) -> tuple[int, list[_Verify]]:
+        """The token budget and each verify entry's (row, drafts wanted, drafts) own token's
+        block, preempting for it as for any decode: fewer drafts when the budget is short.
+        Returns the budget left and the entries kept (in order); their drafts get blocks later,
+        from what is free (`_add_verify_entries`)."""
         b = self.batch
         # Each entry's own token first; drafts share what is left of the budget, in order.
         spare = budget - len(verify)
-        planned: list[tuple[Sequence, int, np.ndarray | None]] = []
+        planned: list[_Verify] = []
         for row, wanted, drafts in verify:
             seq = b.seqs[row]
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(wanted, max(0, spare))
-            in_step = lambda: (  # noqa: E731
-                set(single.tolist()) | set(entries.rows) | {s.row for s, _, _ in planned}
-            )
-            if not self._allocate_or_preempt(seq, 1 + n, in_step, preempted):
+            in_step = lambda: set(single.tolist()) | {v.seq.row for v in planned}  # noqa: E731
+            if not self._allocate_or_preempt(seq, 1, in_step, preempted):
                 spare += 1  # its own token is not used either
                 continue
-            planned.append((seq, n, None if drafts is None else drafts[:n]))
+            planned.append(_Verify(seq, n, drafts))
             budget -= 1 + n
             spare -= n
-        late = [(seq, n) for seq, n, drafts in planned if drafts is None and n]
+        return budget, planned
+
+    def _add_verify_entries(self, entries: _Entries, planned: list[_Verify]) -> int:
+        """Plan the verify entries (own tokens' blocks held already): their drafts cut to the
+        positions the blocks they hold and the free blocks can take, in order, so that a draft
+        never makes anyone be preempted; then a proposer that drafts after allocation is asked
+        for them. Returns the budget of the drafts cut."""
+        b, bm, bs = self.batch, self.block_manager, self.block_size
+        cut = 0
+        ready: list[_Verify] = []
+        for v in planned:
+            seq, n = v.seq, v.num_drafts
+            assert seq.row is not None
+            start = b.scheduled_end(seq.row)
+            if n:
+                # Positions start + 1 .. start + n, after the entry's own token at start.
+                room = (len(seq.block_table) + bm.num_free_blocks) * bs - (start + 1)
+                fit = max(0, min(n, room))
+                if fit:
+                    assert bm.allocate_slots(seq, 1 + fit, start=start), "the room was free"
+                    b.sync_blocks(seq)
+                cut += n - fit
+                n = fit
+            ready.append(_Verify(seq, n, None if v.drafts is None else v.drafts[:n]))
+        late = [v for v in ready if v.drafts is None and v.num_drafts]
         if late:
             assert self.proposer is not None
-            rows = np.array([seq.row for seq, _ in late], dtype=np.intp)
-            wanted = np.array([n for _, n in late], dtype=np.int32)
+            rows = np.array([v.seq.row for v in late], dtype=np.intp)
+            wanted = np.array([v.num_drafts for v in late], dtype=np.int32)
             tokens, counts = self.proposer.propose(rows, wanted)
             assert np.array_equal(counts, wanted), "a late proposer gives the drafts asked"
             ends = np.cumsum(wanted).tolist()
             made = {
-                id(seq): tokens[end - n : end] for (seq, n), end in zip(late, ends, strict=True)
+                id(v.seq): tokens[end - v.num_drafts : end]
+                for v, end in zip(late, ends, strict=True)
             }
-            planned = [(seq, n, made.get(id(seq), d)) for seq, n, d in planned]
-        for seq, n, drafts in planned:
-            self._add_entry(entries, seq, 1 + n, drafts if n else None)
-        return budget
+            ready = [_Verify(v.seq, v.num_drafts, made.get(id(v.seq), v.drafts)) for v in ready]
+        for v in ready:
+            self._add_entry(entries, v.seq, 1 + v.num_drafts, v.drafts if v.num_drafts else None)
+        return cut
 
     def _allocate_decode_blocks(
         self, single: np.ndarray, start: np.ndarray, preempted: list[Sequence]
@@ -718,6 +767,7 @@ class Scheduler:
             kept = num.copy()
             kept[step.samples] -= step.num_drafts[step.samples] - (num_emitted - 1)
         sampled = rows if num_samples == rows.size else rows[step.samples]
+        sampled_live = None  # [S] which sampled entries still run their sequence (None: all)
         # Rows still running the sequence they held when the step was scheduled; the others
         # were aborted, preempted or finished meanwhile, and their entries are discarded.
         if step.num_removals != b.num_removals:  # else no row has changed hands since
@@ -746,10 +796,16 @@ class Scheduler:
 
         b.num_placeholders[sampled] -= 1
         seqs = list(map(b.seqs.__getitem__, sampled.tolist()))
+        num_appended = np.zeros(num_samples, dtype=np.int32)
         if num_emitted is None or num_emitted.size == num_emitted.sum():
             finished = self._append(sampled, tokens)
+            appended: np.ndarray | int = 1
         else:
-            finished = self._append_ragged(sampled, tokens, num_emitted)
+            finished, appended = self._append_ragged(sampled, tokens, num_emitted)
+        if sampled_live is None:
+            num_appended[:] = appended
+        else:
+            num_appended[sampled_live] = appended
         if num_emitted is not None:
             self._release_unused_blocks(sampled[b.serial[sampled] != 0])
         if ahead is not None:
@@ -762,7 +818,7 @@ class Scheduler:
             prompt_done = rows[b.prompt_only[rows] & (computed >= b.num_tokens[rows])]
             for row in prompt_done.tolist():
                 finished.append(self._end(b.seqs[row], SequenceStatus.FINISHED_LENGTH_CAPPED))
-        return UpdateResult(seqs, finished)  # type: ignore[arg-type]
+        return UpdateResult(seqs, finished, num_appended)  # type: ignore[arg-type]
 
     def _commit_full_blocks(
         self, rows: np.ndarray, computed: np.ndarray, before: np.ndarray | None
@@ -794,19 +850,21 @@ class Scheduler:
 
     def _append_ragged(
         self, rows: np.ndarray, tokens: np.ndarray, num_emitted: np.ndarray
-    ) -> list[Sequence]:
+    ) -> tuple[list[Sequence], np.ndarray]:
         """Append `num_emitted[i]` tokens to row i, one round per position, so that each token
         meets the stop checks as it would alone: a sequence stopped by its j-th token gets no
-        more."""
+        more. Returns the sequences stopped and the tokens appended to each row."""
         b = self.batch
         serials = b.serial[rows]
         offsets = np.cumsum(num_emitted) - num_emitted
         finished: list[Sequence] = []
+        appended = np.zeros(rows.size, dtype=np.int32)
         for j in range(int(num_emitted.max())):
             # Rows with a j-th token whose sequence is still running (a stop frees the row).
             going = (num_emitted > j) & (b.serial[rows] == serials)
             finished += self._append(rows[going], tokens[offsets[going] + j])
-        return finished
+            appended += going
+        return finished, appended
 
     def _release_unused_blocks(self, rows: np.ndarray) -> None:
         """Rows (running) that hold blocks past their known tokens, reserved for drafts that
@@ -867,8 +925,12 @@ class Scheduler:
     def discard(self, step: ScheduledStep) -> None:
         """Undo the in-flight accounting of a scheduled step whose tokens will never be applied
         (an exception, or Ctrl-C, between scheduling and update): its sequences compute those
-        tokens again."""
+        tokens again, and blocks reserved for its drafts are returned."""
         b = self.batch
         live = b.live(step.rows, step.serials)
         b.num_inflight[step.rows[live]] -= step.num_scheduled[live]
         b.num_placeholders[step.rows[step.samples & live]] -= 1
+        if step.num_drafts is not None:
+            # Blocks reserved for the drafts go back now, not at the row's next drafted step:
+            # until then they would sit idle while others wait or get preempted for blocks.
+            self._release_unused_blocks(step.rows[live & (step.num_drafts > 0)])

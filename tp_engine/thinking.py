@@ -137,6 +137,24 @@ def forced_think_end(output_token_ids: Sequence[int], params: Any) -> int | None
     return None if _contains(ids, end, start) else end
 
 
+def thinking_over(output_token_ids: Sequence[int], params: Any) -> bool:
+    """Whether a thinking budget can force nothing more: there is none, or the output has
+    closed its thinking block (`think_end_token_id` after thinking started), after which
+    `forced_think_end` returns None whatever follows. False while thinking may still start
+    (not in the prompt, no `think_start_token_id` in the output yet)."""
+    end = params.think_end_token_id
+    if params.thinking_token_budget is None or end is None:
+        return True
+    ids = output_token_ids if isinstance(output_token_ids, list) else list(output_token_ids)
+    start = 0
+    if not params.thinking_in_prompt:
+        try:
+            start = ids.index(params.think_start_token_id) + 1
+        except ValueError:
+            return False
+    return _contains(ids, end, start)
+
+
 def _contains(ids: list[int], token: int, start: int) -> bool:
     try:
         ids.index(token, start)

@@ -88,9 +88,10 @@ class SamplingBatchBuilder(RowFollower):
     def may_draft(self, rows: np.ndarray) -> np.ndarray:
         """[R] bool: which of batch `rows` may have drafted tokens verified (speculative
         decoding). Not those with a processor whose edit depends on the output so far and that
-        cannot follow drafts (penalties, bad words, min_tokens, a thinking budget, a grammar
-        outside its constrained phase): the edit of a verified position would depend on the
-        drafts before it. A grammar's matcher follows them (`GrammarMasks`)."""
+        cannot follow drafts (penalties, bad words, min_tokens not reached yet, a thinking
+        budget before the thinking ends, a grammar outside its constrained phase): the edit of
+        a verified position would depend on the drafts before it. A grammar's matcher follows
+        them (`GrammarMasks`)."""
         ok = np.ones(rows.size, dtype=bool)
         for processor in self.processors:
             ok &= ~processor.blocks_drafts(rows)

@@ -42,7 +42,7 @@ from tp_engine.sampling.edits import (
 from tp_engine.sampling.tensors import GrammarMask, PenaltyTensors
 from tp_engine.sequence import Sequence
 from tp_engine.structured_outputs import Phase, fill_bitmasks
-from tp_engine.thinking import forced_think_end
+from tp_engine.thinking import forced_think_end, thinking_over
 from tp_engine.transfers import to_device_async
 
 
@@ -223,6 +223,19 @@ class MinTokens(LogitsProcessor):
             banned.update(self.eos_token_ids)
         banned_ids = sorted(t for t in banned if t < self.vocab_size)
         return (seq, banned_ids) if banned_ids else None
+
+    def blocks_drafts(self, rows: np.ndarray) -> np.ndarray:
+        """Rows still below min_tokens (their verified positions would need the ban to end
+        part-way). A row past it leaves this processor: nothing of it is banned again, so it
+        is drafted from then on."""
+        blocked = self.asks(rows)
+        for i in np.flatnonzero(blocked).tolist():
+            row = int(rows[i])
+            seq, _ = self.state[row]
+            if seq.num_output_tokens >= seq.sampling_params.min_tokens:
+                self.remove_row(row)
+                blocked[i] = False
+        return blocked
 
     def make_edit(
         self, positions: np.ndarray, states: list[tuple], num_rows: int
@@ -471,6 +484,19 @@ class ThinkingBudget(LogitsProcessor):
             if p.thinking_token_budget is not None and p.think_end_token_id is not None
             else None
         )
+
+    def blocks_drafts(self, rows: np.ndarray) -> np.ndarray:
+        """Rows whose thinking is not over (a verified position could be the one the budget
+        forces). A row whose output closed its thinking block leaves this processor: nothing
+        is forced on it again, so it is drafted from then on."""
+        blocked = self.asks(rows)
+        for i in np.flatnonzero(blocked).tolist():
+            row = int(rows[i])
+            seq = self.state[row]
+            if thinking_over(seq.output_token_ids, seq.sampling_params):
+                self.remove_row(row)
+                blocked[i] = False
+        return blocked
 
     def make_edit(
         self, positions: np.ndarray, states: list[Sequence], num_rows: int

@@ -176,22 +176,12 @@ class Generation:
         if choice.finished:
             return None  # ended by a stop string; rank 0 had already sent more
         now = time.monotonic()
-        metrics = self.client.metrics
         if delta.num_cached_tokens is not None:
             choice.num_cached_tokens = delta.num_cached_tokens
         if delta.queue_time_s is not None:
             choice.queue_time_s = delta.queue_time_s
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[choice.prompt_index] = delta.prompt_logprobs
-        if delta.new_token_ids:
-            if choice.first_token_at is None:
-                choice.first_token_at = now
-                metrics.ttft.observe(now - self.arrival)
-                metrics.prompt_tokens.inc(len(self.prompts[choice.prompt_index].token_ids))
-            else:
-                metrics.itl.observe(now - (choice.last_token_at or now))
-            choice.last_token_at = now
-            metrics.generation_tokens.inc(len(delta.new_token_ids))
         engine_done = delta.finish_reason is not None
         was_finished, before = choice.detok.finished, len(choice.detok.token_ids)
         text = choice.detok.update(
@@ -205,6 +195,8 @@ class Generation:
             # A stop string completed within a speculative step: the tokens after it never were.
             new_ids = new_ids[:kept]
             new_logprobs = None if new_logprobs is None else new_logprobs[:kept]
+        if new_ids:
+            self._record_tokens(choice, len(new_ids), now)
         if new_logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + new_logprobs
         if choice.detok.stop_string is not None:
@@ -217,6 +209,27 @@ class Generation:
         if choice.finished:
             self._record_finish(choice, now)
         return ChoiceUpdate(choice, text, new_ids, new_logprobs)
+
+    def _record_tokens(self, choice: Choice, num_tokens: int, now: float) -> None:
+        """`num_tokens` output tokens of `choice` arrived at `now` (several after a speculative
+        step; tokens after a stop string are not output). Generation tokens count each, and
+        inter-token latency has one observation per token after the first: a delta's gap
+        since the previous one is spread evenly over its tokens (the first delta's later
+        tokens came with the first: no gap), so its observations sum to the decode time and
+        their mean is the time per output token. (`benchmarks/serving_client.py` times
+        streamed chunks the same way.)"""
+        metrics = self.client.metrics
+        metrics.generation_tokens.inc(num_tokens)
+        if choice.first_token_at is None:
+            choice.first_token_at = now
+            metrics.ttft.observe(now - self.arrival)
+            metrics.prompt_tokens.inc(len(self.prompts[choice.prompt_index].token_ids))
+            gaps = [0.0] * (num_tokens - 1)
+        else:
+            gaps = [(now - (choice.last_token_at or now)) / num_tokens] * num_tokens
+        for gap in gaps:
+            metrics.itl.observe(gap)
+        choice.last_token_at = now
 
     def _record_finish(self, choice: Choice, now: float) -> None:
         num_generated = len(choice.detok.token_ids)

@@ -99,16 +99,18 @@ def _assert_unchanged(model: torch.nn.Module, before: dict[str, tuple[torch.Tens
         assert torch.equal(_bits(p), before[name][0]), f"{name} was written"
 
 
-def _fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _fused(
+    tensors: dict[str, torch.Tensor], layer: int = 1, n: int = MOE["num_experts"]
+) -> dict[str, torch.Tensor]:
     """transformers 5's in-memory expert layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
     t = dict(tensors)
-    n = MOE["num_experts"]
-    t[f"{EXPERTS}.gate_up_proj"] = torch.stack(
-        [torch.cat([t.pop(f"{EXPERTS}.{e}.gate_proj.weight"), t.pop(f"{EXPERTS}.{e}.up_proj.weight")])
+    experts = f"model.layers.{layer}.mlp.experts"
+    t[f"{experts}.gate_up_proj"] = torch.stack(
+        [torch.cat([t.pop(f"{experts}.{e}.gate_proj.weight"), t.pop(f"{experts}.{e}.up_proj.weight")])
          for e in range(n)]
     )  # fmt: skip
-    t[f"{EXPERTS}.down_proj"] = torch.stack(
-        [t.pop(f"{EXPERTS}.{e}.down_proj.weight") for e in range(n)]
+    t[f"{experts}.down_proj"] = torch.stack(
+        [t.pop(f"{experts}.{e}.down_proj.weight") for e in range(n)]
     )
     return t
 
@@ -251,3 +253,86 @@ def test_check_reads_shapes_only(dense_untied):
         "v"
     ]
     assert wmap.resolve("lm_head.weight")[0].part.param == "lm_head.weight"  # untied
+
+
+# -- FP8 models ---------------------------------------------------------------------------------
+
+# tests/fp8_cases.MOE's shape (widths of whole 128-blocks, two sparse layers of 4 experts).
+FP8_RANKS = [(0, 1, False), (1, 2, False), (1, 2, True)]
+
+
+@pytest.fixture(scope="module")
+def fp8_moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tests.fp8_cases import MAX_MODEL_LEN
+    from tests.fp8_cases import MOE as FP8_MOE
+    from tp_engine.checkpoints import quantize_checkpoint_fp8
+
+    root = tmp_path_factory.mktemp("fp8")
+    shape = dict(FP8_MOE, max_position_embeddings=MAX_MODEL_LEN, dtype="bfloat16")
+    out = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        out[f"{name}_bf16"] = build_random_qwen3_moe(
+            root / f"{name}_bf16", **(shape | {"seed": seed})
+        )
+        out[name] = quantize_checkpoint_fp8(out[f"{name}_bf16"], root / name)
+    return out
+
+
+@pytest.mark.parametrize("rank,size,ep", FP8_RANKS)
+@pytest.mark.parametrize("source", ["bf16", "fp32", "fused_bf16", "fp8_pairs"])
+def test_fp8_update_equals_a_fresh_load_of_the_fp8_checkpoint(source, rank, size, ep, fp8_moe):
+    """Float tensors are block-quantized as `quantize_checkpoint_fp8` makes the checkpoint, so
+    the result is the fresh load of B's FP8 checkpoint bit for bit; pre-quantized weights with
+    their scales are taken as they are."""
+    if source == "fp8_pairs":
+        incoming = _tensors(fp8_moe["b"])
+    else:
+        incoming = _tensors(fp8_moe["b_bf16"])
+        if source == "fp32":
+            incoming = {n: t.float() for n, t in incoming.items()}
+        if source == "fused_bf16":
+            for layer in (0, 1):
+                incoming = _fused(incoming, layer, 4)
+    _update_equals_fresh(fp8_moe["a"], fp8_moe["b"], rank, size, ep, incoming)
+
+
+W = "model.layers.0.self_attn.o_proj.weight"
+E = "model.layers.1.mlp.experts.2.down_proj.weight"  # on rank 1 of 2 under expert parallelism
+
+
+def _fp8_refusals() -> list[tuple[str, Callable[[dict], list], str]]:
+    def without(name: str) -> Callable[[dict], list]:
+        return lambda fp8, bf16: [(n, t) for n, t in fp8.items() if n != name]
+
+    return [
+        ("weight_without_scale", without(W + "_scale_inv"), rf"'{W}'.*needs.*{W}_scale_inv"),
+        ("expert_without_scale", without(E + "_scale_inv"), rf"'{E}'.*needs.*{E}_scale_inv"),
+        ("scale_without_weight", without(W), rf"'{W}_scale_inv'.*needs its weight in fp8"),
+        (
+            "scale_beside_a_float_weight",
+            lambda fp8, bf16: [(n, bf16[W] if n == W else t) for n, t in fp8.items()],
+            rf"'{W}_scale_inv'.*needs its weight in fp8",
+        ),
+        (
+            "float_weight_with_a_scale",
+            lambda fp8, bf16: [(W, bf16[W]), (W + "_scale_inv", fp8[W + "_scale_inv"])],
+            rf"'{W}_scale_inv'.*needs its weight in fp8",
+        ),
+        (
+            "wrong_shape_requantized",
+            lambda fp8, bf16: [*bf16.items(), (W.replace("o_proj", "q_proj"), bf16[W][:, :128])],
+            r"q_proj.*\(256, 128\).*\(512, 256\)",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", _fp8_refusals(), ids=lambda c: c[0])
+@pytest.mark.parametrize("rank,size,ep", [(1, 2, True)])
+def test_fp8_batches_without_their_scales_are_refused(case, rank, size, ep, fp8_moe):
+    _, make, message = case
+    model = _model(fp8_moe["a"], rank, size, ep)
+    before = _state(model)
+    batch = make(_tensors(fp8_moe["b"]), _tensors(fp8_moe["b_bf16"]))
+    errors = WeightMap(model).update(iter(batch))
+    assert errors and any(re.search(message, e) for e in errors), errors
+    _assert_unchanged(model, before)

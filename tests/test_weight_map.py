@@ -186,6 +186,27 @@ def test_bf16_tensors_are_cast_into_an_fp32_model(moe):
         assert torch.equal(p, q.to(torch.bfloat16).float()), name
 
 
+def test_the_runner_computes_with_the_updated_weights(dense_untied):
+    """Through `ModelRunner.update_weights`: the scenario's logits equal a fresh runner's on B,
+    whose differ from A's."""
+    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner_config import RunnerConfig
+    from tests.tp_cases import BLOCK_SIZE, MAX_MODEL_LEN, make_scenario
+
+    a, b = dense_untied
+    config = RunnerConfig(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=48)
+    updated, fresh, old = (ModelRunner(d, config, TPInfo(0, 1), "cpu") for d in (a, b, a))
+    assert updated.update_weights(_stream(_tensors(b))) == []
+    for runner in (updated, fresh, old):
+        runner.init_kv_cache(48)
+    differ = 0
+    for plan in make_scenario(fresh.vocab_size).plans:
+        want = fresh.execute(plan)
+        assert torch.equal(updated.execute(plan), want), f"step {plan.step_id}"
+        differ += not torch.equal(old.execute(plan), want)
+    assert differ > 0
+
+
 # -- refusals: named, and nothing written ---------------------------------------------------------
 
 BAD_DENSE = [

@@ -23,7 +23,7 @@ import gc
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,11 @@ from rank_worker.kv_cache import (
     cpu_num_blocks,
     measure_gpu_num_blocks,
 )
-from rank_worker.loader import load_weights
+from rank_worker.loader import load_checkpoint
 from rank_worker.qwen3 import KVCachePair
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo, all_reduce_min_int
+from rank_worker.weight_map import WeightMap
 from shm_ipc.step_plan import Command, StepPlan, batch_rows
 
 logger = logging.getLogger(__name__)
@@ -144,7 +145,9 @@ class ModelRunner:
             fused_kernels=self.layer_kernels == "triton",
             enable_expert_parallel=config.enable_expert_parallel,
         )
-        load_weights(self.model, model_dir)
+        # The name -> shard rules of this model: for the checkpoint now, for updates later.
+        self.weight_map = WeightMap(self.model)
+        load_checkpoint(self.weight_map, model_dir)
         self.model.eval()
         # An fp8 cache halves bytes_per_block (vs bf16), so the same budget holds twice the blocks.
         self.kv_spec = KVCacheSpec.for_model(
@@ -273,6 +276,15 @@ class ModelRunner:
         self.graph_runner.capture()
         self.startup_s["capture"] = time.perf_counter() - start
 
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Replace weights in place between steps: `named` holds full tensors under Hugging
+        Face names (any subset, any float dtype, transformers 5's fused expert names too).
+        The whole batch is checked before the first write (`WeightMap.prepare`); returns the
+        reasons it was refused, [] when every tensor was written. Parameters keep their
+        storage, so captured decode graphs replay the new weights. Every rank must call it
+        with the same batch; the verdict reads only names and full shapes, so all agree."""
+        return self.weight_map.update(named)
+
     def release(self) -> None:
         """Give back every device tensor this runner holds: weights, KV cache, graphs and their
         pool, staging buffers, tables. The process's device memory returns to what it was
@@ -286,6 +298,7 @@ class ModelRunner:
             self.draft = None
         self.kv_caches = None
         self.model = None  # type: ignore[assignment]
+        self.weight_map = None  # type: ignore[assignment]  # it holds the parameters too
         self.input_buffers = None  # type: ignore[assignment]
         self.block_tables = None  # type: ignore[assignment]
         gc.collect()  # modules hold reference cycles (parent <-> submodules via hooks)

@@ -163,6 +163,8 @@ def _load_kv_scale(param: nn.Parameter, full: torch.Tensor, shard_id: int) -> No
     """A checkpoint's `k_scale` (shard 0) or `v_scale` (1): one positive number."""
     if full.numel() != 1:
         raise ValueError(f"a KV-cache scale must hold one number, got shape {tuple(full.shape)}")
+    if full.is_meta:  # a check without values (`WeightMap.check`): the shape is all there is
+        return
     value = float(full.reshape(()).float())
     if not (value > 0.0 and value < float("inf")):
         raise ValueError(f"a KV-cache scale must be positive and finite, got {value}")

@@ -1,0 +1,51 @@
+"""A control call whose commit fails marks the engine inconsistent: `EngineInconsistentError`
+naming the rank and the reason, every later step refused, and shutdown still orderly.
+
+Its own module: the engine it breaks is its own, and a TP = 1 engine in this process, so that the
+op table can be patched (workers are separate processes, out of a monkeypatch's reach), and it
+must not share the process with another module's process group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rank_worker import control as rank_control
+from rank_worker.control import ControlOp, ControlOutcome, OpHandler
+from tests.test_control_calls import CKPT, greedy, make_llm
+from tests.tp_cases import build_checkpoints
+from tp_engine.control import EngineInconsistentError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))[CKPT]
+
+
+def _failing_commit(runner, prepared):
+    raise RuntimeError("disk full halfway")
+
+
+def test_a_failed_commit_marks_the_engine_inconsistent(checkpoint, monkeypatch):
+    # One rank, in process, so that the op table can be patched: every rank's commit fails.
+    monkeypatch.setitem(
+        rank_control._HANDLERS,
+        ControlOp.CHECK_NAMES,
+        OpHandler(rank_control._prepare_check_names, _failing_commit),
+    )
+    llm = make_llm(checkpoint, 1)
+    try:
+        with pytest.raises(EngineInconsistentError, match="rank 0 failed to commit") as err:
+            llm.engine.control.call(ControlOp.CHECK_NAMES, {"names": []})
+        assert err.value.result.outcome is ControlOutcome.COMMIT_FAILED
+        assert "RuntimeError: disk full halfway" in err.value.result.message
+        with pytest.raises(EngineInconsistentError):
+            llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)
+        with pytest.raises(EngineInconsistentError):
+            llm.engine.control.call(ControlOp.WEIGHT_CHECKSUMS)
+    finally:
+        llm.shutdown()

@@ -1,5 +1,6 @@
-"""A control call whose commit fails marks the engine inconsistent: `EngineInconsistentError`
-naming the rank and the reason, every later step refused, and shutdown still orderly.
+"""An exception in a control call's prepare is a refusal naming the rank and the exception, and
+the engine serves on; one in its commit marks the engine inconsistent: `EngineInconsistentError`
+naming the rank and the reason, every later step and call refused, shutdown still orderly.
 
 Its own module: the engine it breaks is its own, and a TP = 1 engine in this process, so that the
 op table can be patched (workers are separate processes, out of a monkeypatch's reach), and it
@@ -30,15 +31,34 @@ def _failing_commit(runner, prepared):
     raise RuntimeError("disk full halfway")
 
 
+def _raising_prepare(runner, tp, args):
+    return {}["missing"]
+
+
 def test_a_failed_commit_marks_the_engine_inconsistent(checkpoint, monkeypatch):
-    # One rank, in process, so that the op table can be patched: every rank's commit fails.
-    monkeypatch.setitem(
-        rank_control._HANDLERS,
-        ControlOp.CHECK_NAMES,
-        OpHandler(rank_control._prepare_check_names, _failing_commit),
-    )
+    # One rank, in process, so that the op table can be patched.
     llm = make_llm(checkpoint, 1)
     try:
+        before = llm.generate([[1, 2, 3]], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+        # Any exception in prepare is a refusal naming the rank and the exception: the engine
+        # serves on.
+        monkeypatch.setitem(
+            rank_control._HANDLERS,
+            ControlOp.CHECK_NAMES,
+            OpHandler(_raising_prepare, _failing_commit),
+        )
+        refused = llm.engine.control.call(ControlOp.CHECK_NAMES, {"names": []})
+        assert refused.outcome is ControlOutcome.REFUSED
+        assert refused.message == "rank 0 refused CHECK_NAMES: KeyError: 'missing'"
+        again = llm.generate([[1, 2, 3]], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+        assert again == before
+
+        # Every rank's commit fails.
+        monkeypatch.setitem(
+            rank_control._HANDLERS,
+            ControlOp.CHECK_NAMES,
+            OpHandler(rank_control._prepare_check_names, _failing_commit),
+        )
         with pytest.raises(EngineInconsistentError, match="rank 0 failed to commit") as err:
             llm.engine.control.call(ControlOp.CHECK_NAMES, {"names": []})
         assert err.value.result.outcome is ControlOutcome.COMMIT_FAILED

@@ -22,6 +22,7 @@ import torch.distributed as dist
 __all__ = [
     "TPInfo",
     "all_gather",
+    "all_gather_bytes",
     "all_reduce",
     "all_reduce_min_int",
     "barrier",
@@ -228,6 +229,32 @@ def broadcast_bytes(data: bytes | None, tp: TPInfo, src: int = 0) -> bytes:
     if tp.rank == src:
         return bytes(data)
     return payload.cpu().numpy().tobytes()
+
+
+def all_gather_bytes(data: bytes, tp: TPInfo) -> list[bytes]:
+    """Every rank's `data` (lengths may differ), in rank order, on every rank.
+
+    For small messages such as control-call verdicts: two all-gathers of plain tensors (the
+    lengths, then the payloads padded to the longest), no pickle, unlike
+    `dist.all_gather_object`. Every rank must call it, in the same order as its other
+    collectives.
+    """
+    if tp.is_single:
+        return [bytes(data)]
+    device = _comm_device()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(tp.size)]
+    dist.all_gather(lengths, length)
+    sizes = [int(n.item()) for n in lengths]
+    longest = max(sizes)
+    if longest == 0:
+        return [b""] * tp.size
+    padded = bytearray(longest)
+    padded[: len(data)] = data
+    payload = torch.frombuffer(padded, dtype=torch.uint8).to(device)
+    parts = [torch.empty_like(payload) for _ in range(tp.size)]
+    dist.all_gather(parts, payload)
+    return [part.cpu().numpy().tobytes()[:n] for part, n in zip(parts, sizes, strict=True)]
 
 
 def all_reduce_min_int(value: int, tp: TPInfo) -> int:

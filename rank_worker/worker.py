@@ -1,8 +1,10 @@
 """Ranks 1..N-1: serve rank 0 until it says EXIT, one plan after another.
 
 A worker holds no request state. It receives the `Bootstrap` (`rank_worker.bootstrap`), loads
-its shard, then runs every plan rank 0 publishes through the same `StepExecutor` as rank 0
-(`rank_worker.step`). A worker that fails reports the exception on the channel's back channel
+its shard, then runs every message rank 0 publishes (plans, and control calls between them)
+through the same `StepExecutor` as rank 0 (`rank_worker.step`), whose `dispatch` decides what
+each one is. A refused or failed control call is a returned value, not an exception (see
+`rank_worker.control`). A worker that fails reports the exception on the channel's back channel
 (rank 0 turns it into an error naming this rank) and exits non-zero; a worker whose rank 0 died
 exits non-zero too, and so does one whose launcher died (`rank_worker.launcher_watch`).
 """
@@ -19,7 +21,7 @@ from rank_worker.bootstrap import Bootstrap
 from rank_worker.fault_injection import Fault
 from rank_worker.launcher_watch import LauncherWatch
 from rank_worker.tp import TPInfo, destroy_process_group
-from shm_ipc import Command, OwnerDiedError, PlanReceiver
+from shm_ipc import OwnerDiedError, PlanReceiver
 from shm_ipc.errors import ChannelClosed
 from shm_ipc.liveness import ParentWatch, ProcessWatch
 
@@ -47,7 +49,7 @@ def run_worker(
     would otherwise clean up).
     """
     from rank_worker.model_runner import ModelRunner  # deferred: pulls in the model code
-    from rank_worker.step import StepExecutor
+    from rank_worker.step import Flow, StepExecutor
 
     if tp.is_first:
         raise ValueError("run_worker is for ranks 1..N-1; rank 0 runs the engine")
@@ -61,11 +63,10 @@ def run_worker(
         runner.init_kv_cache(runner.determine_num_kv_blocks())
         executor = StepExecutor(runner, tp, fault)
         while True:
-            plan = receiver.recv()
-            step_id = plan.step_id
-            if plan.command == Command.EXIT:
+            message = receiver.recv()
+            step_id = message.step_id
+            if executor.dispatch(message) is Flow.EXIT:
                 return EXIT_OK
-            executor.run(plan)
     except (OwnerDiedError, ChannelClosed) as exc:
         logger.error("rank %d: %s", tp.rank, exc)
         return EXIT_OWNER_DIED

@@ -1,10 +1,10 @@
 """Rank 0's end of the plan channel: `PlanBroadcaster`. Protocol in `channel.py`, layout in
 `ring.py`.
 
-Ownership: rank 0 builds a `StepPlan` per step and hands it to `publish`, which encodes it
-straight into a ring slot (or into the doorbell when it is bigger than a slot) and returns once
-the doorbell is sent; it blocks only when the ring is full, i.e. while the slowest reader is
-`num_slots` plans behind.
+Ownership: rank 0 builds a `StepPlan` per step (and, between steps, a `ControlCall` now and
+then) and hands it to `publish`, which encodes it straight into a ring slot (or into the
+doorbell when it is bigger than a slot) and returns once the doorbell is sent; it blocks only
+when the ring is full, i.e. while the slowest reader is `num_slots` messages behind.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import xxhash
 import zmq
 
 from shm_ipc.channel import CHECK_INTERVAL_S, DOORBELL, DoorbellKind, term_context
+from shm_ipc.control_call import ControlCall
 from shm_ipc.error_channel import BackChannelReader, ReaderHello, WorkerErrorReport
 from shm_ipc.errors import ChannelError, ChannelTimeout, ReaderDiedError, WorkerError
 from shm_ipc.handle import ChannelHandle, RunNames, remove_names
@@ -152,10 +153,12 @@ class PlanBroadcaster:
 
     # -- steady state ----------------------------------------------------------------------
 
-    def publish(self, plan: StepPlan) -> None:
-        """Send `plan` to every reader. Blocks only while the ring is full.
+    def publish(self, plan: StepPlan | ControlCall) -> None:
+        """Send `plan` (a StepPlan or a ControlCall) to every reader, after every message
+        published before it. Blocks only while the ring is full.
 
-        Raises `ValueError` for a plan whose shapes or dtypes disagree; `WorkerError` as soon as
+        Raises `ValueError` for a plan whose shapes or dtypes disagree (or a call whose header
+        does not fit); `WorkerError` as soon as
         any worker has reported an exception (it will not acknowledge again, so going on could
         only hang); `ReaderDiedError` when a reader it waits for is gone; `ChannelTimeout` after
         `timeout_s` on one slot.
@@ -174,7 +177,8 @@ class PlanBroadcaster:
             self._wait_slot_free(slot, plan.step_id)
         # Encode first, so that a plan that fails to encode leaves the slot FREE (acks still 1).
         size = plan.encoded_size()
-        frames: list[bytes] = [DOORBELL.pack(DoorbellKind.PLAN, seq)]
+        kind = DoorbellKind.CONTROL if isinstance(plan, ControlCall) else DoorbellKind.PLAN
+        frames: list[bytes] = [DOORBELL.pack(kind, seq)]
         if size <= ring.slot_bytes:
             with ring.payload_view(slot, size) as buf:
                 plan.encode_into(buf)  # straight into shared memory, no intermediate copy

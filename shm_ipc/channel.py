@@ -10,13 +10,27 @@ Sockets (ZeroMQ, ipc:// in the run's private 0700 directory):
     rank 0  XPUB  plan.sock  ──doorbell──►  SUB   every worker
     rank 0  PULL  back.sock  ◄──hello, error reports──  PUSH  every worker
 
-Doorbell message, one per plan, in seq order (1, 2, 3 ...):
+Doorbell message, one per message, in seq order (1, 2, 3 ...):
 
-    frame 0: struct "<BQ"  kind (PLAN or CLOSE), seq
-    frame 1: only when the slot header says Where.DOORBELL: the encoded plan (too big for a slot)
+    frame 0: struct "<BQ"  kind, seq
+    frame 1: only when the slot header says Where.DOORBELL: the encoded message (too big for a
+             slot)
 
-Every plan takes a ring slot, even one that travels in the doorbell: its header (seq, length,
-checksum) and acks live in the slot, so one flow-control rule covers both paths. Rank 0 never has
+    | kind    | message seq is          | decoded by                     |
+    |---------|-------------------------|--------------------------------|
+    | PLAN    | a StepPlan              | `StepPlan.decode`              |
+    | CONTROL | a ControlCall           | `ControlCall.decode`           |
+    | CLOSE   | none: rank 0 closed the | (nothing; `recv` raises        |
+    |         | channel                 | `ChannelClosed`)               |
+
+Plans and control calls share one seq counter, one ring and one flow-control rule, so a reader
+gets them in exactly the order rank 0 published them: a control call lands between the steps it
+was sent between. The kind lives in the doorbell rather than in the slot header so that the
+slot layout (and every StepPlan byte) stays what it was; each payload's own magic checks the
+kind again.
+
+Every message takes a ring slot, even one that travels in the doorbell: its header (seq,
+length, checksum) and acks live in the slot, so one flow-control rule covers both paths. Rank 0 never has
 more than `num_slots` unacknowledged messages in flight, which is why the XPUB high-water mark
 can be unlimited without memory growing: ZeroMQ never drops a doorbell.
 
@@ -69,8 +83,9 @@ _TERM_TIMEOUT_S = 5.0
 
 
 class DoorbellKind(enum.IntEnum):
-    PLAN = 1  # message `seq` is ready in slot (seq - 1) % num_slots
+    PLAN = 1  # StepPlan `seq` is ready in slot (seq - 1) % num_slots
     CLOSE = 2  # rank 0 closed the channel; no more messages will come
+    CONTROL = 3  # ControlCall `seq` is ready in slot (seq - 1) % num_slots
 
 
 def term_context(ctx: zmq.Context, what: str, timeout_s: float = _TERM_TIMEOUT_S) -> None:

@@ -2,7 +2,7 @@
 `ring.py`.
 
 Ownership: `recv` returns a `StepPlan` whose arrays are read-only views into a private copy of
-the payload, not into shared memory. The copy is made, the slot acknowledged at once, and the
+the payload, not into shared memory (or a `ControlCall`, whose args are decoded from that copy). The copy is made, the slot acknowledged at once, and the
 checksum verified on the copy: rank 0 gets the slot back without waiting for the forward pass,
 the plan stays valid for as long as the caller keeps it, and a plan that is not exactly what
 rank 0 wrote cannot get through. The copy costs microseconds (plans are kilobytes to a few
@@ -18,6 +18,7 @@ import xxhash
 import zmq
 
 from shm_ipc.channel import DOORBELL, OWNER_CHECK_INTERVAL_S, DoorbellKind, term_context
+from shm_ipc.control_call import ControlCall, ControlDecodeError
 from shm_ipc.error_channel import BackChannelWriter, ReaderHello, WorkerErrorReport
 from shm_ipc.errors import (
     ChannelClosed,
@@ -90,8 +91,9 @@ class PlanReceiver:
     def last_step_id(self) -> int | None:
         return self._last_step
 
-    def recv(self, timeout_s: float | None = None) -> StepPlan:
-        """The next plan, in publish order. Blocks until it comes: being idle is normal.
+    def recv(self, timeout_s: float | None = None) -> StepPlan | ControlCall:
+        """The next message (a plan or a control call), in publish order. Blocks until it
+        comes: being idle is normal.
 
         Raises `OwnerDiedError` within about `OWNER_CHECK_INTERVAL_S` of rank 0 dying,
         `ChannelClosed` if rank 0 closed the channel, `CorruptMessageError` on a sequence,
@@ -108,7 +110,7 @@ class PlanReceiver:
                 rank=0,
                 step_id=self._last_step,
             )
-        if kind != DoorbellKind.PLAN or seq != self._next_seq:
+        if kind not in (DoorbellKind.PLAN, DoorbellKind.CONTROL) or seq != self._next_seq:
             raise self._corrupt(
                 f"doorbell kind {kind} for message {seq}, expected {self._next_seq}"
             )
@@ -134,8 +136,11 @@ class PlanReceiver:
         if len(data) != header.length or xxhash.xxh3_64_intdigest(data) != header.checksum:
             raise self._corrupt(f"checksum mismatch in message {seq} (slot {slot})", step)
         try:
-            plan = StepPlan.decode(data)
-        except PlanDecodeError as exc:
+            if kind == DoorbellKind.CONTROL:
+                plan: StepPlan | ControlCall = ControlCall.decode(data)
+            else:
+                plan = StepPlan.decode(data)
+        except (PlanDecodeError, ControlDecodeError) as exc:
             raise self._corrupt(f"payload does not decode: {exc}", step) from exc
         if plan.step_id != step:
             raise self._corrupt(f"payload is step {plan.step_id}, slot header says {step}", step)

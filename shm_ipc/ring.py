@@ -12,7 +12,8 @@ Memory layout of /dev/shm/tpe-<pid>-<hex> (little-endian; every block 64-byte al
     ┌────────┬──────────────────────────── slot 0 ───────────────────────┬── slot 1 ──┬─ ...
     │ ring   │ slot header (64 B)      │ acks (A B)     │ payload (P B)   │            │
     │ header │ seq step_id length      │ 1 byte per     │ one encoded     │    ...     │
-    │ (64 B) │ checksum where          │ reader         │ StepPlan        │            │
+    │ (64 B) │ checksum where          │ reader         │ StepPlan or     │            │
+    │        │                         │                │ ControlCall     │            │
     └────────┴─────────────────────────┴────────────────┴─────────────────┴────────────┘
 
     ring header: magic b"TPERING\\0" | layout version u32 | num_slots u32 | num_readers u32 |

@@ -7,6 +7,8 @@ channel to the other ranks and the sampler. Its public surface is what the two f
     add_request / abort_request / finish_request    requests in, or ended from outside
     step() -> StepOutputs                           one step, and the outputs it produced
     stats() / has_unfinished() / diagnose_stall()   state for metrics, loops and watchdogs
+    control.call(op, args)                          a control call to every rank, between
+                                                    steps (`tp_engine.control`)
     reconfigure() / shutdown()
 
 A step goes through three phases, each its own value:
@@ -71,6 +73,7 @@ from rank_worker.tp import TPInfo
 from shm_ipc import ChannelError, PlanBroadcaster, StepPlan
 from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
+from tp_engine.control import EngineControl, EngineInconsistentError
 from tp_engine.engine_states import Gate, PauseMode
 from tp_engine.failures import EngineDeadError, FailureGuard, diagnose_stall
 from tp_engine.generation_config import eos_token_ids, sampling_defaults
@@ -233,12 +236,15 @@ class LLMEngine:
         self.step_id = 0
         # Once a step has failed, every later call raises this.
         self._dead: EngineDeadError | None = None
+        # Once a control call's commit has failed, every later step raises this (the ranks
+        # may hold different weights), but the channel works: shutdown still sends EXIT.
+        self._inconsistent: EngineInconsistentError | None = None
         try:
             if tp.size > 1:
                 self.channel = PlanBroadcaster(num_readers=tp.size - 1)
                 Bootstrap(str(model_dir), runner_config, self.channel.handle).send(tp)
                 self.channel.wait_for_readers()
-            with self._failures_named("start-up"):
+            with self.failures_named("start-up"):
                 self.runner = ModelRunner(model_dir, runner_config, tp, tp.device)
                 self.num_kv_blocks = self.runner.determine_num_kv_blocks(profile_sampling)
                 self.runner.init_kv_cache(self.num_kv_blocks)
@@ -275,6 +281,8 @@ class LLMEngine:
         # Set to a StepTimeline to record where each step's time goes (launch/bench.py).
         self.timeline: StepTimeline | None = None
         self.sampling.follow(self.scheduler.batch)
+        # Control calls to every rank (`tp_engine.control`), run between steps.
+        self.control = EngineControl(self)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -436,7 +444,7 @@ class LLMEngine:
         FINISHED_ABORTED with what they had), "wait" lets the running ones finish, "keep" also
         freezes those. The step in flight is applied first, so nothing runs on the ranks once
         this returns in "abort" and "keep" mode; its outputs come with the next `step()`."""
-        self._quiesce()
+        self.quiesce()
         aborted = []
         if mode is PauseMode.ABORT:
             running = [seq.seq_id for seq in self.scheduler.running]
@@ -451,14 +459,6 @@ class LLMEngine:
         """Serve again after `pause`: waiting requests are admitted, frozen ones continue."""
         self.pause_mode = None
         self.scheduler.gate = Gate.for_pause(None)
-
-    def _quiesce(self) -> None:
-        """Apply the step in flight (asynchronous scheduling), so that every sequence's state
-        is current and no step is running on the ranks; its outputs come with the next
-        `step()`."""
-        if self._in_flight is not None:
-            step, self._in_flight = self._in_flight, None
-            self._undelivered = self._undelivered.then(self._apply(step))
 
     def stats(self) -> EngineStats:
         scheduler, bm = self.scheduler, self.scheduler.block_manager
@@ -564,8 +564,7 @@ class LLMEngine:
         interrupted by an exception loses nothing: steps whose tokens were not applied are
         undone, and outputs already made are returned by the next call.
         """
-        if self._dead is not None:
-            raise self._dead
+        self.check_usable()
         if self._held:
             self._release_held()
         outputs, self._undelivered = self._undelivered, StepOutputs([])
@@ -595,6 +594,38 @@ class LLMEngine:
                 self.scheduler.discard(scheduled)
             self._undelivered = outputs
             raise
+
+    def check_usable(self) -> None:
+        """Raise why the engine cannot step, if it cannot (a rank failed, or a control call's
+        commit failed)."""
+        if self._dead is not None:
+            raise self._dead
+        if self._inconsistent is not None:
+            raise self._inconsistent
+
+    def quiesce(self) -> None:
+        """Apply the step in flight (asynchronous scheduling), if any, and keep its outputs
+        for the next `step()`: afterwards no step is in flight and the next plan reads no
+        placeholder tokens. A later `step()` schedules as a call that launched nothing would
+        have left it."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is None:
+            return
+        try:
+            self._undelivered = self._undelivered.then(self._apply(previous))
+        except BaseException:
+            self.scheduler.discard(previous.scheduled)  # its tokens will never be applied
+            raise
+
+    def take_step_id(self) -> int:
+        """The next step id, for a message sent to every rank outside `step()` (a control
+        call): plans and calls share one counter, so ids give their order on the channel."""
+        step_id = self.step_id
+        self.step_id += 1
+        return step_id
+
+    def mark_inconsistent(self, error: EngineInconsistentError) -> None:
+        self._inconsistent = error
 
     def _launch(self, in_flight: SampledStep | None) -> LaunchedStep | None:
         """Schedule a step, send its plan to every rank and queue its forward pass; its
@@ -630,7 +661,7 @@ class LLMEngine:
     def _run_plan(self, plan: StepPlan, sampled: torch.Tensor | None) -> torch.Tensor:
         """Publish `plan` and run rank 0's pass; `sampled`: what its placeholder ids read."""
         step_id = plan.step_id
-        with self._failures_named(f"step {step_id}"):
+        with self.failures_named(f"step {step_id}"):
             if self.channel is not None:
                 with self._phase("broadcast", step_id):
                     self.channel.publish(plan)
@@ -686,7 +717,7 @@ class LLMEngine:
         """
         scheduled = step.scheduled
         with self._phase("update", step.step_id):
-            with self._failures_named(f"step {step.step_id}"):
+            with self.failures_named(f"step {step.step_id}"):
                 step.host.wait()  # a failure of the step on the GPU surfaces here
             tokens = (
                 np.zeros(0, dtype=np.int64)
@@ -759,7 +790,7 @@ class LLMEngine:
         return gpu_phase_or_null(self.timeline, name, step_id)
 
     @contextmanager
-    def _failures_named(self, what: str) -> Iterator[None]:
+    def failures_named(self, what: str) -> Iterator[None]:
         """Turn a failure into EngineDeadError naming the rank at fault; the engine is dead
         from then on."""
         try:

@@ -1,0 +1,114 @@
+"""Rank 0's side of control calls: `EngineControl.call(op, args)` asks every rank, between two
+steps, to do something other than a forward pass, and returns what every rank answered.
+
+Ownership: the engine owns one `EngineControl` (`LLMEngine.control`) and lends it the few things
+it needs (`ControlHost`); the ranks' side, the op table and the two-phase protocol, is
+`rank_worker.control`. A call, on rank 0:
+
+    quiesce       the engine applies the step in flight (asynchronous scheduling), keeping its
+                  outputs for the next `step()`: nothing is in flight, so no rank is still
+                  computing with what the call may change, and the next plan reads no
+                  placeholder tokens of a step before the call
+    step id       the next id of the engine's counter: the call sits between the plans before
+                  and after it on the plan channel, and errors name it
+    publish       the ControlCall on the plan channel (ordered with the plans)
+    run           rank 0's own part, through its StepExecutor: prepare, gather every rank's
+                  verdict, commit only if all said ok, gather every rank's reply
+    return        `ControlResult`: ok, the refusals' message, each rank's result
+
+A refusal (any rank's prepare said no, or raised) is a returned value: nothing was changed on
+any rank and the engine serves on. A failed commit raises `EngineInconsistentError` and the
+engine refuses to step from then on, since the ranks may no longer hold the same model; the
+workers keep serving control calls and still exit cleanly at shutdown. A broken rank (dead,
+a collective that failed) is `EngineDeadError`, as for a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from rank_worker.control import ControlOp, ControlOutcome, ControlResult
+from rank_worker.step import StepExecutor
+from shm_ipc import ControlCall, PlanBroadcaster
+from tp_engine.failures import EngineDeadError
+
+__all__ = [
+    "ControlOp",
+    "ControlResult",
+    "EngineControl",
+    "EngineInconsistentError",
+]
+
+
+class EngineInconsistentError(EngineDeadError):
+    """A control call's commit failed on some rank: the ranks may hold different weights, so
+    the engine refuses to step. `result` has every rank's reply."""
+
+    def __init__(self, message: str, result: ControlResult, rank: int | None = None):
+        super().__init__(message, rank=rank, step_id=result.step_id)
+        self.result = result
+
+
+class ControlHost(Protocol):
+    """What `EngineControl` needs of the engine (`LLMEngine` is one)."""
+
+    channel: PlanBroadcaster | None  # None with one rank
+    executor: StepExecutor  # rank 0's runner of plans and control calls
+
+    def check_usable(self) -> None:
+        """Raise the engine's error if it is dead or inconsistent."""
+
+    def quiesce(self) -> None:
+        """Apply the step in flight, if any, keeping its outputs for the next `step()`."""
+
+    def take_step_id(self) -> int:
+        """The next step id (plans and calls share the counter)."""
+
+    def failures_named(self, what: str) -> AbstractContextManager[None]:
+        """Turn a failure inside into EngineDeadError naming the rank at fault."""
+
+    def mark_inconsistent(self, error: EngineInconsistentError) -> None:
+        """From now on every step raises `error`."""
+
+
+class EngineControl:
+    """Control calls to every rank (see the module docstring). Not thread-safe: called on the
+    engine's thread, between steps."""
+
+    def __init__(self, host: ControlHost) -> None:
+        self.host = host
+
+    def call(self, op: ControlOp, args: Mapping[str, Any] | None = None) -> ControlResult:
+        """Run `op` with `args` (msgpack data) on every rank; see the module docstring.
+
+        Raises ValueError for an op this build does not know or args that do not encode
+        (nothing is sent then), `EngineInconsistentError` when a commit failed,
+        `EngineDeadError` when a rank failed.
+        """
+        host = self.host
+        op = ControlOp(op)  # ValueError for an unknown number, before anything is sent
+        args = {} if args is None else dict(args)
+        ControlCall(0, int(op), args)  # refuse args that do not encode before quiescing
+        host.check_usable()
+        host.quiesce()
+        call = ControlCall(host.take_step_id(), int(op), args)
+        with host.failures_named(f"control call {op.name} (step {call.step_id})"):
+            if host.channel is not None:
+                host.channel.publish(call)
+                # As before a step: a worker that died since would leave rank 0 waiting in the
+                # call's first gather; find out now, with its rank and report.
+                host.channel.check_readers()
+            result = host.executor.control(call)
+        if result.outcome is ControlOutcome.COMMIT_FAILED:
+            failed = [reply.rank for reply in result.replies if not reply.ok]
+            error = EngineInconsistentError(
+                f"control call {op.name} (step {call.step_id}) failed after some ranks may "
+                f"have changed their state; the engine refuses to step: {result.message}",
+                result,
+                rank=failed[0] if len(failed) == 1 else None,
+            )
+            host.mark_inconsistent(error)
+            raise error
+        return result

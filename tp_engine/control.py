@@ -36,10 +36,17 @@ from tp_engine.failures import EngineDeadError
 
 __all__ = [
     "ControlOp",
+    "ControlRefusedError",
     "ControlResult",
     "EngineControl",
     "EngineInconsistentError",
 ]
+
+
+class ControlRefusedError(ValueError):
+    """A control call some rank refused (a bad weight name or shape, an unknown adapter...):
+    nothing changed anywhere and the engine serves on. The message names the rank and why;
+    the server answers it with a 400."""
 
 
 class EngineInconsistentError(EngineDeadError):

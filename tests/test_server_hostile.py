@@ -450,3 +450,11 @@ def test_a_post_without_a_body_passes_the_media_type_check():
     chunked = client.post("/sleep", content=iter([b"level=1"]), headers=AUTH)
     assert chunked.status_code == 415
     assert client.post("/sleep", json={"level": 1}, headers=AUTH).status_code == 200
+
+
+def test_admin_routes_are_absent_without_their_flags(server):
+    """Weight updates, pause and sleep exist only with --enable-weight-updates /
+    --enable-sleep-mode: this server has neither (404 even with the key)."""
+    for method, path in (("POST", "/pause"), ("POST", "/update_weights_from_disk"),
+                         ("POST", "/sleep"), ("GET", "/is_sleeping")):  # fmt: skip
+        assert raw(server, method, path, headers=AUTH)[0] == 404, path

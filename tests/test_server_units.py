@@ -14,6 +14,8 @@ from tp_engine.server.logprob_format import LogprobFormatter, cut_top
 from tp_engine.server.messages import (
     AbortRequest,
     AddRequest,
+    Control,
+    ControlReply,
     Dead,
     Delta,
     Drain,
@@ -60,6 +62,9 @@ MESSAGES = [
     Drain(10.0),
     Dead("rank 1 failed at step 3"),
     Exit(1),
+    Control(7, "update_weights_from_distributed", {"names": ["a"], "shapes": [[2, 3]]}),
+    ControlReply(7, 400, "rank 2 refused: unknown name 'a'", {}),
+    Hello("/m", ["a"], 4096, 151936, {}, None, 1, enable_weight_updates=True),
 ]
 
 

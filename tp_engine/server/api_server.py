@@ -29,6 +29,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shm_ipc.liveness import ProcessWatch
+from tp_engine.server.admin_routes import build_admin_router
 from tp_engine.server.chat_parsers import ChatParsing
 from tp_engine.server.engine_client import EngineClient
 from tp_engine.server.guards import RequestGuard, RequestLimits
@@ -92,6 +93,14 @@ def build_app(
 
     app.add_middleware(RequestGuard, limits=limits, api_key=hello.api_key)
     app.include_router(build_router(client, serving))  # what sglang-router probes
+    if hello.enable_weight_updates or hello.enable_sleep_mode:
+        app.include_router(
+            build_admin_router(
+                client,
+                weight_updates=hello.enable_weight_updates,
+                sleep_mode=hello.enable_sleep_mode,
+            )
+        )
 
     @app.get("/health")
     async def health() -> Response:

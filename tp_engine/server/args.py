@@ -32,6 +32,9 @@ class ServerArgs:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Admin routes (`tp_engine.server.admin_routes`): RL weight sync and pause; sleep and wake.
+    enable_weight_updates: bool = False
+    enable_sleep_mode: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="let the model decide when to call tools (tool_choice 'auto'); needs "
         "--tool-call-parser",
     )
+    p.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="offer the RL routes: weight updates from disk or a trainer's process group "
+        "(SGLang's /update_weights_from_*), pause and resume, cache flushes",
+    )
+    p.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="offer /sleep, /wake_up, /is_sleeping (and SGLang's /release_memory_occupation, "
+        "/resume_memory_occupation): give the GPU's memory back while a trainer runs",
+    )
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     limits = p.add_argument_group(
@@ -265,6 +280,8 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        enable_weight_updates=args.enable_weight_updates,
+        enable_sleep_mode=args.enable_sleep_mode,
         limits=RequestLimits(
             max_body_bytes=args.max_request_body_bytes,
             allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),

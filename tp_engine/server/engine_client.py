@@ -9,11 +9,15 @@ releases its ids when it is done (`Generation.close`).
 
 Sending never blocks or awaits (see `ipc`), so an abort can be sent from the `finally` of a
 coroutine that is being cancelled because its client disconnected.
+
+Admin routes `await control(op, args)`: a future per call id, resolved by rank 0's
+`ControlReply` (or by the engine's death, as a 503).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -25,6 +29,8 @@ from tp_engine.server.ipc import ApiPipes, RunDir
 from tp_engine.server.messages import (
     AbortRequest,
     AddRequest,
+    Control,
+    ControlReply,
     Dead,
     Drain,
     EngineOutputs,
@@ -61,6 +67,8 @@ class EngineClient:
         self.exit_code: int | None = None
         self.on_exit: Callable[[int], None] = lambda code: None
         self._tasks: list[asyncio.Task] = []
+        self._calls: dict[int, asyncio.Future[ControlReply]] = {}
+        self._call_ids = itertools.count(1)
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -89,6 +97,20 @@ class EngineClient:
     def release(self, request_id: str) -> None:
         """Forget a request that rank 0 has finished or rejected (nothing is sent)."""
         self._owners.pop(request_id, None)
+
+    async def control(self, op: str, args: dict[str, Any] | None = None) -> ControlReply:
+        """Run an operation on the engine (`tp_engine.server.control_ops`) and wait for its
+        reply; a dead or exiting engine answers 503 at once."""
+        if self.dead is not None or self.exit_code is not None:
+            return ControlReply(0, 503, f"the engine is not serving: {self.dead or 'exiting'}", {})
+        call_id = next(self._call_ids)
+        reply: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = reply
+        self.pipes.send(Control(call_id, op, dict(args or {})))
+        try:
+            return await reply
+        finally:
+            self._calls.pop(call_id, None)
 
     # -- background tasks --------------------------------------------------------------------------
 
@@ -131,6 +153,10 @@ class EngineClient:
             for delta in msg.deltas:
                 self._deliver(delta.request_id, delta)
             self.metrics.set_engine_stats(msg.stats)
+        elif isinstance(msg, ControlReply):
+            call = self._calls.get(msg.call_id)
+            if call is not None and not call.done():
+                call.set_result(msg)
         elif isinstance(msg, Drain):
             logger.info("shutting down: refusing new requests, %d in flight", len(self._owners))
             self.draining = True
@@ -140,6 +166,7 @@ class EngineClient:
         elif isinstance(msg, Exit):
             if self._owners:  # rank 0 left with requests in flight: end them with an error
                 self._fail_all(f"the server is exiting (code {msg.code})")
+            self._fail_calls(f"the server is exiting (code {msg.code})")
             self.exit_code = msg.code
             self.draining = True
             self.on_exit(msg.code)
@@ -150,9 +177,15 @@ class EngineClient:
 
     def _fail_all(self, message: str) -> None:
         self.dead = message
+        self._fail_calls(message)
         for rid in list(self._owners):
             self._deliver(rid, EngineDied(message))
         self._owners.clear()
+
+    def _fail_calls(self, message: str) -> None:
+        for call_id, call in list(self._calls.items()):
+            if not call.done():
+                call.set_result(ControlReply(call_id, 503, message, {}))
 
     def _deliver(self, request_id: str, event: Any) -> None:
         queue = self._owners.get(request_id)

@@ -8,6 +8,8 @@ thread-safe). Per iteration:
 
 States and what ends them:
 
+    SERVING ──Control pause──► PAUSED (requests queue; "wait" lets the running ones finish)
+       │    ◄──Control resume──┘        asleep, too, is PAUSED to this loop (`engine.has_work`)
     SERVING ──SIGINT/SIGTERM──► DRAINING ──no work left, or deadline──► EXIT (code 0)
        │                           │          (at the deadline the rest are aborted)
        ├──EngineDeadError / watchdog──► DEAD: Dead sent, linger, Exit → code 1
@@ -15,9 +17,11 @@ States and what ends them:
        └──the API process died─────► code 1
 
 A hung step never returns to the loop, so `Watchdog` (a thread) watches it: when no step has
-completed for `iteration_timeout_s` while work is queued, `_on_stall` tells the API process the
-engine is dead (health turns 503), waits the linger, and ends the process through `on_fatal`
-(the other ranks notice rank 0 is gone and exit by themselves).
+completed for `iteration_timeout_s` while work it could do is queued, `_on_stall` tells the API
+process the engine is dead (health turns 503), waits the linger, and ends the process through
+`on_fatal` (the other ranks notice rank 0 is gone and exit by themselves). A paused or sleeping
+engine has queued requests but nothing it may do, and a control call (a weight update that waits
+for a trainer's broadcast) is not a step: neither counts as a stall.
 """
 
 from __future__ import annotations
@@ -30,13 +34,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from tp_engine.engine import EngineDeadError, LLMEngine
+from tp_engine.engine_states import PauseMode
 from tp_engine.outputs import SequenceOutput
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.sequence import SequenceStatus, TokenLogprobs
+from tp_engine.server.control_ops import run_op
 from tp_engine.server.ipc import EnginePipes
 from tp_engine.server.messages import (
     AbortRequest,
     AddRequest,
+    Control,
+    ControlReply,
     Dead,
     Delta,
     Drain,
@@ -105,6 +113,8 @@ class EngineLoop:
         self._stop_signal: int | None = None
         self._drain_deadline: float | None = None
         self._end_reason: str | None = None
+        # Calls of `pause` in "wait" mode, answered once no running request is left.
+        self._pending_pauses: list[int] = []
         self._watchdog = Watchdog(options.iteration_timeout_s, self._on_stall)
 
     def request_stop(self, signum: int) -> None:
@@ -135,7 +145,7 @@ class EngineLoop:
                 _park()  # the watchdog has taken over and ends the process
             if self._end_reason is not None:
                 return self._die(self._end_reason, linger_s=0.0)
-            busy = engine.has_unfinished()
+            busy = engine.has_work()
             self._watchdog.busy(busy)
             if self.pipes.poll(0 if busy else _IDLE_POLL_S):
                 try:
@@ -150,15 +160,16 @@ class EngineLoop:
                     "the API process exited (code %s); shutting down", self.api_proc.returncode
                 )
                 return EXIT_FAILED
-            if self._drain_deadline is not None:
-                if not engine.has_unfinished():
-                    self._flush()
-                    return self._finish(EXIT_OK)
-                if time.monotonic() > self._drain_deadline:
+            # Draining is done when nothing can run any more (every request finished, or the
+            # rest held by a pause or sleep) or at the deadline; what is left is aborted.
+            if self._drain_deadline is not None and (
+                not engine.has_work() or time.monotonic() > self._drain_deadline
+            ):
+                if engine.has_unfinished():
                     self._abort_everything()
-                    self._flush()
-                    return self._finish(EXIT_OK)
-            if engine.has_unfinished():
+                self._flush()
+                return self._finish(EXIT_OK)
+            if engine.has_work():
                 try:
                     self._step()
                 except EngineDeadError as exc:
@@ -167,6 +178,8 @@ class EngineLoop:
                     logger.exception("engine step failed")
                     return self._die(f"rank 0 failed: {type(exc).__name__}: {exc}")
             self._flush()
+            if self._pending_pauses and not engine.has_work():
+                self._answer_pauses()
 
     def _read_inbox(self) -> None:
         while (msg := self.pipes.recv_nowait()) is not None:
@@ -174,6 +187,8 @@ class EngineLoop:
                 self._add(msg)
             elif isinstance(msg, AbortRequest):
                 self._abort(msg)
+            elif isinstance(msg, Control):
+                self._control(msg)
             else:
                 logger.warning("engine loop: ignoring unexpected %s", type(msg).__name__)
 
@@ -214,6 +229,42 @@ class EngineLoop:
             else:
                 self.engine.abort_request(live.seq_id)
         self._forget_if_done(msg.request_id)
+
+    def _control(self, msg: Control) -> None:
+        """Run an admin operation between two steps and answer it (`control_ops`). While it
+        runs the watchdog stands down: a weight update waiting for a trainer's broadcast is
+        not a hung step. An EngineDeadError goes up to the loop, as a step's does."""
+        if msg.op == "pause":
+            self._pause(msg)
+            return
+        self._watchdog.busy(False)
+        outcome = run_op(self.engine, msg.op, msg.args)
+        self._watchdog.progress()
+        if msg.op == "resume":
+            self._answer_pauses()  # a "wait" pause that never drained is over too
+        self._flush()  # outputs the operation made (the step it quiesced) go first
+        self.pipes.send(ControlReply(msg.call_id, outcome.status, outcome.message, outcome.result))
+
+    def _pause(self, msg: Control) -> None:
+        try:
+            mode = PauseMode.parse(str(msg.args.get("mode", "abort")))
+        except ValueError as exc:
+            self.pipes.send(ControlReply(msg.call_id, 400, str(exc), {}))
+            return
+        self.engine.pause(mode)
+        if mode is PauseMode.ABORT:
+            # The engine has ended them; their clients get the output so far, as "abort".
+            self._abort_everything("generation was paused (mode abort)")
+        self._flush()
+        if self.engine.has_work():
+            self._pending_pauses.append(msg.call_id)
+        else:
+            self.pipes.send(ControlReply(msg.call_id, 200, "", {}))
+
+    def _answer_pauses(self) -> None:
+        for call_id in self._pending_pauses:
+            self.pipes.send(ControlReply(call_id, 200, "", {}))
+        self._pending_pauses.clear()
 
     def _forget_if_done(self, request_id: str) -> None:
         samples = self._requests.get(request_id, [])
@@ -273,12 +324,10 @@ class EngineLoop:
         self._drain_deadline = time.monotonic() + timeout
         self.pipes.send(Drain(timeout))
 
-    def _abort_everything(self) -> None:
-        logger.warning("shutdown deadline passed: aborting %d sequences", len(self._live))
+    def _abort_everything(self, why: str = "the server is shutting down; retry elsewhere") -> None:
+        logger.warning("%s: aborting %d sequences", why, len(self._live))
         for request_id in self._compiling.values():  # never accepted
-            self._rejected.append(
-                Rejected(request_id, 503, "the server is shutting down; retry elsewhere")
-            )
+            self._rejected.append(Rejected(request_id, 503, why))
             for live in self._requests.pop(request_id, []):
                 self.engine.abort_request(live.seq_id)
                 self._live.pop(live.seq_id, None)

@@ -3,8 +3,9 @@
 Two ZeroMQ PUSH → PULL pipes, both bound by rank 0 in the run's private 0700 directory
 (`tp_engine.server.ipc`), so that the API process, started later, only ever connects:
 
-    to_engine.sock   API process ──► rank 0     Ready, AddRequest, AbortRequest
-    to_api.sock      rank 0 ──► API process     Hello, EngineOutputs, Drain, Dead, Exit
+    to_engine.sock   API process ──► rank 0     Ready, AddRequest, AbortRequest, Control
+    to_api.sock      rank 0 ──► API process     Hello, EngineOutputs, Drain, Dead, Exit,
+                                                ControlReply
 
 One frame per message: a msgpack array `[kind, field, field, ...]` with the fields in the order
 the dataclass declares them (nested records are arrays too). `decode` checks the kind and the
@@ -16,6 +17,11 @@ A request's life, seen from the API process:
                └─► rejected(status, message)                    (nothing else follows)
     AbortRequest (client gone, or a stop string matched) ends samples early; rank 0 sends
     nothing more for them. Dead ends every request at once.
+
+Control calls (pause, resume, weight updates, sleep: `tp_engine.server.control_ops`) are the
+one request/reply exchange: `Control(call_id, op, args)` runs on rank 0 between two steps and
+`ControlReply(call_id, ...)` answers it once it is done (a pause in "wait" mode: once the
+running requests have finished).
 
 The engine's gauges travel in every EngineOutputs (`EngineStats`), sent after each loop
 iteration that changed anything, so /metrics reads rank 0's numbers without asking.
@@ -41,6 +47,8 @@ class Kind(enum.IntEnum):
     DRAIN = 6  # rank 0 → API: shutting down: refuse new requests, let in-flight ones finish
     DEAD = 7  # rank 0 → API: the engine cannot step any more; fail everything, answer 503
     EXIT = 8  # rank 0 → API: every request is over; stop the HTTP server and exit
+    CONTROL = 9  # API → rank 0: an operation on the running engine (an admin route)
+    CONTROL_REPLY = 10  # rank 0 → API: how a Control ended
 
 
 class MessageError(ValueError):
@@ -73,6 +81,9 @@ class Hello:
     # `guards.RequestLimits.to_wire()`: body size, allowed Host names, what needs the key,
     # constraint limits. Empty: the defaults.
     limits: dict[str, Any] = field(default_factory=dict)
+    # --enable-weight-updates, --enable-sleep-mode: which admin routes the API process offers.
+    enable_weight_updates: bool = False
+    enable_sleep_mode: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,29 @@ class AbortRequest:
     sample_indices: list[int] | None
     # True: a stop string ended them (finished "stop"); False: the client went away.
     stopped: bool
+
+
+@dataclass(frozen=True)
+class Control:
+    KIND: ClassVar[Kind] = Kind.CONTROL
+    # Unique per API process; the reply carries it back.
+    call_id: int
+    # An operation of `tp_engine.server.control_ops.OPS` (refused by name otherwise).
+    op: str
+    # Its arguments, msgpack data, checked by the operation.
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ControlReply:
+    KIND: ClassVar[Kind] = Kind.CONTROL_REPLY
+    call_id: int
+    # HTTP status for the route: 200 done, 400 refused (nothing changed), 503 engine dead.
+    status: int
+    # Why, when refused; empty on success.
+    message: str
+    # What the operation returns (e.g. {"weight_version": ...}); msgpack data.
+    result: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -168,11 +202,25 @@ class Exit:
     code: int = 0
 
 
-Message = Hello | Ready | AddRequest | AbortRequest | EngineOutputs | Drain | Dead | Exit
+Message = (
+    Hello
+    | Ready
+    | AddRequest
+    | AbortRequest
+    | EngineOutputs
+    | Drain
+    | Dead
+    | Exit
+    | Control
+    | ControlReply
+)
 _BY_KIND: dict[int, type] = {
     cls.KIND: cls
-    for cls in (Hello, Ready, AddRequest, AbortRequest, EngineOutputs, Drain, Dead, Exit)
-}
+    for cls in (
+        Hello, Ready, AddRequest, AbortRequest, EngineOutputs, Drain, Dead, Exit, Control,
+        ControlReply,
+    )
+}  # fmt: skip
 
 
 def encode(msg: Message) -> bytes:
@@ -221,6 +269,8 @@ def _record(cls: type, values: list[Any]) -> Any:
 __all__ = [
     "AbortRequest",
     "AddRequest",
+    "Control",
+    "ControlReply",
     "Dead",
     "Delta",
     "Drain",

@@ -193,6 +193,8 @@ class Rank0Server:
                 tool_call_parser=self.args.tool_call_parser,
                 enable_auto_tool_choice=self.args.enable_auto_tool_choice,
                 limits=self.args.limits.to_wire(),
+                enable_weight_updates=self.args.enable_weight_updates,
+                enable_sleep_mode=self.args.enable_sleep_mode,
             ),
             keep_waiting=lambda: (
                 api.poll() is None and self._stop_signal is None and self._launcher_gone is None

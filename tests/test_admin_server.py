@@ -1,0 +1,133 @@
+"""The admin routes through a live server (`--enable-weight-updates --enable-sleep-mode`):
+pause in each mode with requests in flight and arriving, resume, SGLang's spellings, the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.server_harness import Server, serving
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-admin-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+LONG = 200  # tokens: the demo model on CPU takes a second or more for them
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    os.environ.setdefault("TP_ENGINE_CACHE", str(tmp_path_factory.mktemp("cache")))
+    from tp_engine.checkpoints import demo_checkpoint_dir
+
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    yield from serving(
+        demo_checkpoint_dir(), log,
+        "--api-key", API_KEY, "--enable-weight-updates", "--enable-sleep-mode",
+        "--max-model-len", "256", "--num-kv-blocks", "128",
+    )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def serving_again(server):
+    yield
+    server.request("POST", "/resume", headers=AUTH)
+
+
+def admin(server: Server, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {**AUTH, **({"Content-Type": "application/json"} if data else {})}
+    status, raw = server.request(method, path, data, headers)
+    return status, json.loads(raw) if raw else None
+
+
+class Streamed(threading.Thread):
+    """A streamed completion read chunk by chunk: `first` is set at its first token."""
+
+    def __init__(self, server: Server, max_tokens: int = LONG) -> None:
+        super().__init__(daemon=True)
+        self.server, self.max_tokens = server, max_tokens
+        self.first = threading.Event()
+        self.tokens = 0
+        self.finish_reason: str | None = None
+
+    def run(self) -> None:
+        conn = self.server.connection()
+        body = {"prompt": "Hi", "max_tokens": self.max_tokens, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                     {**AUTH, "Content-Type": "application/json"})  # fmt: skip
+        resp = conn.getresponse()
+        for line in resp:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                self.tokens = event["usage"]["completion_tokens"]
+            for choice in event.get("choices", []):
+                self.first.set()
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        conn.close()
+
+
+def test_admin_routes_need_the_key(server):
+    for method, path in (("POST", "/pause"), ("GET", "/is_paused"), ("POST", "/sleep"),
+                         ("GET", "/get_weight_version"), ("POST", "/pause_generation")):  # fmt: skip
+        assert server.request(method, path)[0] == 401, path
+    assert admin(server, "GET", "/is_paused") == (200, {"is_paused": False})
+
+
+def test_requests_sent_while_paused_wait_then_run(server):
+    assert admin(server, "POST", "/pause?mode=keep")[0] == 200
+    assert admin(server, "GET", "/is_paused") == (200, {"is_paused": True})
+    late = Streamed(server, max_tokens=8)
+    late.start()
+    time.sleep(1.0)
+    assert late.is_alive() and not late.first.is_set()
+    assert server.get("/health")[0] == 200  # paused is not dead
+    assert admin(server, "POST", "/resume")[0] == 200
+    late.join(60)
+    assert late.tokens == 8 and late.finish_reason == "length"
+
+
+def test_pause_abort_ends_running_requests_with_their_output(server):
+    running = Streamed(server)
+    running.start()
+    assert running.first.wait(60)
+    assert admin(server, "POST", "/pause?mode=abort")[0] == 200
+    running.join(30)
+    assert running.finish_reason == "abort" and 0 < running.tokens < LONG
+
+
+def test_pause_wait_answers_once_running_requests_are_done(server):
+    running = Streamed(server)
+    running.start()
+    assert running.first.wait(60)
+    assert admin(server, "POST", "/pause?mode=wait")[0] == 200
+    running.join(5)  # its last chunk was sent before the pause's reply
+    assert not running.is_alive() and running.tokens == LONG
+    assert running.finish_reason == "length"
+
+
+def test_sglang_pause_and_continue(server):
+    assert admin(server, "POST", "/pause_generation", {"mode": "in_place"}) == (
+        200, {"success": True, "message": "generation paused (in_place)"},
+    )  # fmt: skip
+    assert admin(server, "GET", "/is_paused")[1] == {"is_paused": True}
+    assert admin(server, "POST", "/continue_generation")[1]["success"] is True
+    assert admin(server, "GET", "/is_paused")[1] == {"is_paused": False}
+    status, reply = admin(server, "POST", "/pause_generation", {"mode": "later"})
+    assert status == 400 and reply["success"] is False and "'later'" in reply["message"]
+
+
+def test_unknown_pause_mode_is_a_400_naming_the_modes(server):
+    status, reply = admin(server, "POST", "/pause?mode=stop")
+    assert status == 400 and "abort, wait, keep" in reply["error"]["message"], reply
+    assert admin(server, "GET", "/is_paused")[1] == {"is_paused": False}

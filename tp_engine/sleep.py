@@ -11,7 +11,8 @@ weights at each level, to `data_ptr` and to the CUDA graphs). What the engine do
                    unknown wait is not what a trainer about to change the weights wants), the
                    prefix cache is flushed (the blocks it indexes are gone) and the scheduler's
                    gate closes. Sleeping while asleep is a no-op, except level 2 over level 1,
-                   which also drops the weights' host copy.
+                   which drops the weights' host copy (and aborts nothing: the requests that
+                   wait for the wake hold no K/V).
     asleep         new requests are accepted and wait; `has_work()` is False (the server's
                    watchdog must not call an idle sleeping engine dead); `LLM.generate`
                    refuses (it would wait forever).
@@ -89,9 +90,10 @@ class EngineSleep:
             raise ValueError(f"sleep mode must be one of {list(SLEEP_MODES)}, got {mode!r}")
         if self.is_sleeping and (level == 1 or self.asleep.get(SleepTag.WEIGHTS.value) == 2):
             return []  # already as deep asleep as asked
+        deeper = self.is_sleeping  # level 2 over 1: the requests waiting for the wake stay
         self._call(ControlOp.SLEEP, {"level": level, "asleep": dict(self.asleep)})
         engine = self.engine
-        aborted = engine.abort_unfinished()
+        aborted = [] if deeper else engine.abort_unfinished()
         engine.scheduler.block_manager.reset_prefix_cache()
         engine.update_gate()
         logger.info("asleep (level %d); aborted %d sequences", level, len(aborted))

@@ -67,8 +67,9 @@ class ControlOp(enum.IntEnum):
     # half of a weight update). `ranks` (optional) limits the check to those ranks, so that a
     # test or an operator can make one chosen rank refuse.
     CHECK_NAMES = 2
-    # Sleep mode (`rank_worker.control_sleep`): release the weights' and the KV cache's device
-    # memory, restore it, and report each rank's bytes.
+    # Sleep mode (`rank_worker.control_sleep`, which registers them in `_HANDLERS`; step.py
+    # imports it): release the weights' and the KV cache's device memory, restore it, and
+    # report each rank's bytes.
     SLEEP = 20
     WAKE = 21
     MEMORY_REPORT = 22
@@ -277,6 +278,3 @@ _HANDLERS: dict[int, OpHandler] = {
     ControlOp.WEIGHT_CHECKSUMS: OpHandler(_prepare_checksums, _commit_checksums),
     ControlOp.CHECK_NAMES: OpHandler(_prepare_check_names, _commit_check_names),
 }
-
-# Ops kept in modules of their own register themselves in `_HANDLERS` when imported.
-import rank_worker.control_sleep  # noqa: E402, F401  (ops 20-29)

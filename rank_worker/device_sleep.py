@@ -44,12 +44,25 @@ import gc
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from rank_worker.model_runner import ModelRunner
+from rank_worker.tp import TPInfo
+
+
+class SleepingRunner(Protocol):
+    """What `DeviceSleep` reads of its `ModelRunner` (a Protocol: the runner imports this)."""
+
+    model: torch.nn.Module
+    draft: Any  # the draft model's ModelRunner, or None
+    kv_caches: list[Any] | None  # (k, v) per layer
+    graph_runner: Any  # DecodeGraphRunner or None
+    device: torch.device
+    tp: TPInfo
+
+    def capture_graphs(self) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +125,7 @@ class DeviceSleep:
     `weights_lost` is set by a level-2 sleep of the weights and cleared by
     `note_weights_loaded` (a full weight update)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: SleepingRunner) -> None:
         self.runner = runner
         self.asleep: dict[SleepTag, int] = {}
         self.weights_lost = False

@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rank_worker.control import ControlOp, ControlResult
 from rank_worker.device_sleep import SLEEP_LEVELS, SleepTag
-from tp_engine.control import ControlRefusedError, EngineInconsistentError
-
-if TYPE_CHECKING:
-    from tp_engine.engine import LLMEngine
+from tp_engine.control import ControlRefusedError, EngineControl, EngineInconsistentError
+from tp_engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +54,26 @@ class WeightsNotLoadedError(RuntimeError):
         )
 
 
+class SleepHost(Protocol):
+    """What `EngineSleep` needs of the engine (`LLMEngine` is one)."""
+
+    control: EngineControl
+    scheduler: Scheduler
+
+    def abort_unfinished(self) -> list[str]:
+        """Abort every unfinished sequence; their ids."""
+
+    def update_gate(self) -> None:
+        """Set the scheduler's gate from the engine's states (this one's included)."""
+
+    def mark_inconsistent(self, error: EngineInconsistentError) -> None:
+        """From now on every step raises `error`."""
+
+
 class EngineSleep:
     """The engine's sleep state, the same on every rank (checked at every call)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: SleepHost) -> None:
         self.engine = engine
         # Sleeping tag -> the level it sleeps at, as every rank reported at the last call.
         self.asleep: dict[str, int] = {}

@@ -67,6 +67,12 @@ class ControlOp(enum.IntEnum):
     # half of a weight update). `ranks` (optional) limits the check to those ranks, so that a
     # test or an operator can make one chosen rank refuse.
     CHECK_NAMES = 2
+    # Sleep mode (`rank_worker.control_sleep`, which registers them in `_HANDLERS`; step.py
+    # imports it): release the weights' and the KV cache's device memory, restore it, and
+    # report each rank's bytes.
+    SLEEP = 20
+    WAKE = 21
+    MEMORY_REPORT = 22
 
 
 class ControlOutcome(enum.Enum):

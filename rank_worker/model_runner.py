@@ -35,6 +35,7 @@ from rank_worker.attention.selection import get_backend, select_backend, select_
 from rank_worker.block_tables import BlockTables
 from rank_worker.cuda_graphs import DecodeGraphRunner, disabled_reason
 from rank_worker.device_memory import CudaMemory, DeviceMemory, add_cuda_user, drop_cuda_user
+from rank_worker.device_sleep import DeviceSleep
 from rank_worker.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.kv_cache import (
     CacheGroup,
@@ -171,6 +172,8 @@ class ModelRunner:
         self.kv_caches: list[KVCachePair] | None = None
         self.num_kv_blocks: int | None = None
         self.graph_runner: DecodeGraphRunner | None = None
+        # Sleep mode: releases and restores the weights' and the cache's device memory.
+        self.device_sleep = DeviceSleep(self)
         # Speculative decoding with a draft model: a runner of its own (weights, cache, no
         # graphs) that shares this runner's table mirror and reads the same step inputs.
         self.draft: ModelRunner | None = None
@@ -258,6 +261,12 @@ class ModelRunner:
             if draft is not None and draft.uses_triton:
                 draft._warm_up_kernels()
             self.startup_s["kernel_warmup"] = time.perf_counter() - start
+        self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Capture the decode CUDA graphs where they are on (a collective: every rank captures
+        the same sizes in the same order). At start-up, and again after a wake from sleep,
+        since a graph holds the addresses of the weights and the cache (`device_sleep`)."""
         reason = disabled_reason(
             self.device, self.config.enforce_eager, self.attention_backend, self.tp
         )
@@ -283,6 +292,7 @@ class ModelRunner:
         reasons it was refused, [] when every tensor was written. Parameters keep their
         storage, so captured decode graphs replay the new weights. Every rank must call it
         with the same batch; the verdict reads only names and full shapes, so all agree."""
+        self.device_sleep.check_weights_awake()
         return self.weight_map.update(named)
 
     def release(self) -> None:
@@ -322,6 +332,7 @@ class ModelRunner:
             raise ValueError(f"step {plan.step_id}: execute takes RUN plans, got {plan.command!r}")
         if self.kv_caches is None:
             raise RuntimeError("execute before init_kv_cache, or after release")
+        self._check_awake(plan)
         inputs = self._prepare(plan, last_sampled)
         if self.graph_runner is not None and self.graph_runner.can_run(plan):
             hidden = self.graph_runner.run(inputs)  # [B, hidden], one row per sequence
@@ -346,9 +357,20 @@ class ModelRunner:
         draft = self.draft
         if draft is None or draft.kv_caches is None:
             raise RuntimeError(f"step {plan.step_id}: a DRAFT plan, but no draft model is loaded")
+        self._check_awake(plan)
         inputs = self._prepare(plan, last_sampled)
         hidden = draft.model(inputs.input_ids, inputs.positions, inputs.meta, draft.kv_caches)
         return draft._logits(hidden, inputs.logits_indices)
+
+    def _check_awake(self, plan: StepPlan) -> None:
+        """A forward over released memory reads freed addresses (a crash, not an error)."""
+        asleep = self.device_sleep.asleep
+        if asleep:
+            tags = ", ".join(sorted(tag.value for tag in asleep))
+            raise RuntimeError(
+                f"step {plan.step_id}: rank {self.tp.rank} is asleep ({tags} released): "
+                "wake_up before running a step"
+            )
 
     def _prepare(self, plan: StepPlan, last_sampled: torch.Tensor | None = None) -> StepInputs:
         return prepare_inputs(

@@ -90,6 +90,7 @@ from tp_engine.sampling.profiling import profile_sampling
 from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
 from tp_engine.scheduler import RequestRejectedError, ScheduledStep, Scheduler
 from tp_engine.sequence import Sequence, SequenceStatus
+from tp_engine.sleep import EngineSleep
 from tp_engine.speculative import NgramProposer, SpecDecodeStats, accept_drafts
 from tp_engine.speculative.draft_model import DraftModelProposer
 from tp_engine.step_timeline import StepTimeline, gpu_phase_or_null, phase_or_null
@@ -262,6 +263,8 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         # Paused (`pause`), and how; None while serving.
         self.pause_mode: PauseMode | None = None
+        # Sleep mode (`tp_engine.sleep`): what sleeps on every rank; it closes the gate too.
+        self.sleep_state = EngineSleep(self)
         self.scheduler = self._build_scheduler(self.config)
         self.async_scheduling = self._resolve_async(self.config)
         if self.spec is not None:
@@ -306,6 +309,7 @@ class LLMEngine:
         (vLLM's child ids), its seed is `seed + i` when a seed is given (vLLM's rule, so the
         samples differ), and only sample 0 computes prompt logprobs (they would be the same).
         """
+        self.sleep_state.check_can_generate()  # after sleep(level=2), until new weights
         self._check_request(request_id, prompt_token_ids, params)
         # Bad words become token sequences here unless the API server did it already.
         params = tokenize_bad_words(params, self.tokenizer)
@@ -434,6 +438,8 @@ class LLMEngine:
         lets run (paused: the running ones in "wait" mode only), or a step in flight."""
         if self._in_flight is not None:
             return True
+        if self.sleep_state.holds_requests:
+            return False  # asleep, or weights lost: nothing can run until a wake or a load
         if self.pause_mode is None:
             return self.has_unfinished()
         return self.pause_mode is PauseMode.WAIT and len(self.scheduler.batch) > 0
@@ -445,20 +451,52 @@ class LLMEngine:
         freezes those. The step in flight is applied first, so nothing runs on the ranks once
         this returns in "abort" and "keep" mode; its outputs come with the next `step()`."""
         self.quiesce()
-        aborted = []
-        if mode is PauseMode.ABORT:
-            running = [seq.seq_id for seq in self.scheduler.running]
-            waiting = [seq.seq_id for seq in self.scheduler.waiting]
-            outside = [seq.seq_id for seq in self._queued_outside()]
-            aborted = [sid for sid in running + waiting + outside if self.abort_request(sid)]
+        aborted = self.abort_unfinished() if mode is PauseMode.ABORT else []
         self.pause_mode = mode
-        self.scheduler.gate = Gate.for_pause(mode)
+        self.update_gate()
         return aborted
 
     def resume(self) -> None:
-        """Serve again after `pause`: waiting requests are admitted, frozen ones continue."""
+        """Serve again after `pause`: waiting requests are admitted, frozen ones continue
+        (unless the engine sleeps: `wake_up` then lets them run)."""
         self.pause_mode = None
-        self.scheduler.gate = Gate.for_pause(None)
+        self.update_gate()
+
+    def abort_unfinished(self) -> list[str]:
+        """Abort every unfinished sequence (running, waiting, held, compiling); returns their
+        ids. Call it quiesced: a step in flight would still compute for them."""
+        running = [seq.seq_id for seq in self.scheduler.running]
+        waiting = [seq.seq_id for seq in self.scheduler.waiting]
+        outside = [seq.seq_id for seq in self._queued_outside()]
+        return [sid for sid in running + waiting + outside if self.abort_request(sid)]
+
+    def update_gate(self) -> None:
+        """Set the scheduler's gate from the engine's states: closed while asleep (or the
+        weights are lost), else as the pause mode says."""
+        self.scheduler.gate = self._gate()
+
+    def _gate(self) -> Gate:
+        if self.sleep_state.holds_requests:
+            return Gate(admitting=False, stepping=False)
+        return Gate.for_pause(self.pause_mode)
+
+    # -- sleep mode (`tp_engine.sleep`) -----------------------------------------------------------
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> list[str]:
+        """Release the weights (level 1: kept on the host; 2: discarded) and the KV cache on
+        every rank; aborts the unfinished requests (returns their ids)."""
+        return self.sleep_state.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore "weights", "kv_cache" or both (None) on every rank."""
+        self.sleep_state.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_state.is_sleeping
+
+    def note_weights_loaded(self) -> None:
+        """A full weight update wrote every parameter: serve again after sleep(level=2)."""
+        self.sleep_state.note_weights_loaded()
 
     def stats(self) -> EngineStats:
         scheduler, bm = self.scheduler, self.scheduler.block_manager
@@ -861,7 +899,7 @@ class LLMEngine:
             num_blocks or self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         scheduler = Scheduler(config, bm, self.eos_token_ids, self.proposer)
-        scheduler.gate = Gate.for_pause(self.pause_mode)
+        scheduler.gate = self._gate()
         if self.proposer is not None:
             self.proposer.follow(scheduler.batch)
         return scheduler

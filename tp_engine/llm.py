@@ -261,6 +261,8 @@ class LLM:
                 raise RuntimeError(
                     f"the engine is paused ({self.engine.pause_mode.value}): resume it first"
                 )
+            if self.engine.is_sleeping():
+                raise RuntimeError("the engine is asleep: wake_up() first")
             while remaining:
                 if self._launcher_gone is not None:
                     raise EngineDeadError(self._launcher_gone)
@@ -340,6 +342,23 @@ class LLM:
             "a prompt must be a string, a list of integer token ids, or a dict with "
             f"'prompt_token_ids' or 'prompt'; got {type(prompt).__name__}"
         )
+
+    # -- sleep mode (`tp_engine.sleep`) -----------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Give back the device memory of the weights and the KV cache on every rank (vLLM's
+        `LLM.sleep`). Level 1 keeps the weights in host memory, level 2 discards them (load
+        new ones before generating). Unfinished requests are aborted and the prefix cache is
+        flushed."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: `tags` among "weights" and "kv_cache", None for both."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while any tag sleeps."""
+        return self.engine.is_sleeping()
 
     # -- lifetime --------------------------------------------------------------------------------
 

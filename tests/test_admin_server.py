@@ -131,3 +131,40 @@ def test_unknown_pause_mode_is_a_400_naming_the_modes(server):
     status, reply = admin(server, "POST", "/pause?mode=stop")
     assert status == 400 and "abort, wait, keep" in reply["error"]["message"], reply
     assert admin(server, "GET", "/is_paused")[1] == {"is_paused": False}
+
+
+def greedy_tokens(server: Server, prompt: str = "Hello") -> list[int]:
+    status, resp = server.post(
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+         "return_token_ids": True},
+        AUTH,
+    )  # fmt: skip
+    assert status == 200, resp
+    return resp["choices"][0]["token_ids"]
+
+
+def test_sleep_then_wake_serves_the_same_tokens(server):
+    before = greedy_tokens(server)
+    assert admin(server, "POST", "/sleep?level=1")[0] == 200
+    assert admin(server, "GET", "/is_sleeping") == (200, {"is_sleeping": True})
+    late = Streamed(server, max_tokens=4)
+    late.start()
+    time.sleep(1.0)
+    assert late.is_alive() and not late.first.is_set()  # it waits for the wake
+    assert server.get("/health")[0] == 200  # asleep is not dead
+    assert admin(server, "POST", "/wake_up?tags=weights&tags=kv_cache")[0] == 200
+    late.join(60)
+    assert late.tokens == 4
+    assert admin(server, "GET", "/is_sleeping") == (200, {"is_sleeping": False})
+    assert greedy_tokens(server) == before
+
+
+def test_sglang_memory_occupation_routes(server):
+    before = greedy_tokens(server)
+    assert admin(server, "POST", "/release_memory_occupation", {})[1]["success"] is True
+    assert admin(server, "GET", "/is_sleeping")[1] == {"is_sleeping": True}
+    assert admin(server, "POST", "/resume_memory_occupation", {})[1]["success"] is True
+    assert greedy_tokens(server) == before
+    status, reply = admin(server, "POST", "/sleep?level=3")
+    assert status == 400 and "level" in reply["error"]["message"], reply

@@ -54,6 +54,7 @@ from tp_engine.server.messages import (
     Rejected,
 )
 from tp_engine.server.watchdog import Watchdog
+from tp_engine.sleep import WeightsNotLoadedError
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,9 @@ class EngineLoop:
             # request gets a 400, everything else keeps running.
             self._rejected.append(Rejected(msg.request_id, 400, str(exc)))
             return
+        except WeightsNotLoadedError as exc:  # after sleep(level=2), until new weights
+            self._rejected.append(Rejected(msg.request_id, 503, str(exc)))
+            return
         samples = [_Live(seq_id, msg.request_id, i) for i, seq_id in enumerate(seq_ids)]
         self._requests[msg.request_id] = samples
         for live in samples:
@@ -242,6 +246,9 @@ class EngineLoop:
         self._watchdog.progress()
         if msg.op == "resume":
             self._answer_pauses()  # a "wait" pause that never drained is over too
+        if msg.op == "sleep" and outcome.status == 200:
+            # Sleep ended every unfinished request (their K/V is gone): tell their clients.
+            self._abort_everything("the engine went to sleep")
         self._flush()  # outputs the operation made (the step it quiesced) go first
         self.pipes.send(ControlReply(msg.call_id, outcome.status, outcome.message, outcome.result))
 

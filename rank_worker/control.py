@@ -294,7 +294,6 @@ _HANDLERS: dict[int, OpHandler] = {
     ControlOp.CHECK_NAMES: OpHandler(_prepare_check_names, _commit_check_names),
 }
 
-# Weight updates live in their own module; imported last, as it builds on the names above.
-from rank_worker.control_weights import WEIGHT_HANDLERS  # noqa: E402
-
-_HANDLERS.update(WEIGHT_HANDLERS)
+# Weight updates (ops 10-19) live in their own module, which adds its handlers to `_HANDLERS`
+# when imported; imported last, as it builds on the names above.
+import rank_worker.control_weights  # noqa: E402, F401

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from rank_worker.control import ControlOp, ControlRefused, OpHandler, _check_keys
+from rank_worker.control import _HANDLERS, ControlOp, ControlRefused, OpHandler, _check_keys
 from rank_worker.loader import safetensors_files
 from rank_worker.tp import TPInfo, broadcast_tensor
 from rank_worker.weight_map import WeightLoadError
@@ -534,7 +534,4 @@ WEIGHT_HANDLERS: dict[int, OpHandler] = {
     ControlOp.GET_WEIGHTS_BY_NAME: OpHandler(_prepare_get, _commit_get),
 }
 
-
-def iter_metas(named: Iterable[tuple[str, torch.Tensor]]) -> list[list[Any]]:
-    """The call args' `tensors` for `named` full tensors."""
-    return [TensorMeta(n, t.dtype, tuple(t.shape)).to_args() for n, t in named]
+_HANDLERS.update(WEIGHT_HANDLERS)

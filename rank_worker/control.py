@@ -32,6 +32,9 @@ between them breaks the group anyway; that is a transport failure, fatal as any 
 
 Rules for handlers: `prepare` must not write, and neither phase may issue collectives unless
 every rank issues the same ones whatever its verdict (prepare's refusal cannot skip them).
+An op whose data arrives from outside whatever the verdict (a trainer's broadcasts) has an
+`on_refused` hook: every rank runs it after a REFUSED gather, to consume and drop that data so
+the sender never hangs; it writes nothing, and what it raises is logged, not returned.
 Arguments and results are msgpack data (maps, lists, str, int, float, bool, bytes, None).
 
 `epoch` counts the calls this rank has committed. Ranks that agree on every verdict agree on it;

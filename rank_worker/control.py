@@ -32,6 +32,9 @@ between them breaks the group anyway; that is a transport failure, fatal as any 
 
 Rules for handlers: `prepare` must not write, and neither phase may issue collectives unless
 every rank issues the same ones whatever its verdict (prepare's refusal cannot skip them).
+An op whose data arrives from outside whatever the verdict (a trainer's broadcasts) has an
+`on_refused` hook: every rank runs it after a REFUSED gather, to consume and drop that data so
+the sender never hangs; it writes nothing, and what it raises is logged, not returned.
 Arguments and results are msgpack data (maps, lists, str, int, float, bool, bytes, None).
 
 `epoch` counts the calls this rank has committed. Ranks that agree on every verdict agree on it;
@@ -42,6 +45,7 @@ corruption two phases exist to prevent, so a disagreement is reported as COMMIT_
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -56,6 +60,8 @@ from shm_ipc import ControlCall
 if TYPE_CHECKING:
     from rank_worker.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
+
 
 class ControlOp(enum.IntEnum):
     """What a control call asks of every rank (the `op` number on the wire)."""
@@ -67,6 +73,13 @@ class ControlOp(enum.IntEnum):
     # half of a weight update). `ranks` (optional) limits the check to those ranks, so that a
     # test or an operator can make one chosen rank refuse.
     CHECK_NAMES = 2
+    # 10-19: weight updates (`rank_worker.control_weights`, which documents their arguments).
+    LOAD_WEIGHTS = 10  # full tensors from rank 0, broadcast over the TP group in buckets
+    LOAD_WEIGHTS_FROM_DISK = 11  # each rank reads a safetensors checkpoint itself
+    INIT_WEIGHTS_UPDATE_GROUP = 12  # join a trainer's process group (trainer = its rank 0)
+    LOAD_WEIGHTS_FROM_GROUP = 13  # tensors broadcast by the trainer on that group
+    DESTROY_WEIGHTS_UPDATE_GROUP = 14
+    GET_WEIGHTS_BY_NAME = 15  # the first values of one checkpoint tensor, from every rank
     # Sleep mode (`rank_worker.control_sleep`, which registers them in `_HANDLERS`; step.py
     # imports it): release the weights' and the KV cache's device memory, restore it, and
     # report each rank's bytes.
@@ -126,6 +139,12 @@ class OpHandler:
     prepare: Callable[[ModelRunner, TPInfo, Mapping[str, Any]], Any]
     # (runner, prepared) -> the result (msgpack data).
     commit: Callable[[ModelRunner, Any], Any]
+    # (runner, tp, args), run on every rank when the call was refused (by any rank), after the
+    # verdicts are gathered: for an op whose data arrives from outside whatever the verdict (a
+    # trainer's broadcasts), to consume and drop it so that the sender never hangs. It may
+    # issue collectives on groups other than the TP group (every rank runs it); what it
+    # raises is logged, the call stays refused.
+    on_refused: Callable[[ModelRunner, TPInfo, Mapping[str, Any]], None] | None = None
 
 
 def _op_name(op: int) -> str:
@@ -164,6 +183,11 @@ class RankControl:
         # Nobody writes before every verdict is in: this gather is the protocol's one barrier.
         verdicts = [_unpack(raw) for raw in all_gather_bytes(_pack(verdict), self.tp)]
         if not all(v["ok"] for v in verdicts):
+            if handler is not None and handler.on_refused is not None:
+                try:
+                    handler.on_refused(self.runner, self.tp, call.args)
+                except Exception:
+                    logger.exception("rank %d: %s's on_refused hook failed", rank, name)
             replies = tuple(
                 RankReply(r, v["ok"], v["message"], None, v["epoch"])
                 for r, v in enumerate(verdicts)

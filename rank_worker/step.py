@@ -28,7 +28,8 @@ import enum
 
 import torch
 
-import rank_worker.control_sleep  # noqa: F401  (registers the sleep ops: see RankControl)
+import rank_worker.control_sleep
+import rank_worker.control_weights  # noqa: F401  (registers the weight-update ops)
 from rank_worker.control import ControlResult, RankControl
 from rank_worker.fault_injection import Fault
 from rank_worker.model_runner import ModelRunner

@@ -296,3 +296,24 @@ def test_graphs_are_dropped_at_sleep_and_captured_again_once_awake(checkpoint, m
     assert runner.graph_runner.kv_caches is runner.kv_caches
     assert torch.equal(runner.execute(plan), logits)
     runner.release()
+
+
+def test_level2_then_a_full_update_serves_again_at_every_rank(llm, checkpoint):
+    """The RL cycle through the public API (TP 1 and 2): sleep(2), a load refused while the
+    weights sleep, wake the weights, a partial load that does not count as new weights, a full
+    one that does, wake the cache: the checkpoint's tokens again."""
+    from tp_engine.control import ControlRefusedError
+
+    reference = generate(llm, PROMPTS)
+    weights = load_file(f"{checkpoint}/model.safetensors")
+    llm.sleep(level=2)
+    with pytest.raises(ControlRefusedError, match="weights are asleep"):
+        llm.load_weights(weights)
+    llm.wake_up(["weights"])
+    first = next(iter(weights))
+    llm.load_weights({first: weights[first]})
+    llm.wake_up(["kv_cache"])
+    with pytest.raises(WeightsNotLoadedError):
+        llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    llm.load_weights(weights)
+    assert generate(llm, PROMPTS) == reference

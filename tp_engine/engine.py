@@ -71,6 +71,7 @@ from rank_worker.runner_config import RunnerConfig
 from rank_worker.step import StepExecutor
 from rank_worker.tp import TPInfo
 from shm_ipc import ChannelError, PlanBroadcaster, StepPlan
+from tp_engine import weight_updates
 from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
 from tp_engine.control import EngineControl, EngineInconsistentError
@@ -286,6 +287,8 @@ class LLMEngine:
         self.sampling.follow(self.scheduler.batch)
         # Control calls to every rank (`tp_engine.control`), run between steps.
         self.control = EngineControl(self)
+        # The label of the weights in use (SGLang's `weight_version`); set by weight updates.
+        self.weight_version = "default"
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -926,6 +929,29 @@ class LLMEngine:
         return 0 if self.spec is None else self.spec.num_speculative_tokens
 
     # -- shutdown --------------------------------------------------------------------------------
+
+    # -- weight updates (`tp_engine.weight_updates`) ---------------------------------------------
+
+    def load_weights(self, weights: Any, **kwargs: Any) -> int:
+        return weight_updates.load_weights(self, weights, **kwargs)
+
+    def update_weights_from_disk(self, model_path: str | Path, **kwargs: Any) -> None:
+        weight_updates.update_weights_from_disk(self, model_path, **kwargs)
+
+    def init_weights_update_group(self, *args: Any, **kwargs: Any) -> None:
+        weight_updates.init_weights_update_group(self, *args, **kwargs)
+
+    def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> None:
+        weight_updates.update_weights_from_distributed(self, *args, **kwargs)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        weight_updates.destroy_weights_update_group(self, group_name)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        return weight_updates.get_weights_by_name(self, name, truncate_size)
+
+    def reset_prefix_cache(self) -> bool:
+        return weight_updates.reset_prefix_cache(self)
 
     def shutdown(self) -> None:
         """Tell the workers to exit, release the channel and give back this rank's device

@@ -24,13 +24,16 @@ import atexit
 import itertools
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from rank_worker import bringup
 from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
+from tp_engine import weight_updates
 from tp_engine.config import EngineConfig
 from tp_engine.detokenizer import IncrementalDetokenizer
 from tp_engine.engine import EngineDeadError, LLMEngine
@@ -361,6 +364,83 @@ class LLM:
         return self.engine.is_sleeping()
 
     # -- lifetime --------------------------------------------------------------------------------
+
+    # -- weight updates (the engine's; `tp_engine.weight_updates` documents them) -------------
+
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        bucket_bytes: int = weight_updates.DEFAULT_BUCKET_BYTES,
+    ) -> int:
+        """Write full Hugging Face-named tensors (any float dtype, any subset) on every rank;
+        returns how many. Raises `ControlRefusedError` (nothing changed) for a bad batch."""
+        return self.engine.load_weights(
+            weights, weight_version=weight_version, flush_cache=flush_cache,
+            bucket_bytes=bucket_bytes,
+        )  # fmt: skip
+
+    def update_weights_from_disk(
+        self, model_path: str, *, weight_version: str | None = None, flush_cache: bool = True
+    ) -> None:
+        """Reload every weight from a safetensors checkpoint of this model's shapes."""
+        self.engine.update_weights_from_disk(
+            model_path, weight_version=weight_version, flush_cache=flush_cache
+        )
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = weight_updates.DEFAULT_GROUP_NAME,
+        backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Join a trainer's process group (the trainer is its rank 0; rank r is
+        `rank_offset + r`)."""
+        self.engine.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend, **kwargs
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[Any],
+        shapes: list[list[int]],
+        *,
+        group_name: str = weight_updates.DEFAULT_GROUP_NAME,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        """Receive the named full tensors by broadcast from the trainer, in order."""
+        self.engine.update_weights_from_distributed(
+            names, dtypes, shapes, group_name=group_name, weight_version=weight_version,
+            flush_cache=flush_cache,
+        )  # fmt: skip
+
+    def destroy_weights_update_group(
+        self, group_name: str = weight_updates.DEFAULT_GROUP_NAME
+    ) -> None:
+        self.engine.destroy_weights_update_group(group_name)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """The first `truncate_size` values of checkpoint tensor `name`, flattened, gathered
+        from every rank's shard (the full tensor's, at any TP size)."""
+        return self.engine.get_weights_by_name(name, truncate_size)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop unreferenced cached blocks; True when nothing stays cached."""
+        return self.engine.reset_prefix_cache()
+
+    @property
+    def weight_version(self) -> str:
+        """The label of the weights in use: "default", then the last update's
+        `weight_version`."""
+        return self.engine.weight_version
 
     def shutdown(self) -> None:
         """Stop the workers and free the channel. Idempotent; also runs at interpreter exit."""

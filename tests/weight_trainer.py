@@ -1,0 +1,49 @@
+"""A stand-in trainer for the weight-update tests: a separate process that hosts the weights
+update group's TCPStore, joins the group as its rank 0 (as SGLang's trainers do), and
+broadcasts the tensors it is told to, in order.
+
+Commands on `commands` (a multiprocessing queue), replies on `replies`:
+    ("send", checkpoint_dir, [[name, dtype, shape], ...])  broadcast each tensor of the
+        checkpoint, cast to dtype; a shape that differs from the checkpoint's is sent as zeros
+        of that shape (what a trainer with wrong metadata would do) → ("sent", seconds)
+    ("stop",)  → ("stopped",), and the process exits
+The first reply is ("ready",) once every rank has joined. Any failure → ("error", traceback).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any
+
+
+def trainer_main(port: int, world_size: int, group_name: str, commands: Any, replies: Any) -> None:
+    try:
+        import torch
+        from safetensors.torch import load_file
+
+        from rank_worker.control_weights import group_broadcast, parse_dtype, weights_update_group
+        from rank_worker.loader import safetensors_files
+
+        pg, _store = weights_update_group(
+            "127.0.0.1", port, 0, world_size, group_name, "gloo", timeout_s=60
+        )
+        replies.put(("ready",))
+        while True:
+            cmd = commands.get()
+            if cmd[0] == "stop":
+                replies.put(("stopped",))
+                return
+            _, ckpt, metas = cmd
+            tensors: dict[str, torch.Tensor] = {}
+            for path in safetensors_files(ckpt):
+                tensors.update(load_file(str(path)))
+            start = time.perf_counter()
+            for name, dtype, shape in metas:
+                t = tensors.get(name)
+                if t is None or list(t.shape) != list(shape):
+                    t = torch.zeros(shape)
+                group_broadcast(pg, t.to(parse_dtype(dtype)).contiguous())
+            replies.put(("sent", time.perf_counter() - start))
+    except BaseException:
+        replies.put(("error", traceback.format_exc()))

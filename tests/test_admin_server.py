@@ -168,3 +168,58 @@ def test_sglang_memory_occupation_routes(server):
     assert greedy_tokens(server) == before
     status, reply = admin(server, "POST", "/sleep?level=3")
     assert status == 400 and "level" in reply["error"]["message"], reply
+
+
+def test_update_from_a_trainer_then_completions_on_the_new_weights(server, tmp_path):
+    """SGLang's RL flow through the server: a trainer process hosts the group's store and
+    joins as its rank 0, the engine joins (/init_weights_update_group), the trainer broadcasts
+    checkpoint B while /update_weights_from_distributed receives it; then completions through
+    the official client are transformers' greedy tokens on B."""
+    import multiprocessing as mp
+    import socket
+
+    import openai
+    from safetensors.torch import load_file
+
+    from tests.tp_cases import hf_greedy
+    from tests.weight_trainer import trainer_main
+    from tp_engine.checkpoints import DEMO_SHAPE, build_random_qwen3
+
+    b = build_random_qwen3(tmp_path / "b", **{**DEMO_SHAPE, "seed": 11})
+    metas = [
+        [n, "float32", list(t.shape)] for n, t in load_file(str(b / "model.safetensors")).items()
+    ]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    commands, replies = ctx.Queue(), ctx.Queue()
+    trainer = ctx.Process(target=trainer_main, args=(port, 2, "rl", commands, replies), daemon=True)
+    trainer.start()
+    try:
+        group = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                 "world_size": 2, "group_name": "rl"}  # fmt: skip
+        assert admin(server, "POST", "/init_weights_update_group", group)[1]["success"] is True
+        assert replies.get(timeout=60) == ("ready",)
+        commands.put(("send", str(b), metas))
+        update = {"names": [m[0] for m in metas], "dtypes": [m[1] for m in metas],
+                  "shapes": [m[2] for m in metas], "group_name": "rl", "weight_version": "step-1"}  # fmt: skip
+        status, reply = admin(server, "POST", "/update_weights_from_distributed", update)
+        assert (status, reply["success"]) == (200, True), reply
+        assert replies.get(timeout=60)[0] == "sent"
+        assert admin(server, "GET", "/get_weight_version") == (200, {"weight_version": "step-1"})
+
+        client = openai.OpenAI(base_url=f"http://{server.host}:{server.port}/v1", api_key=API_KEY)
+        prompt = [5, 17, 33, 2, 9]
+        done = client.completions.create(
+            model=client.models.list().data[0].id, prompt=prompt, max_tokens=6, temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        assert done.choices[0].token_ids == hf_greedy(b, [prompt], 6)[0]
+        destroy = {"group_name": "rl"}
+        assert admin(server, "POST", "/destroy_weights_update_group", destroy)[0] == 200
+    finally:
+        commands.put(("stop",))
+        trainer.join(30)
+        if trainer.is_alive():
+            trainer.kill()

@@ -351,3 +351,33 @@ def test_waiting_for_the_api_process_stops_when_asked():
     finally:
         pipes.close()
         run_dir.remove()
+
+
+def test_control_ops_answer_refusals_400_and_an_inconsistent_engine_503():
+    """An operation's refusal is a 400 and a failed commit (a trainer killed mid-broadcast) a
+    503 with the engine kept (a full load repairs it); a dead engine is not caught."""
+    from types import SimpleNamespace
+
+    from tp_engine.control import ControlRefusedError, EngineInconsistentError
+    from tp_engine.failures import EngineDeadError
+    from tp_engine.server.control_ops import run_op
+
+    def engine_raising(exc):
+        def update(*args, **kwargs):
+            raise exc
+
+        return SimpleNamespace(update_weights_from_disk=update)
+
+    refused = run_op(engine_raising(ControlRefusedError("rank 1: 'x' has shape (2,)")),
+                     "update_weights_from_disk", {"model_path": "/m"})  # fmt: skip
+    assert (refused.status, refused.message) == (400, "rank 1: 'x' has shape (2,)")
+    broken = EngineInconsistentError("commit failed", SimpleNamespace(step_id=3))
+    outcome = run_op(engine_raising(broken), "update_weights_from_disk", {"model_path": "/m"})
+    assert outcome.status == 503 and "commit failed" in outcome.message
+    assert run_op(engine_raising(None), "no_such_op", {}).status == 400
+    assert run_op(engine_raising(None), "update_weights_from_disk", {}).message == (
+        "missing 'model_path'"
+    )
+    with pytest.raises(EngineDeadError):
+        run_op(engine_raising(EngineDeadError("rank 1 died")), "update_weights_from_disk",
+               {"model_path": "/m"})  # fmt: skip

@@ -6,12 +6,15 @@ Commands on `commands` (a multiprocessing queue), replies on `replies`:
     ("send", checkpoint_dir, [[name, dtype, shape], ...])  broadcast each tensor of the
         checkpoint, cast to dtype; a shape that differs from the checkpoint's is sent as zeros
         of that shape (what a trainer with wrong metadata would do) → ("sent", seconds)
+    ("die_after", checkpoint_dir, [[name, dtype, shape], ...], k)  broadcast the first k
+        tensors, then exit at once without a word (a trainer killed mid-update)
     ("stop",)  → ("stopped",), and the process exits
 The first reply is ("ready",) once every rank has joined. Any failure → ("error", traceback).
 """
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from typing import Any
@@ -34,12 +37,14 @@ def trainer_main(port: int, world_size: int, group_name: str, commands: Any, rep
             if cmd[0] == "stop":
                 replies.put(("stopped",))
                 return
-            _, ckpt, metas = cmd
+            _, ckpt, metas, *die_after = cmd
             tensors: dict[str, torch.Tensor] = {}
             for path in safetensors_files(ckpt):
                 tensors.update(load_file(str(path)))
             start = time.perf_counter()
-            for name, dtype, shape in metas:
+            for i, (name, dtype, shape) in enumerate(metas):
+                if die_after and i == die_after[0]:
+                    os._exit(1)
                 t = tensors.get(name)
                 if t is None or list(t.shape) != list(shape):
                     t = torch.zeros(shape)

@@ -18,8 +18,10 @@ it needs (`ControlHost`); the ranks' side, the op table and the two-phase protoc
 
 A refusal (any rank's prepare said no, or raised) is a returned value: nothing was changed on
 any rank and the engine serves on. A failed commit raises `EngineInconsistentError` and the
-engine refuses to step from then on, since the ranks may no longer hold the same model; the
-workers keep serving control calls and still exit cleanly at shutdown. A broken rank (dead,
+engine refuses to step from then on, since the ranks may no longer hold the same model (a
+trainer killed in the middle of its broadcasts); the workers keep serving control calls and
+still exit cleanly at shutdown. Weight loads are still taken (`REPAIRING_OPS`): one that writes
+every weight makes the ranks whole again and the engine serves on. A broken rank (dead,
 a collective that failed) is `EngineDeadError`, as for a step.
 """
 
@@ -64,8 +66,9 @@ class ControlHost(Protocol):
     channel: PlanBroadcaster | None  # None with one rank
     executor: StepExecutor  # rank 0's runner of plans and control calls
 
-    def check_usable(self) -> None:
-        """Raise the engine's error if it is dead or inconsistent."""
+    def check_usable(self, repairing: bool = False) -> None:
+        """Raise the engine's error if it is dead, or inconsistent and the call cannot repair
+        it (`repairing`: a weight load, which may make every rank whole again)."""
 
     def quiesce(self) -> None:
         """Apply the step in flight, if any, keeping its outputs for the next `step()`."""
@@ -78,6 +81,15 @@ class ControlHost(Protocol):
 
     def mark_inconsistent(self, error: EngineInconsistentError) -> None:
         """From now on every step raises `error`."""
+
+
+# Calls an inconsistent engine still takes: weight loads (and the trainer's group around them),
+# since a load that writes every weight makes every rank whole again (`weight_updates`).
+REPAIRING_OPS = frozenset({
+    ControlOp.LOAD_WEIGHTS, ControlOp.LOAD_WEIGHTS_FROM_DISK, ControlOp.LOAD_WEIGHTS_FROM_GROUP,
+    ControlOp.INIT_WEIGHTS_UPDATE_GROUP, ControlOp.DESTROY_WEIGHTS_UPDATE_GROUP,
+    ControlOp.WEIGHT_CHECKSUMS,
+})  # fmt: skip
 
 
 class EngineControl:
@@ -98,7 +110,7 @@ class EngineControl:
         op = ControlOp(op)  # ValueError for an unknown number, before anything is sent
         args = {} if args is None else dict(args)
         ControlCall(0, int(op), args)  # refuse args that do not encode before quiescing
-        host.check_usable()
+        host.check_usable(repairing=op in REPAIRING_OPS)
         host.quiesce()
         call = ControlCall(host.take_step_id(), int(op), args)
         with host.failures_named(f"control call {op.name} (step {call.step_id})"):

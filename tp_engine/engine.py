@@ -441,8 +441,10 @@ class LLMEngine:
         lets run (paused: the running ones in "wait" mode only), or a step in flight."""
         if self._in_flight is not None:
             return True
-        if self.sleep_state.holds_requests:
-            return False  # asleep, or weights lost: nothing can run until a wake or a load
+        if self.sleep_state.holds_requests or self._inconsistent is not None:
+            # Asleep, weights lost, or ranks that may disagree: nothing runs until a wake or
+            # a load of every weight.
+            return False
         if self.pause_mode is None:
             return self.has_unfinished()
         return self.pause_mode is PauseMode.WAIT and len(self.scheduler.batch) > 0
@@ -636,13 +638,23 @@ class LLMEngine:
             self._undelivered = outputs
             raise
 
-    def check_usable(self) -> None:
+    def check_usable(self, repairing: bool = False) -> None:
         """Raise why the engine cannot step, if it cannot (a rank failed, or a control call's
-        commit failed)."""
+        commit failed; `repairing`: a weight load, which an inconsistent engine still takes)."""
         if self._dead is not None:
             raise self._dead
-        if self._inconsistent is not None:
+        if self._inconsistent is not None and not repairing:
             raise self._inconsistent
+
+    @property
+    def inconsistent(self) -> EngineInconsistentError | None:
+        """Why the ranks may hold different models (a failed commit), until a full weight
+        load repairs it; None while they agree."""
+        return self._inconsistent
+
+    def note_consistent(self) -> None:
+        """A weight load wrote every weight on every rank: the ranks agree again."""
+        self._inconsistent = None
 
     def quiesce(self) -> None:
         """Apply the step in flight (asynchronous scheduling), if any, and keep its outputs

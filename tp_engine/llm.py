@@ -35,6 +35,7 @@ from rank_worker import bringup
 from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
 from tp_engine import weight_updates
 from tp_engine.config import EngineConfig
+from tp_engine.control import EngineInconsistentError
 from tp_engine.detokenizer import IncrementalDetokenizer
 from tp_engine.engine import EngineDeadError, LLMEngine
 from tp_engine.metrics_reader import Metric, engine_metrics
@@ -259,6 +260,10 @@ class LLM:
         start = time.perf_counter()
         remaining = set(samples)
         try:
+            if self.engine.inconsistent is not None:
+                # A failed weight update: the ranks may disagree until a full load repairs
+                # them; the engine itself is alive (no release).
+                raise self.engine.inconsistent
             if self.engine.pause_mode is not None:
                 # Nothing would be admitted: refuse rather than step forever.
                 raise RuntimeError(
@@ -290,6 +295,10 @@ class LLM:
                         f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
                         f"decode {decode_tokens / elapsed:.0f} tok/s"
                     )
+        except EngineInconsistentError:
+            for seq_id in remaining:
+                self.engine.abort_request(seq_id)
+            raise
         except EngineDeadError:
             self._release(dead=True)
             raise

@@ -64,13 +64,16 @@ def _committed(
     names: Iterable[str] | None = None,
 ) -> None:
     """After an update every rank committed: old K/V is never a hit again, the version is the
-    caller's, and weights that a level-2 sleep discarded count as loaded once an update has
-    written every one of them (`names`: the update's tensors; None: a whole checkpoint)."""
+    caller's, and once an update has written every weight (`names`: the update's tensors; None:
+    a whole checkpoint) weights that a level-2 sleep discarded count as loaded and ranks that a
+    failed commit left inconsistent agree again."""
     engine.scheduler.block_manager.advance_epoch(flush=flush_cache)
     if weight_version is not None:
         engine.weight_version = str(weight_version)
-    if engine.sleep_state.weights_lost and (names is None or _covers_every_weight(engine, names)):
+    needs_all = engine.sleep_state.weights_lost or engine.inconsistent is not None
+    if needs_all and (names is None or _covers_every_weight(engine, names)):
         engine.note_weights_loaded()
+        engine.note_consistent()
 
 
 def _covers_every_weight(engine: LLMEngine, names: Iterable[str]) -> bool:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tp_engine.control import EngineInconsistentError
 from tp_engine.failures import EngineDeadError
 
 if TYPE_CHECKING:
@@ -116,6 +117,10 @@ def run_op(engine: LLMEngine, op: str, args: dict[str, Any]) -> OpOutcome:
         return OpOutcome(400, f"unknown control operation {op!r}")
     try:
         result = call(engine, args)
+    except EngineInconsistentError as exc:
+        # A commit failed (a trainer killed mid-broadcast): the engine refuses requests with
+        # 503 until a load of every weight repairs it; it is not dead.
+        return OpOutcome(503, str(exc))
     except EngineDeadError:
         raise
     except (ValueError, TypeError, KeyError) as exc:

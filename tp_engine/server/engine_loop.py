@@ -199,6 +199,10 @@ class EngineLoop:
                 Rejected(msg.request_id, 503, "the server is shutting down; retry elsewhere")
             )
             return
+        if self.engine.inconsistent is not None:
+            why = f"the engine's weights are inconsistent until a full update: {self.engine.inconsistent}"
+            self._rejected.append(Rejected(msg.request_id, 503, why))
+            return
         try:
             params = SamplingParams(**msg.sampling_params)
             seq_ids = self.engine.add_request(msg.request_id, msg.prompt_token_ids, params)

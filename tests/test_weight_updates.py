@@ -327,3 +327,34 @@ def test_alternating_updates_return_to_baseline(engine: Engine) -> None:
         assert engine.tokens(PROMPTS[:1]) == hf_tokens(ckpt)[:1], f"cycle {cycle}"
         assert bm.num_free_blocks == baseline, f"cycle {cycle}"
     assert engine.llm.weight_version == "19"
+
+
+def test_requests_kept_across_an_update_continue_and_share_nothing(engine: Engine) -> None:
+    """Pause "keep" around an update (the RL default of SGLang's in-place pause): the frozen
+    requests continue on the new weights and finish; none of their K/V (computed, or attended
+    to, under the old weights) is ever a hit, even with the cache not flushed; a fresh request
+    with the same prompt gets transformers' tokens on the new weights."""
+    from tp_engine.engine_states import PauseMode
+
+    engine.reset_to_a()
+    core = engine.llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = PROMPTS[2]  # 21 tokens: 5 full blocks
+    kept = core.add_request("kept", prompt, params)[0]
+    tokens: list[int] = []
+    while len(tokens) < 2:
+        tokens += [
+            t for out in core.step().outputs if out.seq_id == kept for t in out.new_token_ids
+        ]
+    core.pause(PauseMode.KEEP)
+    assert tokens == hf_tokens(engine.a)[2][: len(tokens)]  # computed under A so far
+    engine.llm.load_weights(tensors(engine.b), flush_cache=False)
+    core.resume()
+    while core.has_unfinished():
+        tokens += [
+            t for out in core.step().outputs if out.seq_id == kept for t in out.new_token_ids
+        ]
+    assert len(tokens) == MAX_TOKENS
+    hits = _hits(engine)
+    assert engine.tokens([prompt]) == [hf_tokens(engine.b)[2]]
+    assert _hits(engine) == hits

@@ -175,27 +175,16 @@ def test_update_from_a_trainer_then_completions_on_the_new_weights(server, tmp_p
     joins as its rank 0, the engine joins (/init_weights_update_group), the trainer broadcasts
     checkpoint B while /update_weights_from_distributed receives it; then completions through
     the official client are transformers' greedy tokens on B."""
-    import multiprocessing as mp
-    import socket
-
     import openai
-    from safetensors.torch import load_file
 
     from tests.tp_cases import hf_greedy
-    from tests.weight_trainer import trainer_main
+    from tests.weight_trainer import checkpoint_metas, spawn_trainer
     from tp_engine.checkpoints import DEMO_SHAPE, build_random_qwen3
 
     b = build_random_qwen3(tmp_path / "b", **{**DEMO_SHAPE, "seed": 11})
-    metas = [
-        [n, "float32", list(t.shape)] for n, t in load_file(str(b / "model.safetensors")).items()
-    ]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    commands, replies = ctx.Queue(), ctx.Queue()
-    trainer = ctx.Process(target=trainer_main, args=(port, 2, "rl", commands, replies), daemon=True)
-    trainer.start()
+    metas = checkpoint_metas(b)
+    trainer = spawn_trainer(2, "rl")
+    commands, replies, port = trainer.commands, trainer.replies, trainer.port
     try:
         group = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
                  "world_size": 2, "group_name": "rl"}  # fmt: skip
@@ -219,7 +208,4 @@ def test_update_from_a_trainer_then_completions_on_the_new_weights(server, tmp_p
         destroy = {"group_name": "rl"}
         assert admin(server, "POST", "/destroy_weights_update_group", destroy)[0] == 200
     finally:
-        commands.put(("stop",))
-        trainer.join(30)
-        if trainer.is_alive():
-            trainer.kill()
+        trainer.stop()

@@ -8,14 +8,11 @@ alive: a load of every weight (here from disk) makes it whole and it serves the 
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-
 import pytest
 from safetensors.torch import load_file
 
 from tests.tp_cases import CHECKPOINTS, MAX_MODEL_LEN, hf_greedy
-from tests.weight_trainer import trainer_main
+from tests.weight_trainer import checkpoint_metas, spawn_trainer
 from tp_engine import LLM, SamplingParams
 from tp_engine.control import ControlRefusedError, EngineInconsistentError
 
@@ -30,16 +27,9 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_engine_refusing_until_a_full_
     shape = {k: v for k, v in CHECKPOINTS["tied_kv2_oddvocab"].items() if k != "seed"}
     a = build_random_qwen3(tmp_path / "a", max_position_embeddings=MAX_MODEL_LEN, seed=1, **shape)
     b = build_random_qwen3(tmp_path / "b", max_position_embeddings=MAX_MODEL_LEN, seed=2, **shape)
-    metas = [
-        [n, "float32", list(t.shape)] for n, t in load_file(str(b / "model.safetensors")).items()
-    ]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    commands, replies = ctx.Queue(), ctx.Queue()
-    trainer = ctx.Process(target=trainer_main, args=(port, 2, "rl", commands, replies), daemon=True)
-    trainer.start()
+    metas = checkpoint_metas(b)
+    trainer = spawn_trainer(2, "rl")
+    commands, replies, port = trainer.commands, trainer.replies, trainer.port
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM(str(a), block_size=4, num_kv_blocks=64) as llm:
         llm.init_weights_update_group("127.0.0.1", port, 1, 2, "rl", timeout_s=60)
@@ -50,7 +40,7 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_engine_refusing_until_a_full_
                 [m[0] for m in metas], [m[1] for m in metas], [m[2] for m in metas],
                 group_name="rl",
             )  # fmt: skip
-        trainer.join(30)
+        trainer.process.join(30)
         with pytest.raises(EngineInconsistentError):
             llm.generate([PROMPT], greedy, use_tqdm=False)
         with pytest.raises(ControlRefusedError):  # a partial load is checked as ever...

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -52,3 +53,45 @@ def trainer_main(port: int, world_size: int, group_name: str, commands: Any, rep
             replies.put(("sent", time.perf_counter() - start))
     except BaseException:
         replies.put(("error", traceback.format_exc()))
+
+
+@dataclass
+class Trainer:
+    """A running stand-in trainer: its process, command and reply queues, and store port."""
+
+    process: Any
+    commands: Any
+    replies: Any
+    port: int
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.commands.put(("stop",))
+            self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def spawn_trainer(world_size: int, group_name: str) -> Trainer:
+    """Start `trainer_main` in a fresh (spawned) process on a free port of 127.0.0.1."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    commands, replies = ctx.Queue(), ctx.Queue()
+    args = (port, world_size, group_name, commands, replies)
+    process = ctx.Process(target=trainer_main, args=args, daemon=True)
+    process.start()
+    return Trainer(process, commands, replies, port)
+
+
+def checkpoint_metas(checkpoint: Any, dtype: str = "float32") -> list[list[Any]]:
+    """`[name, dtype, shape]` of every tensor of a single-file checkpoint, as a trainer
+    announces them."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(checkpoint) + "/model.safetensors")
+    return [[name, dtype, list(t.shape)] for name, t in tensors.items()]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -41,7 +41,30 @@ from rank_worker.weight_map import expected_parts
 from tp_engine.control import ControlOp, ControlRefusedError, ControlResult
 
 if TYPE_CHECKING:
-    from tp_engine.engine import LLMEngine
+    from rank_worker.model_runner import ModelRunner
+    from tp_engine.control import EngineControl, EngineInconsistentError
+    from tp_engine.scheduler import Scheduler
+    from tp_engine.sleep import EngineSleep
+
+
+class UpdateHost(Protocol):
+    """What a weight update needs of the engine (`LLMEngine` is one; a protocol, so that this
+    module and the engine do not import each other)."""
+
+    control: EngineControl
+    runner: ModelRunner  # rank 0's
+    scheduler: Scheduler
+    sleep_state: EngineSleep
+    model_dir: Path
+    weight_version: str
+
+    @property
+    def inconsistent(self) -> EngineInconsistentError | None: ...
+
+    def note_weights_loaded(self) -> None: ...
+
+    def note_consistent(self) -> None: ...
+
 
 # Bytes of tensors per broadcast from rank 0 (vLLM's packed transfer uses 1 GiB, TRL 256 MB).
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -58,7 +81,7 @@ def _refused(result: ControlResult, op: str) -> ControlRefusedError:
 
 
 def _committed(
-    engine: LLMEngine,
+    engine: UpdateHost,
     weight_version: str | None,
     flush_cache: bool,
     names: Iterable[str] | None = None,
@@ -76,7 +99,7 @@ def _committed(
         engine.note_consistent()
 
 
-def _covers_every_weight(engine: LLMEngine, names: Iterable[str]) -> bool:
+def _covers_every_weight(engine: UpdateHost, names: Iterable[str]) -> bool:
     """Whether tensors named `names` fill every part a checkpoint must provide."""
     wmap = engine.runner.weight_map
     filled = {target.name for name in names for target in wmap.resolve(name) or ()}
@@ -106,7 +129,7 @@ def _take_bucket(
 
 
 def load_weights(
-    engine: LLMEngine,
+    engine: UpdateHost,
     weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
     *,
     weight_version: str | None = None,
@@ -158,7 +181,7 @@ def load_weights(
 
 
 def update_weights_from_disk(
-    engine: LLMEngine,
+    engine: UpdateHost,
     model_path: str | Path,
     *,
     weight_version: str | None = None,
@@ -174,7 +197,7 @@ def update_weights_from_disk(
 
 
 def init_weights_update_group(
-    engine: LLMEngine,
+    engine: UpdateHost,
     master_address: str,
     master_port: int,
     rank_offset: int,
@@ -206,7 +229,7 @@ def init_weights_update_group(
 
 
 def update_weights_from_distributed(
-    engine: LLMEngine,
+    engine: UpdateHost,
     names: Sequence[str],
     dtypes: Sequence[str | torch.dtype],
     shapes: Sequence[Sequence[int]],
@@ -233,14 +256,14 @@ def update_weights_from_distributed(
     _committed(engine, weight_version, flush_cache, [str(n) for n in names])
 
 
-def destroy_weights_update_group(engine: LLMEngine, group_name: str = DEFAULT_GROUP_NAME) -> None:
+def destroy_weights_update_group(engine: UpdateHost, group_name: str = DEFAULT_GROUP_NAME) -> None:
     """Leave the trainer's group on every rank."""
     result = engine.control.call(ControlOp.DESTROY_WEIGHTS_UPDATE_GROUP, {"group_name": group_name})
     if not result.ok:
         raise _refused(result, "destroy_weights_update_group")
 
 
-def get_weights_by_name(engine: LLMEngine, name: str, truncate_size: int = 100) -> list[float]:
+def get_weights_by_name(engine: UpdateHost, name: str, truncate_size: int = 100) -> list[float]:
     """The first `truncate_size` values of checkpoint tensor `name`, flattened, as the full
     (gathered) tensor has them: every rank reports its shard's values among them and rank 0
     puts them in place, so the answer is the same at every TP size (SGLang's
@@ -276,7 +299,7 @@ def get_weights_by_name(engine: LLMEngine, name: str, truncate_size: int = 100) 
     return values  # type: ignore[return-value]
 
 
-def reset_prefix_cache(engine: LLMEngine) -> bool:
+def reset_prefix_cache(engine: UpdateHost) -> bool:
     """Drop every unreferenced cached block; True when nothing stays cached (vLLM's answer:
     False while running requests still hold cached blocks)."""
     bm = engine.scheduler.block_manager

@@ -116,3 +116,23 @@ def test_other_rope_types_are_refused_by_name(rope_type) -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match=f"RoPE type '{rope_type}' is not supported"):
         RopeSpec.from_config(config)
+
+
+def test_ranks_refuse_a_max_model_len_past_their_table(tmp_path) -> None:
+    # Rank 0 checks first; this guards a runner given more (e.g. a draft model).
+    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner_config import RunnerConfig
+    from rank_worker.tp import TPInfo
+    from tp_engine.checkpoints import build_random_qwen3, with_rope_scaling
+
+    base = build_random_qwen3(
+        tmp_path / "base", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+        intermediate_size=32, max_position_embeddings=32, rope_theta=1e4,
+    )  # fmt: skip
+    yarn = with_rope_scaling(base, tmp_path / "yarn", YARN)
+    runner = ModelRunner(yarn, RunnerConfig(max_model_len=128, block_size=4), TPInfo(0, 1), "cpu")
+    assert runner.model.model.layers[0].self_attn.rotary.cos_sin_cache.shape == (128, 16)
+    with pytest.raises(ValueError, match=r"max_model_len \(129\) exceeds .* maximum length 128"):
+        ModelRunner(yarn, RunnerConfig(max_model_len=129, block_size=4), TPInfo(0, 1), "cpu")
+    with pytest.raises(ValueError, match=r"max_model_len \(33\) exceeds .* maximum length 32"):
+        ModelRunner(base, RunnerConfig(max_model_len=33, block_size=4), TPInfo(0, 1), "cpu")

@@ -136,3 +136,21 @@ def test_ranks_refuse_a_max_model_len_past_their_table(tmp_path) -> None:
         ModelRunner(yarn, RunnerConfig(max_model_len=129, block_size=4), TPInfo(0, 1), "cpu")
     with pytest.raises(ValueError, match=r"max_model_len \(33\) exceeds .* maximum length 32"):
         ModelRunner(base, RunnerConfig(max_model_len=33, block_size=4), TPInfo(0, 1), "cpu")
+
+
+def test_the_triton_rotary_kernel_reads_the_scaled_table_as_the_torch_path_does() -> None:
+    # The attention factor lives in the table, so the kernels need nothing new (interpreted on
+    # CPU, tests/conftest.py). Positions on both sides of L0 and the table's last row.
+    from kernels.rotary import rotary_embedding
+
+    rotary = RotaryEmbedding(RopeSpec.from_config(hf_config()), device="cpu")
+    gen = torch.Generator().manual_seed(4)
+    positions = torch.tensor([0, 5, 31, 32, 77, 127])
+    q, k = torch.randn(6, 4, 16, generator=gen), torch.randn(6, 2, 16, generator=gen)
+    q_ref, k_ref = rotary(positions, q, k)
+    q_out, k_out = rotary_embedding(positions, q.clone(), k.clone(), rotary.cos_sin_cache)
+    torch.testing.assert_close(q_out, q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_out, k_ref, rtol=1e-5, atol=1e-5)
+    # The factor scales the rotated vectors' norms: |rot(x)| = attention_factor · |x|.
+    factor = rotary.spec.attention_factor
+    torch.testing.assert_close(q_out.norm(dim=-1), factor * q.norm(dim=-1))

@@ -44,6 +44,7 @@ from rank_worker.kv_cache import (
     cpu_num_blocks,
     measure_gpu_num_blocks,
 )
+from rank_worker.layers.rope_spec import RopeSpec
 from rank_worker.loader import load_checkpoint
 from rank_worker.qwen3 import KVCachePair
 from rank_worker.runner_config import RunnerConfig
@@ -122,6 +123,15 @@ class ModelRunner:
         self.baseline_allocated = memory.read().allocated if memory is not None else 0
         torch.manual_seed(config.seed)
         self.hf_config = load_hf_config(model_dir)
+        # Rank 0 checked max_model_len against the same spec (`EngineConfig.with_model_defaults`);
+        # a runner given more (a draft model with a shorter context) would read positions past
+        # its cos/sin table: garbage in the Triton kernels, not an error.
+        rope = RopeSpec.from_config(self.hf_config)
+        if config.max_model_len is not None and config.max_model_len > rope.max_positions:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds {model_dir}'s maximum length "
+                f"{rope.max_positions} ({rope.max_positions_source})"
+            )
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # Checked before the weights load: a backend that cannot run fails in a second.

@@ -35,11 +35,11 @@ from rank_worker.layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
+    RopeSpec,
     RotaryEmbedding,
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
-    rope_theta_from_config,
 )
 from rank_worker.layers.params import CheckpointPart
 from rank_worker.quantization import fp8_quant_of
@@ -256,12 +256,7 @@ class Qwen3Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             hf_config.vocab_size, hf_config.hidden_size, tp, dtype=dtype, device=device
         )
-        rotary = RotaryEmbedding(
-            head_dim_of(hf_config),
-            hf_config.max_position_embeddings,
-            rope_theta_from_config(hf_config),
-            device=device,
-        )
+        rotary = RotaryEmbedding(RopeSpec.from_config(hf_config), device=device)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(
                 hf_config,

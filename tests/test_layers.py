@@ -16,9 +16,9 @@ from rank_worker.layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
+    RopeSpec,
     RowParallelLinear,
     VocabParallelEmbedding,
-    rope_theta_from_config,
 )
 from rank_worker.layers.linear import local_kv_heads
 from rank_worker.tp import TPInfo
@@ -128,22 +128,24 @@ def test_rms_norm_fused_residual() -> None:
 
 
 def test_rope_theta_both_spellings() -> None:
-    new = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
-    old = SimpleNamespace(rope_theta=1e4, rope_scaling=None)
-    assert rope_theta_from_config(new) == 5e5
-    assert rope_theta_from_config(old) == 1e4
+    shape = dict(head_dim=8, max_position_embeddings=64)
+    new = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, **shape)
+    old = SimpleNamespace(rope_theta=1e4, rope_scaling=None, **shape)
+    assert RopeSpec.from_config(new).theta == 5e5
+    assert RopeSpec.from_config(old).theta == 1e4
 
 
 @pytest.mark.parametrize(
-    "config",
+    ("config", "name"),
     [
-        SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
-        SimpleNamespace(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0}),
+        (SimpleNamespace(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6}), "dynamic"),
+        (SimpleNamespace(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0}), "linear"),
     ],
 )
-def test_rope_scaling_is_refused(config: SimpleNamespace) -> None:
-    with pytest.raises(ValueError, match="not supported"):
-        rope_theta_from_config(config)
+def test_unsupported_rope_scaling_is_refused_by_name(config: SimpleNamespace, name: str) -> None:
+    config.head_dim, config.max_position_embeddings = 8, 64
+    with pytest.raises(ValueError, match=f"RoPE type '{name}' is not supported"):
+        RopeSpec.from_config(config)
 
 
 # -- the fused path (Triton kernels; interpreted on CPU) against the torch path -----------------

@@ -96,12 +96,15 @@ def test_invalid_engine_config_names_the_field(kwargs, field):
 
 def test_model_defaults_fill_max_model_len_in_a_new_object():
     c = EngineConfig(enable_chunked_prefill=False, max_num_seqs=4)
-    resolved = c.with_model_defaults(max_position_embeddings=40960)
+    resolved = c.with_model_defaults(max_positions=40960)
     assert c.max_model_len is None and resolved.max_model_len == 40960
     assert resolved.resolved_max_num_batched_tokens == 40960  # a whole prompt fits one step
     assert EngineConfig(max_model_len=1024).resolved_max_num_batched_tokens == 8192
     assert resolved.max_blocks_per_seq == 40960 // 16
-    with pytest.raises(ValueError, match="exceeds the checkpoint's max_position_embeddings"):
+    with pytest.raises(
+        ValueError,
+        match=r"\(50000\) exceeds the model's maximum length 40960 \(the checkpoint's max_pos",
+    ):
         EngineConfig(max_model_len=50_000).with_model_defaults(40960)
 
 

@@ -749,3 +749,26 @@ def truncate_layers(src_dir: str | Path, out_dir: str | Path, num_layers: int) -
             config["layer_types"] = config["layer_types"][:num_layers]
 
     return _rewrite_checkpoint(Path(src_dir), Path(out_dir), convert, edit)
+
+
+def with_rope_scaling(
+    src_dir: str | Path, out_dir: str | Path, scaling: dict[str, Any], *, legacy: bool = False
+) -> Path:
+    """A copy of `src_dir`'s checkpoint (same weights) whose RoPE is scaled by `scaling` (e.g.
+    `{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}`).
+
+    `legacy=False` writes transformers 5's `rope_parameters` (the base `rope_theta` kept inside
+    it); `legacy=True` writes a pre-5 config.json as published Qwen3 checkpoints have it: a
+    top-level `rope_theta` and `scaling` as `rope_scaling`. Returns `out_dir`."""
+
+    def edit(config: dict[str, Any]) -> None:
+        params = config.pop("rope_parameters", None) or {}
+        theta = params.get("rope_theta", config.pop("rope_theta", None))
+        if legacy:
+            config["rope_theta"] = theta
+            config["rope_scaling"] = dict(scaling)
+        else:
+            config.pop("rope_scaling", None)
+            config["rope_parameters"] = {"rope_theta": theta, **scaling}
+
+    return _rewrite_checkpoint(Path(src_dir), Path(out_dir), lambda n, t: {n: t}, edit)

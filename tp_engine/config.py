@@ -171,15 +171,22 @@ class EngineConfig:
             raise ValueError("max_model_len is not resolved yet; call with_model_defaults first")
         return math.ceil(self.max_model_len / self.block_size)
 
-    def with_model_defaults(self, max_position_embeddings: int) -> EngineConfig:
-        """A new config with max_model_len filled in from the checkpoint and checked against it."""
+    def with_model_defaults(
+        self, max_positions: int, source: str = "the checkpoint's max_position_embeddings"
+    ) -> EngineConfig:
+        """A new config with max_model_len filled in from the model and checked against it.
+
+        `max_positions` is the model's longest sequence (`RopeSpec.max_positions`, the length of
+        the ranks' cos/sin table: under YaRN, original_max_position_embeddings × factor unless
+        max_position_embeddings says more); `source` says where it comes from, for the error.
+        """
         if self.max_model_len is None:
-            return dataclasses.replace(self, max_model_len=max_position_embeddings)
+            return dataclasses.replace(self, max_model_len=max_positions)
         _check(
-            self.max_model_len <= max_position_embeddings,
+            self.max_model_len <= max_positions,
             "max_model_len",
-            f"({self.max_model_len}) exceeds the checkpoint's max_position_embeddings "
-            f"({max_position_embeddings})",
+            f"({self.max_model_len}) exceeds the model's maximum length {max_positions} "
+            f"({source}); positions past it have no rotary embedding",
         )
         return self
 

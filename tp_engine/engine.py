@@ -66,6 +66,7 @@ import torch
 
 from rank_worker.bootstrap import Bootstrap
 from rank_worker.fault_injection import Fault
+from rank_worker.layers.rope_spec import RopeSpec
 from rank_worker.model_runner import ModelRunner, load_hf_config
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.step import StepExecutor
@@ -203,7 +204,9 @@ class LLMEngine:
             )
         model_dir = Path(config.model) if config.model else _demo_model_dir()
         hf_config = load_hf_config(model_dir)
-        self.config = config.with_model_defaults(hf_config.max_position_embeddings)
+        # The same spec sizes every rank's cos/sin table (rank_worker/qwen3.py).
+        rope = RopeSpec.from_config(hf_config)
+        self.config = config.with_model_defaults(rope.max_positions, rope.max_positions_source)
         self._launch_config = self.config
         self.model_dir = model_dir
         self.tp = tp

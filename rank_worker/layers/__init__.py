@@ -15,7 +15,8 @@ from rank_worker.layers.linear import (
 )
 from rank_worker.layers.moe import ExpertPlacement, FusedMoE, Qwen3MoeSparseBlock, TopKRouter
 from rank_worker.layers.norm import RMSNorm
-from rank_worker.layers.rotary import RotaryEmbedding, rope_theta_from_config
+from rank_worker.layers.rope_spec import RopeSpec
+from rank_worker.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "ColumnParallelLinear",
@@ -26,10 +27,10 @@ __all__ = [
     "QKVParallelLinear",
     "Qwen3MoeSparseBlock",
     "RMSNorm",
+    "RopeSpec",
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",
     "TopKRouter",
     "VocabParallelEmbedding",
-    "rope_theta_from_config",
 ]

@@ -1,41 +1,17 @@
 """Rotary position embedding (RoPE) in the neox layout that Qwen3 uses.
 
 The head dimension is split in two halves `[x1 | x2]` rotated as pairs `(x1[i], x2[i])`
-(Hugging Face's `rotate_half`), not interleaved pairs `(x[2i], x[2i+1])`. Only plain RoPE is
-supported (`rope_type` "default" or no scaling); a scaled variant fails at construction rather
-than producing subtly wrong positions.
+(Hugging Face's `rotate_half`), not interleaved pairs `(x[2i], x[2i+1])`. The frequencies, the
+cos/sin scale and the table length come from a `RopeSpec` (plain RoPE or static YaRN; other
+types are refused there).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-
-def rope_theta_from_config(hf_config: Any) -> float:
-    """The RoPE base from either config spelling, after rejecting RoPE scaling.
-
-    Older configs carry `rope_theta` (and `rope_scaling`); transformers >= 5 folds both into
-    `rope_parameters = {"rope_type": ..., "rope_theta": ...}`.
-    """
-    params = getattr(hf_config, "rope_parameters", None)
-    scaling = getattr(hf_config, "rope_scaling", None)
-    for spec in (params, scaling):
-        if isinstance(spec, dict):
-            rope_type = spec.get("rope_type", spec.get("type", "default"))
-            if rope_type not in (None, "default"):
-                raise ValueError(
-                    f"RoPE type {rope_type!r} is not supported; only plain RoPE (rope_type "
-                    "'default', no rope_scaling) is implemented"
-                )
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    theta = getattr(hf_config, "rope_theta", None)
-    if theta is None:
-        raise ValueError("the config has neither rope_theta nor rope_parameters['rope_theta']")
-    return float(theta)
+from rank_worker.layers.rope_spec import RopeSpec
 
 
 class RotaryEmbedding(nn.Module):
@@ -43,32 +19,22 @@ class RotaryEmbedding(nn.Module):
 
     Split: none (no weights; the cos/sin table is replicated). Forward: no collective.
     `cos_sin_cache [max_position, head_dim]` fp32 holds cos of the head_dim/2 frequencies then
-    their sin, the layout the Triton kernels read (`kernels.rotary`, `kernels.qk_norm_rope`);
-    the torch path reads the two halves as views.
+    their sin (both times the spec's attention factor, 1 for plain RoPE), the layout the Triton
+    kernels read (`kernels.rotary`, `kernels.qk_norm_rope`); the torch path reads the two halves
+    as views. Its length is `spec.max_positions`, the bound rank 0 checks max_model_len against.
     """
 
-    def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        base: float,
-        *,
-        device: torch.device | str,
-    ) -> None:
+    def __init__(self, spec: RopeSpec, *, device: torch.device | str) -> None:
         super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
-        self.head_dim = head_dim
-        self.max_position = max_position
-        # Computed exactly as Hugging Face does (fp32 inverse frequencies times fp32 positions)
-        # so that logits match the reference to fp32 rounding.
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )  # [head_dim / 2]
-        t = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = t[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
+        if spec.head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {spec.head_dim}")
+        self.spec = spec
+        self.head_dim = spec.head_dim
+        self.max_position = spec.max_positions
+        # YaRN's attention factor is folded into the table (RopeSpec.cos_sin_cache), so the
+        # Triton kernels and the torch path need nothing beyond it.
         self.register_buffer(
-            "cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), -1).to(device), persistent=False
+            "cos_sin_cache", spec.cos_sin_cache(self.max_position).to(device), persistent=False
         )  # [max_position, head_dim]
 
     @property

@@ -444,13 +444,12 @@ class LLMEngine:
         lets run (paused: the running ones in "wait" mode only), or a step in flight."""
         if self._in_flight is not None:
             return True
-        if self.sleep_state.holds_requests or self._inconsistent is not None:
-            # Asleep, weights lost, or ranks that may disagree: nothing runs until a wake or
-            # a load of every weight.
+        gate = self.scheduler.gate  # the one reading of pause and sleep (`update_gate`)
+        if self._inconsistent is not None or not gate.stepping:
+            # Ranks that may disagree, asleep, weights lost, or frozen: nothing runs until a
+            # load of every weight, a wake or a resume.
             return False
-        if self.pause_mode is None:
-            return self.has_unfinished()
-        return self.pause_mode is PauseMode.WAIT and len(self.scheduler.batch) > 0
+        return self.has_unfinished() if gate.admitting else len(self.scheduler.batch) > 0
 
     def pause(self, mode: PauseMode) -> list[str]:
         """Stop serving new work (`tp_engine.engine_states`): nothing is admitted until `resume`;

@@ -77,12 +77,13 @@ class Ranks:
     def release(self, dead: bool, worker_exit_timeout_s: float = 10.0) -> None:
         """Stop spawned ranks (killed when `dead`, else given the timeout to exit after EXIT)
         and leave the process group. Idempotent."""
-        group, self.group = self.group, None
-        if group is not None:
+        # The reference stays: a watchdog thread's `group.kill()` during this call must wait
+        # for the directory to be gone before its process exits (`LocalGroup._release`).
+        if self.group is not None:
             if dead:
-                group.kill()
+                self.group.kill()
             else:
-                group.wait(worker_exit_timeout_s)
+                self.group.wait(worker_exit_timeout_s)
         if self.owns_group:
             self.owns_group = False
             destroy_process_group()

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +51,9 @@ class LocalGroup:
     procs: list[subprocess.Popen]
     run_dir: str
     _released: bool = field(default=False, repr=False)
+    # `kill` may come from a watchdog thread while the main thread is in `wait` or `kill`: the
+    # second caller waits until the directory is gone (it may `os._exit` right after).
+    _release_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def wait(self, timeout_s: float) -> None:
         """Let the children exit on their own (after EXIT), killing any still alive at the end."""
@@ -71,9 +75,10 @@ class LocalGroup:
         self._release()
 
     def _release(self) -> None:
-        if not self._released:
-            self._released = True
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        with self._release_lock:
+            if not self._released:
+                remove_tree(self.run_dir)
+                self._released = True
 
 
 def spawn_local_group(world_size: int, backend: str | None = None) -> tuple[TPInfo, LocalGroup]:
@@ -125,9 +130,19 @@ def _wait_for_children(store: dist.FileStore, procs: list[subprocess.Popen]) -> 
             time.sleep(_POLL_S)
 
 
+def remove_tree(path: str, attempts: int = 5) -> None:
+    """Remove `path` and everything in it. Retried: a rank leaving the process group at the
+    same moment can write the store's file again between `rmtree`'s unlink and its rmdir."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            return
+        time.sleep(0.05)
+
+
 def remove_group_dir() -> None:
     """In a spawned child whose rank 0 died: remove the rendezvous directory rank 0 made."""
-    shutil.rmtree(os.path.dirname(os.environ[ENV_STORE]), ignore_errors=True)
+    remove_tree(os.path.dirname(os.environ[ENV_STORE]))
 
 
 def join_local_group() -> TPInfo:

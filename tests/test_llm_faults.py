@@ -6,6 +6,7 @@ Its own module, so that no other test's process group is alive when these start 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -74,3 +75,55 @@ def test_a_malformed_fault_spec_is_refused_before_any_rank_starts(checkpoints, m
     monkeypatch.setenv("TP_ENGINE_FAULT", "not a fault spec")
     with pytest.raises(ValueError, match="TP_ENGINE_FAULT"):
         LLM(str(checkpoints["tied_kv2_oddvocab"]), tensor_parallel_size=2, num_kv_blocks=8)
+
+
+def test_a_second_kill_returns_only_once_the_group_directory_is_gone(tmp_path, monkeypatch):
+    """A watchdog thread's `kill` (followed by `os._exit`) while the main thread is still
+    removing the rendezvous directory must wait for it, or the directory is left behind."""
+    from rank_worker import local_group
+
+    run_dir = tmp_path / "tpe-group-x"
+    run_dir.mkdir()
+    removing, finish = threading.Event(), threading.Event()
+
+    def slow_remove(path: str) -> None:
+        removing.set()
+        finish.wait(5.0)
+        os.rmdir(path)
+
+    monkeypatch.setattr(local_group, "remove_tree", slow_remove)
+    group = local_group.LocalGroup(procs=[], run_dir=str(run_dir))
+    first = threading.Thread(target=group.kill)
+    first.start()
+    assert removing.wait(5.0)
+    second = threading.Thread(target=group.kill)
+    second.start()
+    second.join(0.3)
+    assert second.is_alive(), "the second kill returned while the directory was being removed"
+    finish.set()
+    first.join(5.0)
+    second.join(5.0)
+    assert not run_dir.exists()
+
+
+def test_remove_tree_removes_a_file_written_again_during_the_removal(tmp_path, monkeypatch):
+    """A rank leaving the group can write the store's file again between rmtree's unlink and
+    its rmdir; one rmtree then leaves the directory, the retry does not."""
+    import shutil
+
+    from rank_worker import local_group
+
+    run_dir = tmp_path / "tpe-group-y"
+    run_dir.mkdir()
+    real_rmtree, calls = shutil.rmtree, []
+
+    def racing_rmtree(path, ignore_errors=False):
+        calls.append(path)
+        real_rmtree(path, ignore_errors=ignore_errors)
+        if len(calls) == 1:  # the late writer: the directory and its file are back
+            os.makedirs(path)
+            (run_dir / "store").write_bytes(b"x")
+
+    monkeypatch.setattr(local_group.shutil, "rmtree", racing_rmtree)
+    local_group.remove_tree(str(run_dir))
+    assert not run_dir.exists() and len(calls) == 2

@@ -65,7 +65,13 @@ MESSAGES = [
     Control(7, "update_weights_from_distributed", {"names": ["a"], "shapes": [[2, 3]]}),
     ControlReply(7, 400, "rank 2 refused: unknown name 'a'", {}),
     Hello("/m", ["a"], 4096, 151936, {}, None, 1, enable_weight_updates=True),
-]
+    Hello("/m", ["a"], 4096, 151936, {}, None, 1, supported_tasks=["embed", "score"],
+          pooled_size=1024, is_matryoshka=True),
+    AddRequest("embd-1-0", [1, 2], {}, {"task": "embed", "dimensions": 4}),
+    EngineOutputs(
+        ["a"], [], [Delta("a", 0, [], "stop", None, 0, 0.0, None, None, b"\x00\x00\x80?")], STATS
+    ),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)

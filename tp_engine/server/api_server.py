@@ -6,8 +6,9 @@ lock. Start-up: connect to rank 0's two sockets (`--run-dir`), wait for Hello (t
 loaded), load the tokenizer, bind the HTTP socket, then say Ready with the port. It exits when
 rank 0 sends Exit (with rank 0's exit code), or at once if rank 0 disappears.
 
-Routes (vLLM's): /v1/completions, /v1/chat/completions, /v1/models, /health, /version,
-/tokenize, /detokenize, /tokenizer_info, /metrics. `guards.RequestGuard` checks the Host header,
+Routes (vLLM's): /v1/completions, /v1/chat/completions (a generate model), the pooling routes
+of `pooling_routes` (a pooling model), /v1/models, /health, /version, /tokenize, /detokenize,
+/tokenizer_info, /metrics. `guards.RequestGuard` checks the Host header,
 the API key (every route that reads or costs), the body's type and size before a handler runs;
 the handlers hand their CPU work to `request_work` so that the event loop only moves bytes.
 """
@@ -37,6 +38,8 @@ from tp_engine.server.http_errors import APIError, install_handlers
 from tp_engine.server.ipc import ApiPipes
 from tp_engine.server.messages import Exit, Hello, Ready
 from tp_engine.server.metrics import ServerMetrics
+from tp_engine.server.pooling_inputs import PairPrompt, PoolingInputs
+from tp_engine.server.pooling_routes import PoolingServing, build_pooling_router
 from tp_engine.server.prompts import PromptBuilder
 from tp_engine.server.protocol import (
     ChatCompletionRequest,
@@ -68,9 +71,11 @@ def build_app(
     tokenizer: Any,
     on_startup: Callable[[], Awaitable[None]] | None = None,
     parsing: ChatParsing | None = None,
+    pair_prompt: PairPrompt | None = None,
 ) -> FastAPI:
     """The app; `on_startup` runs as a task once the event loop is up (Ready is sent there);
-    `parsing`: the chat-output parsers resolved against `tokenizer` (none by default)."""
+    `parsing`: the chat-output parsers resolved against `tokenizer` (none by default);
+    `pair_prompt`: a reranker's prompt of a (query, document) pair (cross-encoder scoring)."""
     hello = client.hello
     limits = RequestLimits.from_wire(hello.limits) if hello.limits else RequestLimits()
     builder = PromptBuilder(tokenizer, hello, parsing)
@@ -135,15 +140,21 @@ def build_app(
             ],
         }
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req = await work.run(parse_body, CompletionRequest, await request.body())
-        return await serving.completion(req, request)
+    if "generate" in hello.supported_tasks:  # a pooling model has no completions (vLLM: 404)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        req = await work.run(parse_body, ChatCompletionRequest, await request.body())
-        return await serving.chat(req, request)
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            req = await work.run(parse_body, CompletionRequest, await request.body())
+            return await serving.completion(req, request)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            req = await work.run(parse_body, ChatCompletionRequest, await request.body())
+            return await serving.chat(req, request)
+
+    inputs = PoolingInputs(builder, hello.pooled_size, hello.is_matryoshka, pair_prompt)
+    pooling = PoolingServing(client, serving, work, inputs, hello.supported_tasks)
+    app.include_router(build_pooling_router(pooling))
 
     def tokenize_body(body: bytes) -> dict[str, Any]:
         req = parse_body(TokenizeRequest, body)

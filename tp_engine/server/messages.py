@@ -18,6 +18,9 @@ A request's life, seen from the API process:
     AbortRequest (client gone, or a stop string matched) ends samples early; rank 0 sends
     nothing more for them. Dead ends every request at once.
 
+A pooling request (AddRequest with pooling_params) has one sample and one Delta: no tokens,
+finish_reason "stop" and the pooled vector.
+
 Control calls (pause, resume, weight updates, sleep: `tp_engine.server.control_ops`) are the
 one request/reply exchange: `Control(call_id, op, args)` runs on rank 0 between two steps and
 `ControlReply(call_id, ...)` answers it once it is done (a pause in "wait" mode: once the
@@ -84,6 +87,13 @@ class Hello:
     # --enable-weight-updates, --enable-sleep-mode: which admin routes the API process offers.
     enable_weight_updates: bool = False
     enable_sleep_mode: bool = False
+    # What the model serves, vLLM's task names: "generate", or some of "embed", "classify",
+    # "score" for a pooling model. The API process offers only the routes of these tasks.
+    supported_tasks: list[str] = field(default_factory=lambda: ["generate"])
+    # Length of a pooled embedding (the hidden size): the largest `dimensions` a request asks.
+    pooled_size: int = 0
+    # Whether `dimensions` may cut embeddings (Matryoshka training); a 400 otherwise.
+    is_matryoshka: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,7 +111,11 @@ class AddRequest:
     prompt_token_ids: list[int]
     # `SamplingParams` fields by name (validated by the API, checked again by the engine).
     # `n` > 1 makes n samples, reported by their index (the engine shares the prompt's blocks).
+    # Empty for a pooling request.
     sampling_params: dict[str, Any]
+    # `PoolingParams` fields by name: the request pools its prompt instead of sampling (one
+    # Delta comes back, carrying `pooled`). None for a generation request.
+    pooling_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +184,9 @@ class Delta:
     # Per prompt token (None for the first) when prompt_logprobs were asked for; in sample 0's
     # first Delta only.
     prompt_logprobs: list[list[Any] | None] | None
+    # A pooling request's result, in its final Delta: little-endian float32 bytes (an
+    # embedding, or one score per label), as compact as msgpack carries bytes.
+    pooled: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,222 @@
+"""The pooling routes without processes: the API app in front of a scripted rank 0.
+
+`ScriptedEngine` answers each AddRequest at once, as rank 0 would: accepted, then one Delta
+whose pooled vector is a fixed function of the prompt (an embedding honouring `dimensions`, or a
+score growing with the prompt's length), so that the tests know every answer in advance. What
+the real engine computes is `test_pooling_server`'s business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import numpy as np
+import pytest
+from starlette.testclient import TestClient
+
+from tp_engine.server.api_server import build_app
+from tp_engine.server.engine_client import ACCEPTED
+from tp_engine.server.messages import Delta, Hello, Rejected
+from tp_engine.server.metrics import ServerMetrics
+
+SIZE = 8  # pooled size (the hidden size of the scripted model)
+MAX_LEN = 48
+VOCAB = 700
+
+
+def embedding_of(ids: list[int], dimensions: int | None = None) -> np.ndarray:
+    v = np.sin(np.arange(SIZE) + sum(ids)).astype(np.float32)[: dimensions or SIZE]
+    return v / np.linalg.norm(v)
+
+
+def score_of(ids: list[int]) -> float:
+    return float(np.float32(1 - 1 / (1 + len(ids))))
+
+
+class ScriptedEngine:
+    """What `EngineClient` offers the routes, with rank 0 scripted."""
+
+    def __init__(self, hello: Hello) -> None:
+        self.hello = hello
+        self.metrics = ServerMetrics(hello.served_model_names[0])
+        self.dead: str | None = None
+        self.draining = False
+        self.sent: list[tuple[list[int], dict[str, Any]]] = []
+        self.refuse: str | None = None  # rank 0's 400 for the next request
+
+    def add(self, queue: asyncio.Queue, request_id, ids, sampling_params, pooling_params=None):
+        self.sent.append((ids, pooling_params))
+        if self.refuse is not None:
+            queue.put_nowait((request_id, Rejected(request_id, 400, self.refuse)))
+            return
+        if pooling_params["task"] == "embed":
+            pooled = embedding_of(ids, pooling_params.get("dimensions"))
+        else:
+            pooled = np.array([score_of(ids)], np.float32)
+        queue.put_nowait((request_id, ACCEPTED))
+        delta = Delta(request_id, 0, [], "stop", None, 0, 0.0, None, None, pooled.tobytes())
+        queue.put_nowait((request_id, delta))
+
+    def abort(self, request_id, sample_indices=None, *, stopped=False) -> None:
+        pass
+
+    def release(self, request_id) -> None:
+        pass
+
+
+def hello(model_dir: str, tasks: list[str], matryoshka: bool = True) -> Hello:
+    return Hello(
+        model_dir, ["m"], MAX_LEN, VOCAB, {}, None, 1,
+        supported_tasks=tasks, pooled_size=SIZE, is_matryoshka=matryoshka,
+    )  # fmt: skip
+
+
+def pair_prompt(query: str, document: str, instruction: str | None) -> str:
+    return f"<{instruction or 'default'}> {query} | {document}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from tp_engine.checkpoints import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def app_for(tokenizer, tasks: list[str], matryoshka: bool = True) -> tuple[TestClient, Any]:
+    engine = ScriptedEngine(hello("/m", tasks, matryoshka))
+    app = build_app(engine, tokenizer, pair_prompt=pair_prompt)  # type: ignore[arg-type]
+    return TestClient(app, base_url="http://localhost"), engine
+
+
+def error_of(response) -> tuple[int, str | None, str]:
+    error = response.json()["error"]
+    return response.status_code, error["param"], error["message"]
+
+
+def test_routes_follow_the_models_tasks(tokenizer):
+    generate, _ = app_for(tokenizer, ["generate"])
+    for path in ("/v1/embeddings", "/pooling", "/classify", "/score", "/rerank", "/v2/rerank"):
+        r = generate.post(path, json={"input": "a"})
+        assert r.status_code == 404, path
+        assert r.json()["error"]["message"] == f"no route POST {path}"
+    assert generate.post("/v1/completions", json={}).status_code == 400  # there, body refused
+
+    embed, _ = app_for(tokenizer, ["embed", "score"])
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/classify"):
+        assert error_of(embed.post(path, json={}))[0] == 404, path
+    assert embed.post("/v1/embeddings", json={"input": "a"}).status_code == 200
+
+    classify, _ = app_for(tokenizer, ["classify", "score"])
+    assert classify.post("/v1/embeddings", json={"input": "a"}).status_code == 404
+    r = classify.post("/classify", json={"input": ["a", "bb cc"]})
+    assert [d["num_classes"] for d in r.json()["data"]] == [1, 1]
+
+
+def test_embeddings_as_floats_and_base64(tokenizer):
+    client, engine = app_for(tokenizer, ["embed", "score"])
+    texts = ["a", "hello world, hello", "x y z"]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    floats = client.post("/v1/embeddings", json={"input": texts, "model": "m"}).json()
+    b64 = client.post("/v1/embeddings", json={"input": texts, "encoding_format": "base64"}).json()
+    assert floats["object"] == "list" and floats["model"] == "m"
+    assert floats["id"].startswith("embd-")
+    n = sum(map(len, ids))
+    assert floats["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    for i, (f, b) in enumerate(zip(floats["data"], b64["data"], strict=True)):
+        assert f["index"] == b["index"] == i and f["object"] == "embedding"
+        decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+        np.testing.assert_array_equal(decoded, embedding_of(ids[i]))
+        np.testing.assert_array_equal(np.float32(f["embedding"]), embedding_of(ids[i]))
+    # Token ids go as given; dimensions travel in the PoolingParams fields.
+    r = client.post("/v1/embeddings", json={"input": [[5, 6], [7]], "dimensions": 3}).json()
+    assert [len(d["embedding"]) for d in r["data"]] == [3, 3]
+    assert engine.sent[-1] == ([7], {"task": "embed", "dimensions": 3})
+    pooled = client.post("/pooling", json={"input": [5, 6]}).json()["data"][0]
+    assert pooled["object"] == "pooling"
+    np.testing.assert_array_equal(np.float32(pooled["data"]), embedding_of([5, 6]))
+
+
+REFUSALS = [
+    ("/v1/embeddings", {"input": ""}, "input"),
+    ("/v1/embeddings", {"input": []}, "input"),
+    ("/v1/embeddings", {"input": [[1], []]}, "input"),
+    ("/v1/embeddings", {"input": ["a", ""]}, "input"),
+    ("/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions"),
+    ("/v1/embeddings", {"input": "a", "dimensions": SIZE + 1}, "dimensions"),
+    ("/v1/embeddings", {"input": "a", "encoding_format": "hex"}, "encoding_format"),
+    ("/v1/embeddings", {"input": "word " * (MAX_LEN + 1)}, "input"),
+    ("/v1/embeddings", {"input": [1] * (MAX_LEN + 1)}, "input"),
+    ("/v1/embeddings", {"input": [VOCAB]}, "input"),
+    ("/rerank", {"query": "q", "documents": []}, "documents"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/rerank", {"query": "q", "documents": ["word " * MAX_LEN]}, "documents"),
+    ("/score", {"queries": ["a", "b"], "documents": ["a", "b", "c"]}, "documents"),
+    ("/score", {"queries": "a", "documents": []}, "documents"),
+    ("/score", {"text_1": "a"}, "queries"),
+]
+
+
+@pytest.mark.parametrize("tasks", [["embed", "score"], ["classify", "score"]], ids=str)
+def test_wrong_fields_are_400s_naming_them(tokenizer, tasks):
+    client, engine = app_for(tokenizer, tasks)
+    for path, body, param in REFUSALS:
+        if path == "/v1/embeddings" and "embed" not in tasks:
+            continue
+        status, named, message = error_of(client.post(path, json=body))
+        assert (status, named) == (400, param), (path, body, message)
+    assert engine.sent == []  # none of them reached rank 0
+    assert (
+        error_of(client.post("/v1/rerank", json={"query": "q", "documents": ["a"], "model": "x"}))[
+            0
+        ]
+        == 404
+    )
+    engine.refuse = "the engine says no"  # rank 0's own refusal passes through as a 400
+    assert error_of(client.post("/score", json={"queries": "a", "documents": ["b"]})) == (
+        400, None, "the engine says no",
+    )  # fmt: skip
+
+
+def test_dimensions_need_a_matryoshka_model(tokenizer):
+    client, _ = app_for(tokenizer, ["embed", "score"], matryoshka=False)
+    status, param, message = error_of(
+        client.post("/v1/embeddings", json={"input": "a", "dimensions": 4})
+    )
+    assert (status, param) == (400, "dimensions")
+    assert "does not support Matryoshka embeddings" in message and "is_matryoshka" in message
+
+
+def test_rerank_and_score_shapes(tokenizer):
+    docs = ["b", "bb bb bb bb", "bb bb"]
+    cross, engine = app_for(tokenizer, ["classify", "score"])
+    body = {"query": "q", "documents": docs, "instruction": "find b", "top_n": 2}
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = cross.post(path, json=body).json()
+        assert r["id"].startswith("rerank-") and r["model"] == "m"
+        assert [x["index"] for x in r["results"]] == [1, 2]  # longest prompt scores highest
+        assert [x["document"]["text"] for x in r["results"]] == [docs[1], docs[2]]
+        prompt = tokenizer(pair_prompt("q", docs[1], "find b"), add_special_tokens=False)
+        assert r["results"][0]["relevance_score"] == score_of(prompt["input_ids"])
+        assert engine.sent[-1][1] == {"task": "score"}
+    all_docs = cross.post("/rerank", json={**body, "top_n": 0, "return_documents": False}).json()
+    assert [x["index"] for x in all_docs["results"]] == [1, 2, 0]
+    assert "document" not in all_docs["results"][0]
+    n = sum(len(ids) for ids, _ in engine.sent[-3:])
+    assert all_docs["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    score = cross.post(
+        "/score", json={"text_1": "q", "text_2": docs, "instruction": "find b"}
+    ).json()
+    assert [d["index"] for d in score["data"]] == [0, 1, 2]
+    assert [d["score"] for d in score["data"]] == [
+        all_docs["results"][[x["index"] for x in all_docs["results"]].index(i)]["relevance_score"]
+        for i in range(3)
+    ]
+
+    embed, engine = app_for(tokenizer, ["embed", "score"])
+    score = embed.post("/score", json={"queries": ["q", "b"], "documents": ["b", "b"]}).json()
+    assert score["data"][1]["score"] == pytest.approx(1.0)  # the same text: cosine 1
+    q, b = (embedding_of(tokenizer(t)["input_ids"]) for t in ("q", "b"))
+    assert score["data"][0]["score"] == pytest.approx(float(q @ b), abs=1e-6)
+    assert len(engine.sent) == 2  # each distinct text embedded once

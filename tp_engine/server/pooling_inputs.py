@@ -1,0 +1,164 @@
+"""The pooling routes' prompts and parameters: checked, formatted and tokenized on the request
+pool (`request_work`), so that a refusal is a 400 naming its field before rank 0 sees anything.
+
+    input (text, texts, token ids)  → prompts: token id lists, each within max_model_len
+    dimensions, encoding_format     → `PoolingParams` fields (a Matryoshka cut only where the
+                                      model was trained for it)
+    queries × documents             → pairs: one query against every document, or pairwise;
+                                      a cross-encoder reads each pair as one prompt, filled
+                                      into the reranker's template with the instruction
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tp_engine.server.http_errors import bad_request
+from tp_engine.server.pooling_protocol import ENCODING_FORMATS, PoolingInput, ScoreRequest
+from tp_engine.server.prompts import PromptBuilder
+
+# The reranker's prompt of one (query, document) pair with an optional instruction
+# (`tp_engine.rerank_prompt.format_rerank_pair`).
+PairPrompt = Callable[[str, str, str | None], str]
+
+
+class PoolingInputs:
+    def __init__(
+        self,
+        builder: PromptBuilder,
+        pooled_size: int,
+        is_matryoshka: bool,
+        pair_prompt: PairPrompt | None,
+    ) -> None:
+        self.builder = builder
+        self.tokenizer = builder.tokenizer
+        self.pooled_size = pooled_size
+        self.is_matryoshka = is_matryoshka
+        self.pair_prompt = pair_prompt
+
+    # -- prompts -----------------------------------------------------------------------------------
+
+    def prompts(self, value: PoolingInput, add_special_tokens: bool) -> list[list[int]]:
+        """`input` as token id lists: texts tokenized (with the special tokens the tokenizer
+        adds, unless told not to), token ids used as given."""
+        if isinstance(value, str):
+            value = [value]
+        if not value or any(len(item) == 0 for item in value if not isinstance(item, int)):
+            raise bad_request("input must not be empty (nor hold an empty item)", "input")
+        if isinstance(value[0], int):
+            prompts = [self.builder.check_token_ids(value, "input")]  # type: ignore[arg-type]
+        elif isinstance(value[0], list):
+            prompts = [self.builder.check_token_ids(ids, "input") for ids in value]  # type: ignore[arg-type]
+        else:
+            prompts = self.tokenize(value, add_special_tokens, "input")  # type: ignore[arg-type]
+        self.check_lengths(prompts, "input")
+        return prompts
+
+    def tokenize(self, texts: list[str], add_special_tokens: bool, param: str) -> list[list[int]]:
+        for text in texts:
+            self.builder.check_text_length(text, param)
+        return [
+            list(ids)
+            for ids in self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+        ]
+
+    def check_lengths(self, prompts: list[list[int]], param: str) -> None:
+        """vLLM's context-length refusal: a pooled prompt is computed whole, so each must fit
+        max_model_len."""
+        limit = self.builder.max_model_len
+        longest = max(len(p) for p in prompts)
+        if longest > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {longest} tokens in the {param} for pooling. Please reduce the "
+                f"length of the {param}.",
+                param,
+            )
+
+    # -- parameters --------------------------------------------------------------------------------
+
+    def embed_fields(self, dimensions: int | None, encoding_format: str) -> dict[str, Any]:
+        """The `PoolingParams` fields of an embedding request."""
+        if encoding_format not in ENCODING_FORMATS:
+            raise bad_request(
+                f"encoding_format must be one of {list(ENCODING_FORMATS)}, got {encoding_format!r}",
+                "encoding_format",
+            )
+        if dimensions is not None:
+            self.check_dimensions(dimensions)
+        return {"task": "embed", "dimensions": dimensions}
+
+    def check_dimensions(self, dimensions: int) -> None:
+        """vLLM's wording: a cut is only meaningful for a Matryoshka-trained model."""
+        if not self.is_matryoshka:
+            raise bad_request(
+                f"Model does not support Matryoshka embeddings; dimensions must be unset "
+                f"(received dimensions={dimensions}). A Matryoshka model says so in its config "
+                "or with --hf-overrides '{\"is_matryoshka\": true}'",
+                "dimensions",
+            )
+        if not 1 <= dimensions <= self.pooled_size:
+            raise bad_request(
+                f"Model only supports dimensions in range [1, {self.pooled_size}] "
+                f"(received dimensions={dimensions})",
+                "dimensions",
+            )
+
+    # -- pairs -------------------------------------------------------------------------------------
+
+    def pair_prompts(
+        self, queries: list[str], documents: list[str], instruction: str | None
+    ) -> list[list[int]]:
+        """Each (query, document) pair as one cross-encoder prompt, in the reranker's template
+        (which holds every special token it needs: nothing is added)."""
+        if self.pair_prompt is None:
+            raise bad_request("this model cannot score pairs of texts")
+        texts = [
+            self.pair_prompt(q, d, instruction) for q, d in zip(queries, documents, strict=True)
+        ]
+        prompts = self.tokenize(texts, False, "documents")
+        self.check_lengths(prompts, "documents")
+        return prompts
+
+
+def score_pairs(req: ScoreRequest) -> tuple[list[str], list[str]]:
+    """The (query, document) pairs of a /score request, as vLLM pairs them: one query with each
+    document, or queries and documents one to one. Accepts vLLM's three spellings."""
+    spellings = (("queries", "documents"), ("text_1", "text_2"), ("data_1", "data_2"))
+    given = [(q, d) for q, d in spellings if getattr(req, q) is not None]
+    if len(given) != 1 or getattr(req, given[0][1]) is None:
+        raise bad_request("give queries and documents (or text_1 and text_2)", "queries")
+    query_field, doc_field = given[0]
+    queries = _as_list(getattr(req, query_field))
+    documents = _as_list(getattr(req, doc_field))
+    if not queries or any(not q for q in queries):
+        raise bad_request(f"{query_field} must not be empty", query_field)
+    check_documents(documents, doc_field)
+    if len(queries) == 1:
+        queries = queries * len(documents)
+    elif len(queries) != len(documents):
+        raise bad_request(
+            f"{query_field} has {len(queries)} items and {doc_field} {len(documents)}: give one "
+            "query, or as many queries as documents",
+            doc_field,
+        )
+    return queries, documents
+
+
+def check_documents(documents: list[str], param: str = "documents") -> None:
+    if not documents:
+        raise bad_request(f"{param} must not be empty", param)
+    if any(not d for d in documents):
+        raise bad_request(f"{param} must not hold an empty text", param)
+
+
+def check_top_n(top_n: int | None) -> int | None:
+    """Jina's `top_n`: None or 0 returns every document."""
+    if top_n is not None and top_n < 0:
+        raise bad_request(f"top_n must be >= 0, got {top_n}", "top_n")
+    return top_n or None
+
+
+def _as_list(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)

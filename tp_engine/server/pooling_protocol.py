@@ -1,0 +1,72 @@
+"""Request bodies of the pooling routes, in vLLM's shapes (validated as `protocol` validates).
+
+    /v1/embeddings, /pooling   EmbeddingRequest   OpenAI's: input as text(s) or token ids
+    /classify                  ClassifyRequest    input as text(s) or token ids
+    /score                     ScoreRequest       pairs: queries × documents (also vLLM's older
+                                                  text_1/text_2 and data_1/data_2 spellings)
+    /rerank, /v1/rerank,       RerankRequest      one query against documents (Jina and Cohere)
+    /v2/rerank
+
+Only the types are checked here; what a value means (empty input, `dimensions` out of range,
+`top_n` below 0) is `pooling_inputs`' business, so that each refusal names its field.
+"""
+
+from __future__ import annotations
+
+from tp_engine.server.protocol import _Strict
+
+# What `input` may be: one text, texts, one prompt's token ids, or several prompts' token ids.
+PoolingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(_Strict):
+    model: str | None = None
+    input: PoolingInput
+    # "base64": little-endian float32 bytes, what the official client asks for by default.
+    # Any other value is a 400 naming the field (a `str` here so that the message says which
+    # values are known, rather than pydantic's literal error).
+    encoding_format: str = "float"
+    # Matryoshka: keep the first `dimensions` values, then renormalise.
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's extra: whether the tokenizer adds its special tokens (Qwen3-Embedding's appends
+    # the <|endoftext|> it pools at). Token-id input is used as given.
+    add_special_tokens: bool = True
+
+
+class ClassifyRequest(_Strict):
+    model: str | None = None
+    input: PoolingInput
+    user: str | None = None
+    add_special_tokens: bool = True
+
+
+class ScoreRequest(_Strict):
+    """Scores of pairs: one query against one or more documents, or queries and documents
+    pairwise (equal numbers)."""
+
+    model: str | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    # Fills the reranker's prompt template (the model card's default task otherwise).
+    instruction: str | None = None
+    user: str | None = None
+
+
+class RerankRequest(_Strict):
+    model: str | None = None
+    query: str
+    documents: list[str]
+    # How many of the best documents to return; 0 (or unset): all of them.
+    top_n: int | None = None
+    instruction: str | None = None
+    # Jina's default; Cohere's clients send false to get indices and scores only.
+    return_documents: bool = True
+    user: str | None = None
+
+
+ENCODING_FORMATS: tuple[str, ...] = ("float", "base64")

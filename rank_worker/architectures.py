@@ -14,14 +14,19 @@ import torch
 from torch import nn
 
 from rank_worker.attention.backend import AttentionBackend
+from rank_worker.model_spec import HeadSpec
 from rank_worker.qwen3 import Qwen3ForCausalLM
 from rank_worker.qwen3_moe import Qwen3MoeForCausalLM
 from rank_worker.tp import TPInfo
 
 logger = logging.getLogger(__name__)
 
+# The body is the same whatever the head (`rank_worker.model_spec` picks it): a seq-cls
+# checkpoint, and sentence-transformers 6's re-save of an embedder (`Qwen3Model`), are Qwen3.
 _BY_ARCHITECTURE: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3ForSequenceClassification": Qwen3ForCausalLM,
+    "Qwen3Model": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 _BY_MODEL_TYPE: dict[str, type[nn.Module]] = {
@@ -58,14 +63,16 @@ def build_model(
     *,
     fused_kernels: bool = False,
     enable_expert_parallel: bool = False,
+    head: HeadSpec | None = None,
 ) -> nn.Module:
-    """This rank's shard of the checkpoint's model, weights not loaded yet."""
+    """This rank's shard of the checkpoint's model, weights not loaded yet; `head`: its output
+    head (None: the LM head)."""
     cls = model_class_for(hf_config)
     if cls is Qwen3MoeForCausalLM:
         return Qwen3MoeForCausalLM(
             hf_config, tp, dtype, device, attention_backend, fused_kernels,
-            enable_expert_parallel=enable_expert_parallel,
+            enable_expert_parallel=enable_expert_parallel, head=head,
         )  # fmt: skip
     if enable_expert_parallel and tp.is_first:
         logger.warning("enable_expert_parallel has no effect: the model has no experts")
-    return cls(hf_config, tp, dtype, device, attention_backend, fused_kernels)
+    return cls(hf_config, tp, dtype, device, attention_backend, fused_kernels, head=head)

@@ -73,9 +73,9 @@ def load_checkpoint(wmap: WeightMap, model_dir: str | Path) -> None:
                     continue
                 if not targets:  # derived, or a tied head some checkpoints also store
                     continue
-                if name in loaded:
-                    raise WeightLoadError(f"checkpoint tensor {name!r} appears more than once")
                 (target,) = targets
+                if target.name in loaded:  # the part's name: flat and prefixed spellings meet
+                    raise WeightLoadError(f"checkpoint tensor {name!r} appears more than once")
                 if target.part.param is None:
                     shape = tuple(f.get_slice(name).get_shape())
                     if target.part.shape is not None and shape != tuple(target.part.shape):
@@ -85,7 +85,7 @@ def load_checkpoint(wmap: WeightMap, model_dir: str | Path) -> None:
                         )
                 else:
                     wmap.apply(name, f.get_tensor(name), requantize=False)
-                loaded.add(name)
+                loaded.add(target.name)
     if unexpected:
         raise WeightLoadError(
             f"unexpected checkpoint tensors (no matching parameter): {sorted(unexpected)}"

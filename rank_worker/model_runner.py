@@ -46,6 +46,7 @@ from rank_worker.kv_cache import (
 )
 from rank_worker.layers.rope_spec import RopeSpec
 from rank_worker.loader import load_checkpoint
+from rank_worker.model_spec import HeadSpec, load_hf_config
 from rank_worker.qwen3 import KVCachePair
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo, all_reduce_min_int
@@ -59,13 +60,6 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rank 0's sampler at its worst on `[rows, V]` warm-up logits, the first `num_sampled` of them
 # sampled rows and the rest prompt-logprob rows.
 ProfileSampling = Callable[[torch.Tensor, int], None]
-
-
-def load_hf_config(model_dir: str | Path) -> Any:
-    """The checkpoint's `config.json` as a transformers config object."""
-    from transformers import AutoConfig  # deferred: transformers is slow to import
-
-    return AutoConfig.from_pretrained(str(model_dir))
 
 
 def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -122,7 +116,7 @@ class ModelRunner:
         # left out of its measured use (`gpu_kv_budget_bytes`).
         self.baseline_allocated = memory.read().allocated if memory is not None else 0
         torch.manual_seed(config.seed)
-        self.hf_config = load_hf_config(model_dir)
+        self.hf_config = load_hf_config(model_dir, config.hf_overrides)
         # Rank 0 checked max_model_len against the same spec (`EngineConfig.with_model_defaults`);
         # a runner given more (a draft model with a shorter context) would read positions past
         # its cos/sin table: garbage in the Triton kernels, not an error.
@@ -155,6 +149,7 @@ class ModelRunner:
             self.attention_backend,
             fused_kernels=self.layer_kernels == "triton",
             enable_expert_parallel=config.enable_expert_parallel,
+            head=HeadSpec.from_dict(config.head),
         )
         # The name -> shard rules of this model: for the checkpoint now, for updates later.
         self.weight_map = WeightMap(self.model)
@@ -190,7 +185,9 @@ class ModelRunner:
         if config.draft_model is not None:
             self.draft = ModelRunner(
                 config.draft_model,
-                dataclasses.replace(config, draft_model=None, enforce_eager=True),
+                dataclasses.replace(
+                    config, draft_model=None, enforce_eager=True, hf_overrides=None, head=None
+                ),
                 tp,
                 self.device,
             )
@@ -208,6 +205,11 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
+
+    @property
+    def head_width(self) -> int:
+        """Columns of the head's rows: the vocabulary for an LM head (`rank_worker.heads`)."""
+        return int(self.model.head.width)
 
     @property
     def pool_spec(self) -> KVCacheSpec | CacheGroup:
@@ -397,7 +399,7 @@ class ModelRunner:
             # skip the gather together.
             if not self.tp.is_first:
                 return None
-            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            return torch.empty((0, self.head_width), dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden[logits_indices])  # [B', vocab] on rank 0
 
     # -- warm-ups -----------------------------------------------------------------------------

@@ -30,6 +30,14 @@ from torch import nn
 from rank_worker.attention.backend import AttentionBackend
 from rank_worker.attention.metadata import AttentionMetadata
 from rank_worker.attention.selection import get_backend
+from rank_worker.heads import (
+    ClassifierHead,
+    ClassifierWeight,
+    Head,
+    LastTokenHead,
+    LMHead,
+    TokenScoreHead,
+)
 from rank_worker.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -42,6 +50,7 @@ from rank_worker.layers import (
     VocabParallelEmbedding,
 )
 from rank_worker.layers.params import CheckpointPart
+from rank_worker.model_spec import HeadSpec
 from rank_worker.quantization import fp8_quant_of
 from rank_worker.tp import TPInfo
 
@@ -298,7 +307,11 @@ class Qwen3ForCausalLM(nn.Module):
     same shapes, since both issue collectives. `fused_kernels`: the Triton kernels for the
     non-matmul ops (see the module docstring); the caller checks that they can run here.
     `mlp_factory`: each layer's MLP, for models built on this one (`rank_worker.qwen3_moe`).
+    `head`: what `compute_logits` computes (`rank_worker.heads`); None: the LM head.
     """
+
+    # Checkpoint tensors the loader skips: those of a head this model does not build.
+    ignored_checkpoint_names: frozenset[str] = frozenset()
 
     # Checkpoint module name -> (parameter module name, shard id) for packed parameters.
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {  # noqa: RUF012
@@ -319,6 +332,7 @@ class Qwen3ForCausalLM(nn.Module):
         fused_kernels: bool = False,
         *,
         mlp_factory: MLPFactory | None = None,
+        head: HeadSpec | None = None,
     ) -> None:
         super().__init__()
         backend = attention_backend or get_backend("torch")
@@ -330,14 +344,36 @@ class Qwen3ForCausalLM(nn.Module):
             mlp_factory=mlp_factory,
         )  # fmt: skip
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.head = self._build_head(head or HeadSpec(), dtype=dtype, device=device)
+
+    def _build_head(
+        self, spec: HeadSpec, *, dtype: torch.dtype, device: torch.device | str
+    ) -> Head:
+        """The output head `spec` names (`rank_worker.heads`). Heads without an LM head build
+        none (Qwen3-Embedding ships no `lm_head`; a causal checkpoint served as an embedder
+        has one, which the loader then skips)."""
+        cfg, tp = self.config, self.tp
+        if spec.kind == "last_token":
+            self.ignored_checkpoint_names = frozenset({"lm_head.weight"})
+            return LastTokenHead(cfg.hidden_size, tp)
+        if spec.kind == "seq_cls":
+            self.ignored_checkpoint_names = frozenset({"lm_head.weight"})
+            self.score = ClassifierWeight(
+                spec.num_labels, cfg.hidden_size, dtype=dtype, device=device
+            )
+            return ClassifierHead(self.score, tp)
         self.lm_head = ParallelLMHead(
-            hf_config.vocab_size,
-            hf_config.hidden_size,
+            cfg.vocab_size,
+            cfg.hidden_size,
             tp,
             dtype=dtype,
             device=device,
             tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
         )
+        if spec.kind == "token_score":
+            assert spec.token_ids is not None
+            return TokenScoreHead(self.lm_head, spec.token_ids)
+        return LMHead(self.lm_head)
 
     def forward(
         self,
@@ -349,4 +385,5 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata, kv_caches)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head.compute_logits(hidden)  # [B', vocab] fp32 on rank 0
+        """The head's rows: `[B', head.width]` fp32 on rank 0 (logits for an LM head)."""
+        return self.head(hidden)

@@ -27,6 +27,7 @@ from torch import nn
 
 from rank_worker.attention.backend import AttentionBackend
 from rank_worker.layers.moe import Qwen3MoeSparseBlock
+from rank_worker.model_spec import HeadSpec
 from rank_worker.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from rank_worker.tp import TPInfo
 
@@ -55,6 +56,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         fused_kernels: bool = False,
         *,
         enable_expert_parallel: bool = False,
+        head: HeadSpec | None = None,
     ) -> None:
         def mlp(layer: int) -> nn.Module:
             kw = dict(dtype=dtype, device=device, fused=fused_kernels)
@@ -65,6 +67,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return Qwen3MLP(hf_config, tp, **kw)
 
         super().__init__(
-            hf_config, tp, dtype, device, attention_backend, fused_kernels, mlp_factory=mlp
-        )
+            hf_config, tp, dtype, device, attention_backend, fused_kernels, mlp_factory=mlp,
+            head=head,
+        )  # fmt: skip
         self.enable_expert_parallel = enable_expert_parallel

@@ -62,6 +62,12 @@ class RunnerConfig:
     # sharded as the target is, with a KV cache of its own on the same block ids (a block
     # costs both caches' bytes), written by every RUN plan and by DRAFT plans.
     draft_model: str | None = None
+    # Fields merged into the checkpoint's config.json before anything reads it (vLLM's
+    # `--hf-overrides`: YaRN, `is_matryoshka`, a reranker's architecture).
+    hf_overrides: dict[str, Any] | None = None
+    # The output head, `rank_worker.model_spec.HeadSpec.to_dict()`, decided on rank 0 (it
+    # needs the tokenizer); None: the LM head.
+    head: dict[str, Any] | None = None
 
     @property
     def resolved_max_num_logits_rows(self) -> int:

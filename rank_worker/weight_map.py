@@ -13,8 +13,12 @@ The name rules, all here and nowhere else:
 - names a module gives itself (`checkpoint_parts`): MoE experts, one tensor per expert and
   projection, including experts another rank holds under expert parallelism (only their shape
   is checked), and the optional KV-cache scales;
-- ignored: the derived rotary table (`rotary_emb.inv_freq`) and `lm_head.weight` of a tied
-  model (the embedding is the head; `state_dict()` lists the tie twice);
+- ignored: the derived rotary table (`rotary_emb.inv_freq`), `lm_head.weight` of a tied
+  model (the embedding is the head; `state_dict()` lists the tie twice), and the tensors of a
+  head the model does not build (`model.ignored_checkpoint_names`: an LM head served as an
+  embedder);
+- the flat layout of headless checkpoints (Qwen3-Embedding as published: `embed_tokens.weight`,
+  `layers.N...`, `norm.weight`, without the `model.` prefix) names the same parameters;
 - run-time only: transformers 5's in-memory expert layout, `mlp.experts.gate_up_proj`
   `[E, 2I, H]` (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
   `[E, H, I]`, split into the per-expert parts. Published checkpoints never store it, so the
@@ -50,6 +54,8 @@ from rank_worker.quantization import FP8_DTYPE, scale_shape
 # Checkpoint tensors that are derived, not learnt: older exports saved the rotary table.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SCALE_SUFFIX = "_scale_inv"
+# The decoder body's module name; headless checkpoints leave it out of their tensor names.
+_BODY_PREFIX = "model."
 
 
 class WeightLoadError(ValueError):
@@ -114,7 +120,9 @@ class WeightMap:
         self._params = dict(model.named_parameters())
         self.parts = expected_parts(model)
         self.required = frozenset(name for name, part in self.parts.items() if not part.optional)
-        self._tied = bool(getattr(model, "tie_word_embeddings", False))
+        self._ignored = frozenset(getattr(model, "ignored_checkpoint_names", ()))
+        if getattr(model, "tie_word_embeddings", False):
+            self._ignored |= {"lm_head.weight"}
         self._fused: dict[str, _Fused] = {}
         for prefix, module in model.named_modules():
             if isinstance(module, FusedMoE):
@@ -143,9 +151,12 @@ class WeightMap:
         """The parts `name` fills: None for a name the model does not know, [] for one it
         ignores. `fused=False` treats transformers 5's fused expert names as unknown (a
         checkpoint on disk)."""
-        if name.endswith(IGNORED_SUFFIXES) or (self._tied and name == "lm_head.weight"):
+        if name.endswith(IGNORED_SUFFIXES) or name in self._ignored:
             return []
         part = self.parts.get(name)
+        if part is None and not name.startswith(_BODY_PREFIX):
+            name = _BODY_PREFIX + name  # the flat layout (module docstring)
+            part = self.parts.get(name)
         if part is not None:
             return [Target(name, part)]
         if fused and name in self._fused:

@@ -8,8 +8,10 @@ returns a new config, and the block count lives in the objects built from it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tp_engine.speculative.config import SpeculativeConfig
 
@@ -24,6 +26,9 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # flash-attn 2's paged KV cache accepts only page sizes that are multiples of 256.
 _FLASH_ATTN_BLOCK_MULTIPLE = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# vLLM's --runner and --convert values (`rank_worker.model_spec` says what they decide).
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
 
 
 @dataclass(frozen=True)
@@ -82,10 +87,26 @@ class EngineConfig:
     # Speculative decoding (vLLM's `speculative_config`): a dict, its JSON, or a
     # SpeculativeConfig; None = off. See `tp_engine.speculative`.
     speculative_config: SpeculativeConfig | None = None
+    # What the model is served as (vLLM's --runner / --convert, `rank_worker.model_spec`):
+    # runner "auto" | "generate" | "pooling", convert "auto" | "none" | "embed" | "classify".
+    # "auto" decides from the checkpoint (sentence-transformers files: an embedder; a
+    # *ForSequenceClassification architecture: a classifier).
+    runner: str = "auto"
+    convert: str = "auto"
+    # Fields merged into config.json (vLLM's --hf-overrides): a dict or its JSON, e.g.
+    # {"is_matryoshka": true}, or a Qwen3-Reranker's {"architectures":
+    # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    # "is_original_qwen3_reranker": true}.
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
         object.__setattr__(self, "speculative_config", spec)
+        object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
+        _check(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got {self.runner!r}")
+        _check(
+            self.convert in CONVERTS, "convert", f"must be one of {CONVERTS}, got {self.convert!r}"
+        )
         if spec is not None:
             _check(
                 not self.async_scheduling,
@@ -189,6 +210,19 @@ class EngineConfig:
             f"({source}); positions past it have no rotary embedding",
         )
         return self
+
+
+def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """`hf_overrides` as a dict: given as one, or as its JSON (the command line's form)."""
+    if value is None or isinstance(value, dict):
+        return value or None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hf_overrides is not valid JSON: {e}") from e
+    if not isinstance(parsed, dict):
+        raise ValueError(f"hf_overrides must be a JSON object, got {value!r}")
+    return parsed or None
 
 
 def _check(ok: bool, field: str, message: str) -> None:

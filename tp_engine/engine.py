@@ -66,8 +66,8 @@ import torch
 
 from rank_worker.bootstrap import Bootstrap
 from rank_worker.fault_injection import Fault
-from rank_worker.layers.rope_spec import RopeSpec
-from rank_worker.model_runner import ModelRunner, load_hf_config
+from rank_worker.model_runner import ModelRunner
+from rank_worker.model_spec import HeadSpec, ModelSpec, load_hf_config
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.step import StepExecutor
 from rank_worker.tp import TPInfo
@@ -81,6 +81,8 @@ from tp_engine.failures import EngineDeadError, FailureGuard, diagnose_stall
 from tp_engine.generation_config import eos_token_ids, sampling_defaults
 from tp_engine.outputs import EngineStats, SequenceOutput, StepOutputs
 from tp_engine.plan_builder import LogitsLayout, plan_step
+from tp_engine.pooling import record_pooled
+from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling import MAX_NUM_LOGPROBS, LogprobsTensors, sample_batch
 from tp_engine.sampling.batch import SamplingBatchBuilder
 from tp_engine.sampling.logprob_records import (
@@ -138,6 +140,8 @@ class SampledStep:
     logprobs: LogprobsTensors | None
     logprob_seqs: list[Sequence]
     prompt_logprobs: LogprobsTensors | None
+    # [P, head width] fp32 on the host once waited for: the head's rows of `layout.pooled_rows`.
+    pooled: torch.Tensor | None = None
 
 
 def max_logits_rows_per_step(config: EngineConfig) -> int:
@@ -165,7 +169,8 @@ def _num_drafts(config: EngineConfig) -> int:
     return 0 if spec is None else spec.num_speculative_tokens
 
 
-def runner_config_for(config: EngineConfig) -> RunnerConfig:
+def runner_config_for(config: EngineConfig, head: HeadSpec | None = None) -> RunnerConfig:
+    """What every rank is told of `config`; `head`: the model's output head (None: LM head)."""
     if config.max_model_len is None:
         raise ValueError("max_model_len is not resolved yet; call with_model_defaults first")
     return RunnerConfig(
@@ -186,6 +191,8 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         kv_cache_dtype=config.kv_cache_dtype,
         gpu_data_paths=config.gpu_data_paths,
         draft_model=_draft_model_dir(config),
+        hf_overrides=config.hf_overrides,
+        head=None if head is None else head.to_dict(),
     )
 
 
@@ -203,14 +210,19 @@ class LLMEngine:
                 f"process group's size ({tp.size})"
             )
         model_dir = Path(config.model) if config.model else _demo_model_dir()
-        hf_config = load_hf_config(model_dir)
-        # The same spec sizes every rank's cos/sin table (rank_worker/qwen3.py).
-        rope = RopeSpec.from_config(hf_config)
+        hf_config = load_hf_config(model_dir, config.hf_overrides)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        # Task, head and context length, decided once here and shipped to every rank.
+        self.model_spec = ModelSpec.resolve(
+            model_dir, hf_config, config.runner, config.convert, self._token_id
+        )
+        _check_pooling_config(self.model_spec, config)
+        # The same rope spec sizes every rank's cos/sin table (rank_worker/qwen3.py).
+        rope = self.model_spec.rope
         self.config = config.with_model_defaults(rope.max_positions, rope.max_positions_source)
         self._launch_config = self.config
         self.model_dir = model_dir
         self.tp = tp
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.vocab_size = int(hf_config.vocab_size)
         draft_dir = _draft_model_dir(self.config)
         if draft_dir is not None:
@@ -235,7 +247,7 @@ class LLMEngine:
         self.compile_verdicts: dict[str, str | None] | None = None
         self._constrained: set[Sequence] = set()
         self._turn_boundaries: tuple[int, ...] | None = None
-        runner_config = runner_config_for(self.config)
+        runner_config = runner_config_for(self.config, self.model_spec.head)
 
         self.channel: PlanBroadcaster | None = None
         self.step_id = 0
@@ -251,7 +263,10 @@ class LLMEngine:
                 self.channel.wait_for_readers()
             with self.failures_named("start-up"):
                 self.runner = ModelRunner(model_dir, runner_config, tp, tp.device)
-                self.num_kv_blocks = self.runner.determine_num_kv_blocks(profile_sampling)
+                # A pooling model samples nothing: no sampler to leave room for.
+                self.num_kv_blocks = self.runner.determine_num_kv_blocks(
+                    None if self.model_spec.is_pooling else profile_sampling
+                )
                 self.runner.init_kv_cache(self.num_kv_blocks)
             self.executor = StepExecutor(self.runner, tp, fault)
         except BaseException:
@@ -300,22 +315,32 @@ class LLMEngine:
         checkpoint's generation-config defaults, then vLLM's (`SamplingParams.from_optional`)."""
         return SamplingParams.from_optional(self.generation_defaults, **fields)
 
+    def _token_id(self, text: str) -> int | None:
+        """The tokenizer's id of the single token `text`, None if it is not one."""
+        tid = self.tokenizer.convert_tokens_to_ids(text)
+        return None if tid is None or tid == self.tokenizer.unk_token_id else int(tid)
+
     def add_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
     ) -> list[str]:
         """Queue a request as `params.n` sequences sharing the prompt; returns their ids, in
         sample order. Raises ValueError (RequestRejectedError) saying what is wrong; nothing is
         queued then.
 
+        `PoolingParams` (a pooling model only): one prompt-only sequence whose output carries
+        `pooled`, its result, once its prompt is computed (`_add_pooling_request`).
+
         With n == 1 the sequence's id is `request_id`; with n > 1 sample i is `f"{i}_{id}"`
         (vLLM's child ids), its seed is `seed + i` when a seed is given (vLLM's rule, so the
         samples differ), and only sample 0 computes prompt logprobs (they would be the same).
         """
         self.sleep_state.check_can_generate()  # after sleep(level=2), until new weights
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt_token_ids, params, arrival_time)
         self._check_request(request_id, prompt_token_ids, params)
         # Bad words become token sequences here unless the API server did it already.
         params = tokenize_bad_words(params, self.tokenizer)
@@ -357,6 +382,28 @@ class LLMEngine:
             self._admit(seqs)
         return [seq.seq_id for seq in seqs]
 
+    def _add_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        arrival_time: float | None,
+    ) -> list[str]:
+        """A prompt-only sequence (`max_tokens` 0: it samples nothing and ends, its blocks
+        freed, once its prompt is computed) whose last prompt token is a pooled row. Chunked
+        prefill and the prefix cache apply as to any prompt; a full hit still computes the
+        last token, whose row the head needs."""
+        resolved = params.resolve(self.model_spec)
+        self._check_token_ids(request_id, prompt_token_ids)
+        if self._is_known(request_id):
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seq = Sequence(request_id, prompt_token_ids, SamplingParams(max_tokens=0), arrival)
+        seq.pooling_params = resolved
+        self.scheduler.check_fits(seq)
+        self.scheduler.add(seq)
+        return [seq.seq_id]
+
     def _admit(self, seqs: list[Sequence]) -> None:
         """Queue a request's first sequence and hold its siblings (see the module docstring)."""
         self.scheduler.add(seqs[0])
@@ -368,6 +415,12 @@ class LLMEngine:
     ) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: expected SamplingParams, got {params!r}")
+        if self.model_spec.is_pooling:
+            raise ValueError(
+                f"request {request_id!r}: generation is not supported for pooling models (this "
+                f"one serves {self.model_spec.task!r}); send PoolingParams, or serve the model "
+                "with runner='generate' (--runner generate)"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_NUM_LOGPROBS:
@@ -378,6 +431,9 @@ class LLMEngine:
         # A structured-output constraint was parsed by the caller (the API process within its
         # time limit, or LLM.generate); a bad one that gets here fails its compilation, which
         # ends that request alone.
+        self._check_token_ids(request_id, prompt_token_ids)
+
+    def _check_token_ids(self, request_id: str, prompt_token_ids: list[int]) -> None:
         if not isinstance(prompt_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids
         ):
@@ -757,10 +813,11 @@ class LLMEngine:
             if layout.prompt_rows:
                 tensors = prompt_logprob_tensors(logits[layout.prompt], layout.prompt_rows)
                 prompt_logprobs = host.copy_fields(tensors)
+            pooled = host.copy(logits[layout.pooled]) if layout.pooled_rows else None
             host.record()
         return SampledStep(
             step.step_id, scheduled, layout, token_ids, host, host_token_ids,
-            logprobs, logprob_seqs, prompt_logprobs,
+            logprobs, logprob_seqs, prompt_logprobs, pooled,
         )  # fmt: skip
 
     def _apply(self, step: SampledStep) -> StepOutputs:
@@ -786,6 +843,8 @@ class LLMEngine:
                 tokens, num_emitted = verdict.token_ids, verdict.num_emitted
             if step.prompt_logprobs is not None:
                 record_prompt_logprobs(step.prompt_logprobs, step.layout.prompt_rows)
+            if step.pooled is not None:
+                record_pooled(step.pooled, step.layout.pooled_rows)
             result = self.scheduler.update(scheduled, tokens, num_emitted)
             num_decode_tokens = scheduled.num_decodes
             if step.layout.num_drafts is not None:
@@ -829,6 +888,7 @@ class LLMEngine:
             else None,
             num_cached_tokens=seq.num_cached_tokens if first else None,
             queue_time_s=seq.queue_time_s if first else None,
+            pooled=seq.pooled,
         )
 
     def diagnose_stall(self) -> EngineDeadError | None:
@@ -984,6 +1044,15 @@ class LLMEngine:
                     channel.close()
         finally:
             self.runner.release()
+
+
+def _check_pooling_config(spec: ModelSpec, config: EngineConfig) -> None:
+    """A pooling model computes prompts only: nothing to draft or verify."""
+    if spec.is_pooling and config.speculative_config is not None:
+        raise ValueError(
+            f"speculative decoding cannot run with a pooling model (it serves {spec.task!r} "
+            "and generates no tokens); leave speculative_config unset"
+        )
 
 
 def _drafts_per_row(

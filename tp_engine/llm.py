@@ -38,8 +38,10 @@ from tp_engine.config import EngineConfig
 from tp_engine.control import EngineInconsistentError
 from tp_engine.detokenizer import IncrementalDetokenizer
 from tp_engine.engine import EngineDeadError, LLMEngine
+from tp_engine.llm_pooling import PoolingMethods
 from tp_engine.metrics_reader import Metric, engine_metrics
 from tp_engine.outputs import CompletionOutput, RequestOutput, SequenceOutput, logprob_dicts
+from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.sequence import SequenceStatus, TokenLogprobs
 
@@ -52,8 +54,9 @@ _WORKER_EXIT_TIMEOUT_S = 10.0
 logger = logging.getLogger(__name__)
 
 
-class LLM:
-    """Generate completions for a batch of prompts with a tensor-parallel engine."""
+class LLM(PoolingMethods):
+    """Generate completions for a batch of prompts with a tensor-parallel engine; or, for a
+    pooling model, embed, classify and score them (`tp_engine.llm_pooling`)."""
 
     def __init__(
         self,
@@ -335,6 +338,34 @@ class LLM:
         ids = sample.token_ids[:-1] if sample.stopped_on_token else sample.token_ids
         return self.tokenizer.decode(ids, skip_special_tokens=sample.params.skip_special_tokens)
 
+    def _prompt_id_lists(self, prompts: PromptType | SequenceOf[PromptType]) -> list[list[int]]:
+        return [self._prompt_ids(p) for p in _as_prompt_list(prompts)]
+
+    def _run_pooling(
+        self, prompt_ids: list[list[int]], params: list[PoolingParams], use_tqdm: bool
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Run pooling requests to their ends: (request id, result) in the order given."""
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        request_ids: list[str] = []
+        try:
+            for token_ids, p in zip(prompt_ids, params, strict=True):
+                request_id = f"pool-{next(self._ids)}"
+                request_ids += self.engine.add_request(request_id, token_ids, p)
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        samples = {rid: _Sample(SamplingParams(max_tokens=0), None) for rid in request_ids}
+        self._run(samples, use_tqdm)
+        results = []
+        for rid in request_ids:
+            pooled = samples[rid].pooled
+            if pooled is None:
+                raise RuntimeError(f"pooling request {rid!r} ended without a result")
+            results.append((rid, pooled))
+        return results
+
     def _prompt_ids(self, prompt: PromptType) -> list[int]:
         """Token ids of a prompt; `prompt_token_ids` wins over `prompt` in a dict."""
         if isinstance(prompt, dict):
@@ -530,6 +561,8 @@ class _Sample:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # A pooling request's result (`SequenceOutput.pooled`).
+        self.pooled: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -551,6 +584,8 @@ class _Sample:
             self.num_cached_tokens = out.num_cached_tokens
         self.finish_reason = out.finish_reason
         self.stop_reason = out.stop_reason
+        if out.pooled is not None:
+            self.pooled = out.pooled
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first `num_tokens` output tokens (and their logprobs)."""

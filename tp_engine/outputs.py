@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tp_engine.sequence import TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,10 @@ class SequenceOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None
     queue_time_s: float | None = None
+    # A pooling request's result once it finished (`tp_engine.pooling`): `[dimensions or
+    # hidden]` for an embedding, `[num_labels]` probabilities (a reranker: `[1]`), float32 on
+    # the host. None for generation and for an aborted pooling request.
+    pooled: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,7 +7,9 @@ token lists of prefill chunks and the step's block-table changes.
 
 Every logits row of a step has a role, named by `LogitsLayout`: the sampled rows first (one per
 sampling entry, or one per verified position of a speculative verify entry), then the rows of
-prompt logprobs. The sampler, logprob recording and the memory warm-up read that layout.
+prompt logprobs, then the pooled rows (a pooling request's last prompt token, in the step that
+computes it). The sampler, logprob recording, pooling and the memory warm-up read that layout.
+A pooling model's head makes the rows (`rank_worker.heads`): "logits" are then its outputs.
 
 A decode whose token is still being sampled by the step in flight (asynchronous scheduling) gets
 the input id `-1 - row`: every rank replaces it on the device with that step's sampled token of
@@ -64,23 +66,53 @@ def prompt_logprob_rows(
     return found
 
 
+@dataclass(frozen=True)
+class PooledRow:
+    """The row of a pooling sequence's last prompt token in one step's flattened tokens."""
+
+    seq: Sequence
+    row: int
+
+
+def pooled_rows(step: ScheduledStep, batch: RunningBatch, plan: StepPlan) -> list[PooledRow]:
+    """The pooling sequences whose prompt this step completes, each with the row of its last
+    token. Pooling requests are prompt-only (they never sample), so only those rows are looked
+    at; an earlier chunk of a prompt pools nothing."""
+    if not batch.num_prompt_only:
+        return []
+    found = []
+    for i in np.flatnonzero(batch.prompt_only[step.rows]).tolist():
+        seq = batch.seqs[int(step.rows[i])]
+        if seq is None or seq.pooling_params is None:
+            continue
+        if int(step.starts[i]) + int(step.num_scheduled[i]) >= seq.num_prompt_tokens:
+            found.append(PooledRow(seq, int(plan.query_start_loc[i + 1]) - 1))
+    return found
+
+
 @dataclass(frozen=True, eq=False)
 class LogitsLayout:
     """What each row of a step's gathered logits `[R, V]` is, in order:
 
     - `num_sampled_rows` sampled rows: the step's sampled entries in batch order, entry i
       owning `1 + num_drafts[i]` consecutive rows (its verified positions; 1 without drafts);
-    - then the prompt-logprob rows of `prompt_rows`, in that order.
+    - then the prompt-logprob rows of `prompt_rows`, in that order;
+    - then one row per entry of `pooled_rows`, in that order.
     """
 
     num_sampled_rows: int
     # [S] drafts of each sampled entry; None: no drafts (one row per sampled entry).
     num_drafts: np.ndarray | None
     prompt_rows: list[PromptLogprobRows]
+    pooled_rows: list[PooledRow] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_prompt_rows(self) -> int:
+        return sum(p.rows.size for p in self.prompt_rows)
 
     @property
     def num_rows(self) -> int:
-        return self.num_sampled_rows + sum(p.rows.size for p in self.prompt_rows)
+        return self.num_sampled_rows + self.num_prompt_rows + len(self.pooled_rows)
 
     @property
     def sampled(self) -> slice:
@@ -88,21 +120,29 @@ class LogitsLayout:
 
     @property
     def prompt(self) -> slice:
-        return slice(self.num_sampled_rows, None)
+        return slice(self.num_sampled_rows, self.num_sampled_rows + self.num_prompt_rows)
+
+    @property
+    def pooled(self) -> slice:
+        return slice(self.num_sampled_rows + self.num_prompt_rows, self.num_rows)
 
 
 def plan_step(
     step: ScheduledStep, step_id: int, batch: RunningBatch
 ) -> tuple[StepPlan, LogitsLayout]:
-    """The plan of `step` and the layout of its logits rows (prompt-logprob rows included)."""
+    """The plan of `step` and the layout of its logits rows (prompt-logprob and pooled rows
+    included)."""
     plan = build_step_plan(step, step_id)
     prompt_rows = prompt_logprob_rows(step, batch, plan)
-    if prompt_rows:
-        extra = np.concatenate([p.rows for p in prompt_rows]).astype(np.int32)
+    pooled = pooled_rows(step, batch, plan)
+    if prompt_rows or pooled:
+        extra = [p.rows for p in prompt_rows] + [np.array([p.row for p in pooled], np.int64)]
         plan = dataclasses.replace(
-            plan, logits_indices=np.concatenate([plan.logits_indices, extra])
+            plan,
+            logits_indices=np.concatenate([plan.logits_indices, *extra]).astype(np.int32),
         )
-    return plan, LogitsLayout(step.num_sampled_rows, step.sampled_drafts, prompt_rows)
+    layout = LogitsLayout(step.num_sampled_rows, step.sampled_drafts, prompt_rows, pooled)
+    return plan, layout
 
 
 def build_step_plan(step: ScheduledStep, step_id: int) -> StepPlan:

@@ -42,6 +42,9 @@ from typing import TYPE_CHECKING
 from tp_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
+    from tp_engine.pooling_params import PoolingParams
     from tp_engine.structured_outputs import GrammarState
 
 # Serials start at 1: a RunningBatch row whose serial is 0 is free.
@@ -160,6 +163,11 @@ class Sequence:
         # Its structured-output matcher (`tp_engine.structured_outputs.GrammarState`) when its
         # request has a constraint, set once the constraint is compiled.
         self.grammar: GrammarState | None = None
+        # A pooling request's params (it samples nothing: `max_tokens` 0), and, once the step
+        # that computes its last prompt token is applied, its result on the host (float32:
+        # `tp_engine.pooling.finish_pooled`).
+        self.pooling_params: PoolingParams | None = None
+        self.pooled: torch.Tensor | None = None
         # One entry per output token when `logprobs` is set, and their sum (chosen tokens).
         self.output_logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob = 0.0

@@ -1,0 +1,171 @@
+"""Tiny pooling checkpoints in the layouts Qwen publishes, and their references.
+
+- `build_embedding_checkpoint`: Qwen3-Embedding as on the hub: flat tensor names (no `model.`
+  prefix), no `lm_head`, a tokenizer whose post-processor appends `<|endoftext|>` (also its pad
+  token), and sentence-transformers' files in their <= 5 spelling (modules.json, a last-token
+  `1_Pooling`, `2_Normalize`, the query prompt). `SentenceTransformer(dir)` loads it: the
+  reference.
+- `build_reranker_checkpoint`: Qwen3-Reranker as on the hub: a causal LM (tied or untied head)
+  whose tokenizer has "no" and "yes" as single tokens and appends nothing. Served with
+  `RERANKER_OVERRIDES`, as vLLM serves it.
+- `convert_reranker_to_seq_cls`: the same model as a `Qwen3ForSequenceClassification` with one
+  label, `score.weight = W[yes] - W[no]` (what vLLM's `convert_model_to_seq_cls.py` and
+  tomaarsen's `*-seq-cls` checkpoints do).
+- `reranker_reference`: the model card's formula with transformers.
+
+The server tests import these too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+EMBED_QUERY_PROMPT = (
+    "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+)
+RERANKER_OVERRIDES = {
+    "architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": True,
+}
+_SMALL = dict(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=128, max_position_embeddings=512,
+)  # fmt: skip
+
+
+def build_embedding_checkpoint(out_dir: Path, *, seed: int = 11) -> Path:
+    """A random Qwen3-Embedding in the published layout (module docstring)."""
+    from tp_engine.checkpoints import _rewrite_checkpoint, build_random_qwen3
+
+    src = build_random_qwen3(out_dir.with_name(out_dir.name + "-src"), seed=seed,
+                             tie_word_embeddings=True, **_SMALL)  # fmt: skip
+
+    def flat(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {} if name == "lm_head.weight" else {name.removeprefix("model."): t}
+
+    out = _rewrite_checkpoint(src, out_dir, flat, lambda config: None)
+    _append_endoftext(out)
+    _write_sentence_transformers_files(out, hidden_size=_SMALL["hidden_size"])
+    return out
+
+
+def _append_endoftext(model_dir: Path) -> None:
+    """Qwen3-Embedding's tokenizer.json: every encoding ends with `<|endoftext|>`."""
+    from tokenizers import Tokenizer, processors
+
+    path = model_dir / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    eot = "<|endoftext|>"
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"$A:0 {eot}:0",
+        pair=f"$A:0 {eot}:0 $B:1 {eot}:1",
+        special_tokens=[(eot, tok.token_to_id(eot))],
+    )
+    tok.save(str(path))
+
+
+def _write_sentence_transformers_files(model_dir: Path, *, hidden_size: int) -> None:
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"},
+    ]  # fmt: skip
+    (model_dir / "modules.json").write_text(json.dumps(modules, indent=2))
+    pooling = {
+        "word_embedding_dimension": hidden_size,
+        "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": False,
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": True,
+        "include_prompt": True,
+    }
+    (model_dir / "1_Pooling").mkdir(exist_ok=True)
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+    (model_dir / "2_Normalize").mkdir(exist_ok=True)
+    st_config = {
+        "prompts": {"query": EMBED_QUERY_PROMPT, "document": ""},
+        "default_prompt_name": None,
+        "similarity_fn_name": "cosine",
+    }
+    (model_dir / "config_sentence_transformers.json").write_text(json.dumps(st_config, indent=2))
+    (model_dir / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 512, "do_lower_case": False})
+    )
+
+
+def build_reranker_checkpoint(out_dir: Path, *, tied: bool, seed: int = 21) -> Path:
+    """A random Qwen3-Reranker: a causal LM whose tokenizer knows "no" and "yes" as tokens
+    (added after the test vocabulary, inside the padded embedding)."""
+    from transformers import AutoTokenizer
+
+    from tp_engine.checkpoints import build_random_qwen3
+
+    out = build_random_qwen3(out_dir, seed=seed, tie_word_embeddings=tied, vocab_size=648,
+                             **_SMALL)  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_tokens(["no", "yes"])
+    tok.save_pretrained(out)
+    return out
+
+
+def convert_reranker_to_seq_cls(src: Path, out_dir: Path) -> Path:
+    """`src` (a `build_reranker_checkpoint`) as a one-label seq-cls checkpoint."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from tp_engine.checkpoints import _rewrite_checkpoint
+
+    tok = AutoTokenizer.from_pretrained(src)
+    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
+    weights = load_file(src / "model.safetensors")
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    score = (head[yes].float() - head[no].float()).unsqueeze(0)  # [1, hidden]
+
+    def convert(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if name == "lm_head.weight":
+            return {}
+        out = {name: t}
+        if name == "model.embed_tokens.weight":
+            out["score.weight"] = score.to(t.dtype)
+        return out
+
+    def edit(config: dict) -> None:
+        config["architectures"] = ["Qwen3ForSequenceClassification"]
+        config["num_labels"] = 1
+        config["id2label"] = {"0": "LABEL_0"}
+        config["label2id"] = {"LABEL_0": 0}
+
+    return _rewrite_checkpoint(src, out_dir, convert, edit)
+
+
+def reranker_reference(model_dir: Path, pairs: list[tuple[str, str]], instruction=None):
+    """The model card's score of each (query, document) with transformers in fp32: the last
+    position's logits, log_softmax over [no, yes], exp of yes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tp_engine.rerank_prompt import rerank_prompt_parts
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
+    scores = []
+    with torch.no_grad():
+        for query, doc in pairs:
+            prefix, body, suffix = rerank_prompt_parts(query, doc, instruction)
+            ids = [
+                t
+                for part in (prefix, body, suffix)
+                for t in tok.encode(part, add_special_tokens=False)
+            ]
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            pair = torch.stack([logits[no], logits[yes]])
+            scores.append(torch.log_softmax(pair, dim=0)[1].exp().item())
+    return scores

@@ -73,8 +73,9 @@ def hello(model_dir: str, tasks: list[str], matryoshka: bool = True) -> Hello:
     )  # fmt: skip
 
 
-def pair_prompt(query: str, document: str, instruction: str | None) -> str:
-    return f"<{instruction or 'default'}> {query} | {document}"
+def pair_tokens(tokenizer, query: str, document: str, instruction: str | None) -> list[int]:
+    text = f"<{instruction or 'default'}> {query} | {document}"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def tokenizer(tmp_path_factory):
 
 def app_for(tokenizer, tasks: list[str], matryoshka: bool = True) -> tuple[TestClient, Any]:
     engine = ScriptedEngine(hello("/m", tasks, matryoshka))
-    app = build_app(engine, tokenizer, pair_prompt=pair_prompt)  # type: ignore[arg-type]
+    app = build_app(engine, tokenizer, pair_tokens=pair_tokens)  # type: ignore[arg-type]
     return TestClient(app, base_url="http://localhost"), engine
 
 
@@ -197,8 +198,8 @@ def test_rerank_and_score_shapes(tokenizer):
         assert r["id"].startswith("rerank-") and r["model"] == "m"
         assert [x["index"] for x in r["results"]] == [1, 2]  # longest prompt scores highest
         assert [x["document"]["text"] for x in r["results"]] == [docs[1], docs[2]]
-        prompt = tokenizer(pair_prompt("q", docs[1], "find b"), add_special_tokens=False)
-        assert r["results"][0]["relevance_score"] == score_of(prompt["input_ids"])
+        prompt = pair_tokens(tokenizer, "q", docs[1], "find b")
+        assert r["results"][0]["relevance_score"] == score_of(prompt)
         assert engine.sent[-1][1] == {"task": "score"}
     all_docs = cross.post("/rerank", json={**body, "top_n": 0, "return_documents": False}).json()
     assert [x["index"] for x in all_docs["results"]] == [1, 2, 0]

@@ -30,6 +30,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shm_ipc.liveness import ProcessWatch
+from tp_engine.rerank_prompt import rerank_token_ids
 from tp_engine.server.admin_routes import build_admin_router
 from tp_engine.server.chat_parsers import ChatParsing
 from tp_engine.server.engine_client import EngineClient
@@ -38,7 +39,7 @@ from tp_engine.server.http_errors import APIError, install_handlers
 from tp_engine.server.ipc import ApiPipes
 from tp_engine.server.messages import Exit, Hello, Ready
 from tp_engine.server.metrics import ServerMetrics
-from tp_engine.server.pooling_inputs import PairPrompt, PoolingInputs
+from tp_engine.server.pooling_inputs import PairTokens, PoolingInputs
 from tp_engine.server.pooling_routes import PoolingServing, build_pooling_router
 from tp_engine.server.prompts import PromptBuilder
 from tp_engine.server.protocol import (
@@ -71,11 +72,11 @@ def build_app(
     tokenizer: Any,
     on_startup: Callable[[], Awaitable[None]] | None = None,
     parsing: ChatParsing | None = None,
-    pair_prompt: PairPrompt | None = None,
+    pair_tokens: PairTokens | None = rerank_token_ids,
 ) -> FastAPI:
     """The app; `on_startup` runs as a task once the event loop is up (Ready is sent there);
     `parsing`: the chat-output parsers resolved against `tokenizer` (none by default);
-    `pair_prompt`: a reranker's prompt of a (query, document) pair (cross-encoder scoring)."""
+    `pair_tokens`: a reranker's prompt of a (query, document) pair (cross-encoder scoring)."""
     hello = client.hello
     limits = RequestLimits.from_wire(hello.limits) if hello.limits else RequestLimits()
     builder = PromptBuilder(tokenizer, hello, parsing)
@@ -152,7 +153,7 @@ def build_app(
             req = await work.run(parse_body, ChatCompletionRequest, await request.body())
             return await serving.chat(req, request)
 
-    inputs = PoolingInputs(builder, hello.pooled_size, hello.is_matryoshka, pair_prompt)
+    inputs = PoolingInputs(builder, hello.pooled_size, hello.is_matryoshka, pair_tokens)
     pooling = PoolingServing(client, serving, work, inputs, hello.supported_tasks)
     app.include_router(build_pooling_router(pooling))
 

@@ -6,7 +6,14 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from tp_engine.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
+from tp_engine.config import (
+    ATTENTION_BACKENDS,
+    CONVERTS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    RUNNERS,
+    EngineConfig,
+)
 from tp_engine.server.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.engine_loop import LoopOptions
 from tp_engine.server.guards import RequestLimits, allowed_hosts
@@ -99,6 +106,28 @@ def build_parser() -> argparse.ArgumentParser:
     # Set by the data-parallel launcher on the replicas it starts: serve one engine and end the
     # run if the launcher is gone (as torchrun's ranks do).
     p.add_argument("--replica-index", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="auto",
+        help="generate (completions, chat) or pooling (embeddings, scores); auto: pooling for "
+        "a sentence-transformers checkpoint (modules.json) or a *ForSequenceClassification one",
+    )
+    p.add_argument(
+        "--convert",
+        choices=CONVERTS,
+        default="auto",
+        help="what a pooling runner makes of the model: embed (last-token embedding) or "
+        "classify (scores); auto: classify for *ForSequenceClassification, else embed",
+    )
+    p.add_argument(
+        "--hf-overrides",
+        default=None,
+        metavar="JSON",
+        help="config.json fields to override, one JSON object, e.g. '{\"is_matryoshka\": true}' "
+        'or a Qwen3-Reranker\'s \'{"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'',
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -242,6 +271,9 @@ def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         structured_outputs_timeout_s=args.structured_outputs_timeout,
         speculative_config=args.speculative_config,
+        runner=args.runner,
+        convert=args.convert,
+        hf_overrides=args.hf_overrides,
     )
 
 

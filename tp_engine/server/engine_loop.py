@@ -33,9 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tp_engine.engine import EngineDeadError, LLMEngine
 from tp_engine.engine_states import PauseMode
 from tp_engine.outputs import SequenceOutput
+from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.sequence import SequenceStatus, TokenLogprobs
 from tp_engine.server.control_ops import run_op
@@ -204,8 +207,7 @@ class EngineLoop:
             self._rejected.append(Rejected(msg.request_id, 503, why))
             return
         try:
-            params = SamplingParams(**msg.sampling_params)
-            seq_ids = self.engine.add_request(msg.request_id, msg.prompt_token_ids, params)
+            seq_ids = self.engine.add_request(msg.request_id, msg.prompt_token_ids, _params(msg))
         except (ValueError, TypeError) as exc:
             # The engine refuses what it cannot serve (too long, unsupported field): that
             # request gets a 400, everything else keeps running.
@@ -394,6 +396,13 @@ def _wire(entry: TokenLogprobs) -> list[Any]:
     return [entry.token_ids, entry.logprobs, entry.rank]
 
 
+def _params(msg: AddRequest) -> SamplingParams | PoolingParams:
+    """What the request asks for: pooling when it carries PoolingParams fields."""
+    if msg.pooling_params is not None:
+        return PoolingParams(**msg.pooling_params)
+    return SamplingParams(**msg.sampling_params)
+
+
 def _delta(request_id: str, out: SequenceOutput) -> Delta:
     """The engine's output of one sample as the API process receives it."""
     return Delta(
@@ -409,6 +418,7 @@ def _delta(request_id: str, out: SequenceOutput) -> Delta:
         prompt_logprobs=None
         if out.prompt_logprobs is None
         else [None if e is None else _wire(e) for e in out.prompt_logprobs],
+        pooled=None if out.pooled is None else np.asarray(out.pooled, dtype="<f4").tobytes(),
     )
 
 

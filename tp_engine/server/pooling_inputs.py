@@ -18,9 +18,9 @@ from tp_engine.server.http_errors import bad_request
 from tp_engine.server.pooling_protocol import ENCODING_FORMATS, PoolingInput, ScoreRequest
 from tp_engine.server.prompts import PromptBuilder
 
-# The reranker's prompt of one (query, document) pair with an optional instruction
-# (`tp_engine.rerank_prompt.format_rerank_pair`).
-PairPrompt = Callable[[str, str, str | None], str]
+# A reranker's prompt of one (query, document, instruction) as token ids, made with the given
+# tokenizer (`tp_engine.rerank_prompt.rerank_token_ids`).
+PairTokens = Callable[[Any, str, str, str | None], list[int]]
 
 
 class PoolingInputs:
@@ -29,13 +29,13 @@ class PoolingInputs:
         builder: PromptBuilder,
         pooled_size: int,
         is_matryoshka: bool,
-        pair_prompt: PairPrompt | None,
+        pair_tokens: PairTokens | None,
     ) -> None:
         self.builder = builder
         self.tokenizer = builder.tokenizer
         self.pooled_size = pooled_size
         self.is_matryoshka = is_matryoshka
-        self.pair_prompt = pair_prompt
+        self.pair_tokens = pair_tokens
 
     # -- prompts -----------------------------------------------------------------------------------
 
@@ -112,12 +112,14 @@ class PoolingInputs:
     ) -> list[list[int]]:
         """Each (query, document) pair as one cross-encoder prompt, in the reranker's template
         (which holds every special token it needs: nothing is added)."""
-        if self.pair_prompt is None:
+        if self.pair_tokens is None:
             raise bad_request("this model cannot score pairs of texts")
-        texts = [
-            self.pair_prompt(q, d, instruction) for q, d in zip(queries, documents, strict=True)
+        for text in (*dict.fromkeys(queries), *documents, instruction or ""):
+            self.builder.check_text_length(text, "documents")
+        prompts = [
+            self.pair_tokens(self.tokenizer, q, d, instruction)
+            for q, d in zip(queries, documents, strict=True)
         ]
-        prompts = self.tokenize(texts, False, "documents")
         self.check_lengths(prompts, "documents")
         return prompts
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from rank_worker import bringup
 from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
+from rank_worker.model_spec import ModelSpec
 from shm_ipc.liveness import ParentWatch
 from tp_engine.config import EngineConfig
 from tp_engine.server.args import (
@@ -195,6 +196,9 @@ class Rank0Server:
                 limits=self.args.limits.to_wire(),
                 enable_weight_updates=self.args.enable_weight_updates,
                 enable_sleep_mode=self.args.enable_sleep_mode,
+                supported_tasks=supported_tasks(engine.model_spec),
+                pooled_size=engine.model_spec.hidden_size,
+                is_matryoshka=engine.model_spec.is_matryoshka,
             ),
             keep_waiting=lambda: (
                 api.poll() is None and self._stop_signal is None and self._launcher_gone is None
@@ -334,6 +338,16 @@ class Rank0Server:
             self.run_dir.remove()
         logging.shutdown()
         os._exit(code)
+
+
+def supported_tasks(spec: ModelSpec) -> list[str]:
+    """vLLM's task names for what the model serves, which decide the API's routes: scores
+    come from an embedding model (cosine) or a one-label classifier (a reranker)."""
+    if spec.task == "generate":
+        return ["generate"]
+    if spec.task == "embed" or spec.head.num_scores == 1:
+        return [spec.task, "score"]
+    return [spec.task]
 
 
 def _url_host(host: str) -> str:

@@ -104,10 +104,13 @@ def test_routes_follow_the_models_tasks(tokenizer):
         assert r.json()["error"]["message"] == f"no route POST {path}"
     assert generate.post("/v1/completions", json={}).status_code == 400  # there, body refused
 
-    embed, _ = app_for(tokenizer, ["embed", "score"])
+    embed, engine = app_for(tokenizer, ["embed", "score"])
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/classify"):
         assert error_of(embed.post(path, json={}))[0] == 404, path
     assert embed.post("/v1/embeddings", json={"input": "a"}).status_code == 200
+    # SGLang's deep health check pools a token where it cannot generate one.
+    assert embed.get("/health_generate").status_code == 200
+    assert engine.sent[-1] == ([0], {"task": "embed"})
 
     classify, _ = app_for(tokenizer, ["classify", "score"])
     assert classify.post("/v1/embeddings", json={"input": "a"}).status_code == 404

@@ -1,5 +1,6 @@
 """The pooling routes, for real: `launch/serve.py` serving Qwen3-Embedding and Qwen3-Reranker in
-their published layouts (`tests/pooling_cases.py`), one rank each, started once for the module.
+their published layouts (`tests/pooling_cases.py`), the embedder on one rank and the reranker
+on two, each started once for the module.
 
 Embeddings go through the official `openai` client (which asks for base64 unless told "float")
 and must equal sentence-transformers' `encode` on the same checkpoint; reranker scores must
@@ -83,8 +84,9 @@ def rerank_server(reranker_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "rerank.log"
     overrides = json.dumps(RERANKER_OVERRIDES)
     yield from serving(
-        reranker_dir, log, *ENGINE_ARGS, "--runner", "pooling", "--hf-overrides", overrides
-    )
+        reranker_dir, log, *ENGINE_ARGS, "--runner", "pooling", "--hf-overrides", overrides,
+        "--tensor-parallel-size", "2",
+    )  # fmt: skip
 
 
 def openai_client(server):
@@ -142,6 +144,7 @@ def test_refusals_and_the_route_split_leave_the_server_serving(embed_server, emb
         status, resp = embed_server.post(path, {"prompt": "a"}, AUTH)
         assert status == 404 and resp["error"]["message"] == f"no route POST {path}"
     assert embed_server.post("/v1/embeddings", {"input": "a"})[0] == 401
+    assert embed_server.get("/health_generate", AUTH)[0] == 200
     assert embed_server.post("/score", {"queries": "a", "documents": ["b"]})[0] == 401
     after = embed_server.post("/v1/embeddings", {"input": DOCUMENTS[1]}, AUTH)
     assert after == (200, {**before[1], "id": after[1]["id"], "created": after[1]["created"]})

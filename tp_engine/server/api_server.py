@@ -98,7 +98,11 @@ def build_app(
     install_handlers(app)
 
     app.add_middleware(RequestGuard, limits=limits, api_key=hello.api_key)
-    app.include_router(build_router(client, serving))  # what sglang-router probes
+    generates = "generate" in hello.supported_tasks
+    inputs = PoolingInputs(builder, hello.pooled_size, hello.is_matryoshka, pair_tokens)
+    pooling = PoolingServing(client, serving, work, inputs, hello.supported_tasks)
+    probe = None if generates else pooling.probe
+    app.include_router(build_router(client, serving, probe))  # what sglang-router probes
     if hello.enable_weight_updates or hello.enable_sleep_mode:
         app.include_router(
             build_admin_router(
@@ -141,7 +145,7 @@ def build_app(
             ],
         }
 
-    if "generate" in hello.supported_tasks:  # a pooling model has no completions (vLLM: 404)
+    if generates:  # a pooling model has no completions (vLLM: 404)
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
@@ -153,8 +157,6 @@ def build_app(
             req = await work.run(parse_body, ChatCompletionRequest, await request.body())
             return await serving.chat(req, request)
 
-    inputs = PoolingInputs(builder, hello.pooled_size, hello.is_matryoshka, pair_tokens)
-    pooling = PoolingServing(client, serving, work, inputs, hello.supported_tasks)
     app.include_router(build_pooling_router(pooling))
 
     def tokenize_body(body: bytes) -> dict[str, Any]:

@@ -126,6 +126,16 @@ class PoolingServing:
             num_tokens,
         )
 
+    async def probe(self, request: Request) -> bool:
+        """SGLang's deep health check (`/health_generate`) for a model that cannot generate:
+        one token pooled through the whole engine."""
+        task = "embed" if "embed" in self.tasks else "classify"
+        try:
+            await self._pooled(request, new_request_id("health"), [[0]], {"task": task})
+        except APIError:
+            return False
+        return True
+
     # -- shared ------------------------------------------------------------------------------------
 
     async def _embed_like(

@@ -12,14 +12,15 @@ the model as "unknown" and warns on every worker.
 
 Also answered: `/get_load` (what its power-of-two policy and load monitor read: one entry per
 data-parallel rank of this server, which is one) and `/health_generate` (SGLang's deep health
-check: a one-token generation through the whole engine, so a wedged engine fails it while
-`/health` may still pass).
+check: a one-token generation through the whole engine, or one pooled token for a pooling
+model, so a wedged engine fails it while `/health` may still pass).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,13 @@ def model_info(hello: Hello, facts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_router(client: EngineClient, serving: OpenAIServing) -> APIRouter:
+def build_router(
+    client: EngineClient,
+    serving: OpenAIServing,
+    pooling_probe: Callable[[Request], Awaitable[bool]] | None = None,
+) -> APIRouter:
+    """`pooling_probe`: the deep health check of a model that cannot generate (it pools one
+    token instead)."""
     hello = client.hello
     facts = checkpoint_facts(hello.model_dir)
     router = APIRouter()
@@ -109,6 +116,8 @@ def build_router(client: EngineClient, serving: OpenAIServing) -> APIRouter:
             return APIError(
                 503, f"the engine is dead: {client.dead}", code="engine_dead"
             ).response()
+        if pooling_probe is not None:
+            return Response(status_code=200 if await pooling_probe(request) else 503)
         probe = CompletionRequest(prompt=[0], max_tokens=1, temperature=0.0)
         response = await serving.completion(probe, request)
         return Response(status_code=200 if response.status_code == 200 else 503)

@@ -148,12 +148,16 @@ def test_reranker_scores_equal_the_model_card(rerankers, form):
     case = rerankers[form]
     ref = torch.tensor(case["ref"])
     assert ref.max() - ref.min() > 1e-3, "scores must tell the documents apart"
-    for kind, path, overrides in (
-        ("original", case["original"], RERANKER_OVERRIDES),
-        ("seq-cls", case["seq_cls"], None),
+    # The seq-cls form runs the GPU's pipeline on CPU: asynchronous scheduling (pooled rows
+    # recorded a step later) and the GPU's data paths.
+    gpu_like = dict(async_scheduling=True, gpu_data_paths=True)
+    for kind, path, overrides, extra in (
+        ("original", case["original"], RERANKER_OVERRIDES, {}),
+        ("seq-cls", case["seq_cls"], None, gpu_like),
     ):
-        llm = LLM(str(path), hf_overrides=overrides, **ENGINE_ARGS)
+        llm = LLM(str(path), hf_overrides=overrides, **ENGINE_ARGS, **extra)
         try:
+            assert llm.engine.async_scheduling == bool(extra)
             head = llm.engine.model_spec.head.kind
             assert head == ("token_score" if kind == "original" else "seq_cls")
             outs = llm.score(PAIRS_QUERY, PAIRS_DOCS, use_tqdm=False)

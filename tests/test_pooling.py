@@ -179,3 +179,20 @@ def test_generate_model_refuses_pooling(rerankers):
         assert llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
     finally:
         llm.shutdown()
+
+
+def test_sentence_transformers_6_layout(embed_case, tmp_path):
+    """The same model re-saved by sentence-transformers 6 (new module names, a pooling_mode
+    string, architecture `Qwen3Model`) serves the same vectors."""
+    from sentence_transformers import SentenceTransformer
+
+    saved = tmp_path / "st6"
+    SentenceTransformer(str(embed_case["path"]), device="cpu").save(str(saved))
+    assert "lasttoken" in (saved / "1_Pooling" / "config.json").read_text()
+    llm = LLM(str(saved), **ENGINE_ARGS)
+    try:
+        assert llm.engine.model_spec.normalize
+        outs = llm.embed(our_texts(), use_tqdm=False)
+        assert_close_vectors([o.outputs.embedding for o in outs], embed_case["full"], "st6")
+    finally:
+        llm.shutdown()

@@ -333,7 +333,8 @@ class ModelRunner:
     def execute(
         self, plan: StepPlan, last_sampled: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """One forward pass. Logits `[B', vocab]` fp32 on rank 0, None on the other ranks.
+        """One forward pass. Logits `[B', vocab]` fp32 on rank 0, None on the other ranks (a
+        pooling model: its head's rows, `[B', head_width]`).
 
         `last_sampled`: `[B'_prev]` int64 on this runner's device, the token ids sampled from
         the previous RUN step's logits rows. Required when the plan holds placeholder ids

@@ -3,8 +3,10 @@
 Per decoder layer: RMSNorm (fused with the residual add) → QKV column-parallel projection →
 per-head q/k RMSNorm → rotary embedding → paged attention → o_proj row-parallel (all-reduce) →
 RMSNorm (fused residual add) → gate/up merged column-parallel → SiLU×mul → down_proj
-row-parallel (all-reduce). Then the final norm and the vocab-parallel LM head, whose logits are
-gathered to rank 0. So a forward pass issues 1 + 2 * num_layers all-reduces and one gather.
+row-parallel (all-reduce). Then the final norm and the head chosen at build time
+(`rank_worker.heads`): for generation the vocab-parallel LM head, whose logits are gathered to
+rank 0. So a forward pass issues 1 + 2 * num_layers all-reduces and one gather (none for an
+embedding or seq-cls head).
 
 Two implementations of the non-matmul ops, chosen per model (`fused`):
 - fused (Triton kernels, GPU, or CPU under the interpreter): add+RMSNorm, SiLU·mul, and the

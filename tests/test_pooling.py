@@ -148,12 +148,16 @@ def test_reranker_scores_equal_the_model_card(rerankers, form):
     case = rerankers[form]
     ref = torch.tensor(case["ref"])
     assert ref.max() - ref.min() > 1e-3, "scores must tell the documents apart"
-    for kind, path, overrides in (
-        ("original", case["original"], RERANKER_OVERRIDES),
-        ("seq-cls", case["seq_cls"], None),
+    # The seq-cls form runs the GPU's pipeline on CPU: asynchronous scheduling (pooled rows
+    # recorded a step later) and the GPU's data paths.
+    gpu_like = dict(async_scheduling=True, gpu_data_paths=True)
+    for kind, path, overrides, extra in (
+        ("original", case["original"], RERANKER_OVERRIDES, {}),
+        ("seq-cls", case["seq_cls"], None, gpu_like),
     ):
-        llm = LLM(str(path), hf_overrides=overrides, **ENGINE_ARGS)
+        llm = LLM(str(path), hf_overrides=overrides, **ENGINE_ARGS, **extra)
         try:
+            assert llm.engine.async_scheduling == bool(extra)
             head = llm.engine.model_spec.head.kind
             assert head == ("token_score" if kind == "original" else "seq_cls")
             outs = llm.score(PAIRS_QUERY, PAIRS_DOCS, use_tqdm=False)
@@ -173,5 +177,22 @@ def test_generate_model_refuses_pooling(rerankers):
         with pytest.raises(ValueError, match="only supported for pooling models"):
             llm.embed("x", use_tqdm=False)
         assert llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    finally:
+        llm.shutdown()
+
+
+def test_sentence_transformers_6_layout(embed_case, tmp_path):
+    """The same model re-saved by sentence-transformers 6 (new module names, a pooling_mode
+    string, architecture `Qwen3Model`) serves the same vectors."""
+    from sentence_transformers import SentenceTransformer
+
+    saved = tmp_path / "st6"
+    SentenceTransformer(str(embed_case["path"]), device="cpu").save(str(saved))
+    assert "lasttoken" in (saved / "1_Pooling" / "config.json").read_text()
+    llm = LLM(str(saved), **ENGINE_ARGS)
+    try:
+        assert llm.engine.model_spec.normalize
+        outs = llm.embed(our_texts(), use_tqdm=False)
+        assert_close_vectors([o.outputs.embedding for o in outs], embed_case["full"], "st6")
     finally:
         llm.shutdown()

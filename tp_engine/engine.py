@@ -39,6 +39,11 @@ sequence's new tokens and the sampling builder asks for the next step's token bi
 asynchronous scheduling that stays exact: step t+1's mask is filled in `_sample`, after step t's
 tokens were applied, while step t+1's forward runs on the GPU.
 
+A pooling model (`model_spec`: an embedder or a reranker) takes `PoolingParams` instead: a
+prompt-only sequence whose last prompt token is a pooled row of the plan (`plan_builder`); its
+head row is copied to the host with the step's other results and finished per request
+(`tp_engine.pooling`), and the sequence ends with its blocks freed, `SequenceOutput.pooled` set.
+
 A request with `n > 1` becomes n sequences. The first runs at once; the others are held until
 the first has computed its prompt, so that they find its full prompt blocks in the prefix cache
 (the block manager registers full blocks after each step) instead of computing them again.

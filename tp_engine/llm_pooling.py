@@ -18,6 +18,7 @@ probability for the pair, formatted with the Qwen3-Reranker prompt of the model 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
@@ -36,7 +37,7 @@ from tp_engine.pooling_outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from tp_engine.pooling_params import PoolingParams
+from tp_engine.pooling_params import PoolingParams, PoolingTask
 from tp_engine.rerank_prompt import rerank_token_ids
 
 if TYPE_CHECKING:
@@ -157,16 +158,16 @@ def _params_list(
 
 
 def _with_task(
-    params: PoolingParams | SequenceOf[PoolingParams] | None, task: str
+    params: PoolingParams | SequenceOf[PoolingParams] | None, task: PoolingTask
 ) -> list[PoolingParams] | PoolingParams:
     """The params with `task` set (a task given for another method is an error)."""
     if params is None:
-        return PoolingParams(task=task)  # type: ignore[arg-type]
+        return PoolingParams(task=task)
     many = [params] if isinstance(params, PoolingParams) else list(params)
     for p in many:
         if p.task not in (None, task):
             raise ValueError(f"pooling params for task {p.task!r} given to {task}()")
-    out = [PoolingParams(task, p.dimensions, p.normalize, p.use_activation) for p in many]  # type: ignore[arg-type]
+    out = [dataclasses.replace(p, task=task) for p in many]
     return out[0] if isinstance(params, PoolingParams) else out
 
 

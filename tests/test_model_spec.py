@@ -1,0 +1,142 @@
+"""`ModelSpec`: what a checkpoint is served as, from config.json, hf_overrides and the
+sentence-transformers files, as vLLM's --runner / --convert decide it; and `PoolingParams`'
+defaults and refusals against it, and what they do to a head row (`tp_engine.pooling`). No
+engine: configs and files only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rank_worker.model_spec import HeadSpec, ModelSpec, load_hf_config
+from tp_engine.config import EngineConfig
+from tp_engine.engine import _check_pooling_config
+from tp_engine.pooling_params import PoolingParams
+
+TOKENS = {"no": 5, "yes": 9}
+
+
+@pytest.fixture(scope="module")
+def causal_dir(tmp_path_factory) -> Path:
+    from transformers import Qwen3Config
+
+    path = tmp_path_factory.mktemp("spec") / "causal"
+    config = Qwen3Config(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, intermediate_size=32, max_position_embeddings=64,
+    )  # fmt: skip
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(path)
+    return path
+
+
+def resolve(path: Path, overrides=None, **kw) -> ModelSpec:
+    return ModelSpec.resolve(path, load_hf_config(path, overrides), token_id=TOKENS.get, **kw)
+
+
+def with_st_modules(src: Path, dst: Path, pooling: dict) -> Path:
+    dst.mkdir(exist_ok=True)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    modules = [
+        {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    (dst / "modules.json").write_text(json.dumps(modules))
+    (dst / "1_Pooling").mkdir(exist_ok=True)
+    (dst / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return dst
+
+
+def test_auto_detection_as_vllm(causal_dir, tmp_path):
+    assert resolve(causal_dir).task == "generate"
+    assert resolve(causal_dir).head == HeadSpec("lm")
+    # runner pooling on a causal LM converts it to an embedder (vLLM's default convert).
+    spec = resolve(causal_dir, runner="pooling")
+    assert (spec.task, spec.head.kind, spec.normalize) == ("embed", "last_token", False)
+    # sentence-transformers files (6.x spelling, no Normalize module): an embedder, no L2.
+    st = with_st_modules(causal_dir, tmp_path / "st", {"pooling_mode": "lasttoken"})
+    assert (resolve(st).task, resolve(st).normalize) == ("embed", False)
+    # The original Qwen3-Reranker with vLLM's overrides: the yes/no token head, false first.
+    reranker = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": ["no", "yes"],
+        "is_original_qwen3_reranker": True,
+    }
+    spec = resolve(causal_dir, reranker)
+    assert spec.task == "classify" and spec.head == HeadSpec("token_score", (5, 9))
+    assert spec.head.num_scores == 1
+    # A converted seq-cls checkpoint: its score matrix, as many rows as labels.
+    spec = resolve(causal_dir, {"architectures": ["Qwen3ForSequenceClassification"],
+                                "num_labels": 3})  # fmt: skip
+    assert spec.head == HeadSpec("seq_cls", num_labels=3)
+    assert HeadSpec.from_dict(spec.head.to_dict()) == spec.head  # what the ranks receive
+
+
+def test_refusals(causal_dir, tmp_path):
+    with pytest.raises(ValueError, match="needs runner 'pooling'"):
+        resolve(causal_dir, runner="generate", convert="embed")
+    with pytest.raises(ValueError, match="needs a pooling architecture"):
+        resolve(causal_dir, runner="pooling", convert="none")
+    mean = with_st_modules(causal_dir, tmp_path / "mean", {"pooling_mode_mean_tokens": True})
+    with pytest.raises(ValueError, match="pooling mode 'mean_tokens' is not supported"):
+        resolve(mean)
+    with pytest.raises(ValueError, match="'maybe' is not one token"):
+        resolve(causal_dir, {"is_original_qwen3_reranker": True,
+                             "classifier_from_token": ["no", "maybe"]}, runner="pooling",
+                convert="classify")  # fmt: skip
+    with pytest.raises(ValueError, match="runner must be one of"):
+        EngineConfig(runner="embed")
+    with pytest.raises(ValueError, match="hf_overrides is not valid JSON"):
+        EngineConfig(hf_overrides="{is_matryoshka: true}")
+    spec = resolve(causal_dir, runner="pooling")
+    with pytest.raises(ValueError, match="speculative decoding cannot run with a pooling"):
+        _check_pooling_config(spec, EngineConfig(speculative_config={"method": "ngram",
+                                                                     "num_speculative_tokens": 2}))  # fmt: skip
+
+
+def test_hf_overrides_reach_the_config(causal_dir):
+    """JSON (the command line's form) or a dict; transformers normalises the merged fields as
+    it would the file's (a legacy rope_scaling becomes rope_parameters: YaRN's spec reads it)."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    config = EngineConfig(hf_overrides=json.dumps({"rope_scaling": yarn, "is_matryoshka": True}))
+    spec = resolve(causal_dir, config.hf_overrides, runner="pooling")
+    assert spec.rope.rope_type == "yarn" and spec.max_positions == 64
+    assert spec.is_matryoshka
+
+
+def test_pooling_params_defaults_and_refusals(causal_dir):
+    embed = resolve(causal_dir, {"is_matryoshka": True}, runner="pooling")
+    assert PoolingParams().resolve(embed) == PoolingParams("embed", None, False, True)
+    assert PoolingParams(dimensions=16).resolve(embed).dimensions == 16
+    with pytest.raises(ValueError, match=r"dimensions in range \[1, 16\]"):
+        PoolingParams(dimensions=17).resolve(embed)
+    with pytest.raises(ValueError, match="Classify API is not supported"):
+        PoolingParams(task="classify").resolve(embed)
+    classify = resolve(causal_dir, {"architectures": ["Qwen3ForSequenceClassification"],
+                                    "num_labels": 3})  # fmt: skip
+    assert PoolingParams().resolve(classify).task == "classify"
+    with pytest.raises(ValueError, match="score needs a model with one label"):
+        PoolingParams(task="score").resolve(classify)
+    with pytest.raises(ValueError, match="Embedding API is not supported"):
+        PoolingParams(task="embed").resolve(classify)
+    with pytest.raises(ValueError, match="only supported for pooling models"):
+        PoolingParams().resolve(resolve(causal_dir))
+
+
+def test_finish_pooled_applies_the_request_params():
+    import torch
+
+    from tp_engine.pooling import finish_pooled
+
+    row = torch.tensor([3.0, 4.0, 12.0])
+    cut = finish_pooled(row, PoolingParams("embed", 2, True, True))
+    assert torch.allclose(cut, torch.tensor([0.6, 0.8]))  # cut, then renormalised
+    assert finish_pooled(row, PoolingParams("embed", None, False, True)).tolist() == [3, 4, 12]
+    probs = finish_pooled(row, PoolingParams("classify", None, None, True))
+    assert torch.allclose(probs, torch.softmax(row, -1))  # several labels: softmax
+    score = finish_pooled(torch.tensor([0.0]), PoolingParams("score", None, None, True))
+    assert score.item() == 0.5  # one label: sigmoid
+    raw = finish_pooled(row, PoolingParams("classify", None, None, False))
+    assert raw.tolist() == [3, 4, 12]

@@ -128,6 +128,11 @@ def test_embeddings_as_floats_and_base64(tokenizer):
     assert floats["id"].startswith("embd-")
     n = sum(map(len, ids))
     assert floats["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    counted = engine.metrics.registry.get_sample_value
+    assert counted("vllm:prompt_tokens_total", {"model_name": "m"}) == 2 * n  # both requests
+    assert (
+        counted("vllm:request_success_total", {"model_name": "m", "finished_reason": "stop"}) == 6
+    )
     for i, (f, b) in enumerate(zip(floats["data"], b64["data"], strict=True)):
         assert f["index"] == b["index"] == i and f["object"] == "embedding"
         decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")

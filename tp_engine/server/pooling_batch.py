@@ -12,6 +12,7 @@ answers with one Delta that carries its pooled vector. Its life:
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ class PoolingBatch:
         self.request_id = request_id
         self.prompts = prompts
         self.pooling_params = pooling_params
+        self.arrival = time.monotonic()
         self.engine_ids = [f"{request_id}-{p}" for p in range(len(prompts))]
         self._index = {engine_id: p for p, engine_id in enumerate(self.engine_ids)}
         self._pooled: list[np.ndarray | None] = [None] * len(prompts)
@@ -65,8 +67,23 @@ class PoolingBatch:
             return
         if event.pooled is None:  # ended without a result: shutdown, pause or sleep
             raise APIError(503, f"the request ended before it was pooled ({event.finish_reason})")
-        self._pooled[self._index[engine_id]] = np.frombuffer(event.pooled, dtype=POOLED_DTYPE)
+        index = self._index[engine_id]
+        self._pooled[index] = np.frombuffer(event.pooled, dtype=POOLED_DTYPE)
         self.client.release(engine_id)
+        self._record(len(self.prompts[index]), event)
+
+    def _record(self, num_prompt_tokens: int, delta: Delta) -> None:
+        """/metrics counts a pooled prompt as a request that generated nothing."""
+        metrics = self.client.metrics
+        metrics.prompt_tokens.inc(num_prompt_tokens)
+        metrics.request_finished(
+            delta.finish_reason or "stop",
+            num_prompt_tokens=num_prompt_tokens,
+            num_generated_tokens=0,
+            e2e_s=time.monotonic() - self.arrival,
+            decode_s=None,
+            queue_time_s=delta.queue_time_s,
+        )
 
     def close(self) -> None:
         """Abort every prompt that has no result yet. Synchronous: safe in a cancelled
@@ -74,7 +91,3 @@ class PoolingBatch:
         for engine_id, pooled in zip(self.engine_ids, self._pooled, strict=True):
             if pooled is None:
                 self.client.abort(engine_id)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)

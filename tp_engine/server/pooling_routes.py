@@ -20,6 +20,7 @@ event loop only moves bytes.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -75,14 +76,18 @@ class PoolingServing:
         self.tasks = frozenset(tasks)
         self.model_name = serving.model_name
 
+    @property
+    def own_task(self) -> str:
+        """What the model pools when a route names no task (/pooling, the health probe)."""
+        return "embed" if "embed" in self.tasks else "classify"
+
     # -- routes ------------------------------------------------------------------------------------
 
     async def embeddings(self, request: Request) -> Response:
         return await self._embed_like(request, "embd", "embed", "embedding")
 
     async def pooling(self, request: Request) -> Response:
-        task = "embed" if "embed" in self.tasks else "classify"
-        return await self._embed_like(request, "pool", task, "pooling")
+        return await self._embed_like(request, "pool", self.own_task, "pooling")
 
     async def classify(self, request: Request) -> Response:
         req = await self._parse(request, ClassifyRequest)
@@ -90,7 +95,9 @@ class PoolingServing:
         request_id = new_request_id("classify")
         probs = await self._pooled(request, request_id, prompts, {"task": "classify"})
         return await self._answer(
-            list_body, request_id, self.model_name, classify_data(probs), _num_tokens(prompts)
+            lambda: list_body(
+                request_id, self.model_name, classify_data(probs), _num_tokens(prompts)
+            )
         )
 
     async def score(self, request: Request) -> Response:
@@ -101,7 +108,7 @@ class PoolingServing:
             request, request_id, queries, documents, req.instruction
         )
         return await self._answer(
-            list_body, request_id, self.model_name, score_data(scores), num_tokens
+            lambda: list_body(request_id, self.model_name, score_data(scores), num_tokens)
         )
 
     async def rerank(self, request: Request) -> Response:
@@ -116,22 +123,22 @@ class PoolingServing:
             request, request_id, queries, req.documents, req.instruction
         )
         return await self._answer(
-            rerank_body,
-            request_id,
-            self.model_name,
-            req.documents,
-            scores,
-            top_n,
-            req.return_documents,
-            num_tokens,
+            lambda: rerank_body(
+                request_id,
+                self.model_name,
+                req.documents,
+                scores,
+                top_n,
+                req.return_documents,
+                num_tokens,
+            )
         )
 
     async def probe(self, request: Request) -> bool:
         """SGLang's deep health check (`/health_generate`) for a model that cannot generate:
         one token pooled through the whole engine."""
-        task = "embed" if "embed" in self.tasks else "classify"
         try:
-            await self._pooled(request, new_request_id("health"), [[0]], {"task": task})
+            await self._pooled(request, new_request_id("health"), [[0]], {"task": self.own_task})
         except APIError:
             return False
         return True
@@ -147,10 +154,12 @@ class PoolingServing:
         prompts = await self.work.run(self.inputs.prompts, req.input, req.add_special_tokens)
         request_id = new_request_id(prefix)
         vectors = await self._pooled(request, request_id, prompts, params)
-        return await self._answer(
-            _list_of_vectors, request_id, self.model_name, vectors, req.encoding_format,
-            object_name, _num_tokens(prompts),
-        )  # fmt: skip
+
+        def body() -> dict[str, Any]:
+            data = embedding_data(vectors, req.encoding_format, object_name)
+            return list_body(request_id, self.model_name, data, _num_tokens(prompts))
+
+        return await self._answer(body)
 
     async def _scores(
         self,
@@ -198,9 +207,10 @@ class PoolingServing:
         finally:
             batch.close()
 
-    async def _answer(self, shape, *args: Any) -> Response:
-        """`shape(*args)` as a JSON response, built and encoded on the request pool."""
-        body = await self.work.run(lambda: json.dumps(shape(*args), separators=(",", ":")))
+    async def _answer(self, build: Callable[[], dict[str, Any]]) -> Response:
+        """`build()` as a JSON response, built and encoded on the request pool (thousands of
+        floats are not the event loop's work)."""
+        body = await self.work.run(lambda: json.dumps(build(), separators=(",", ":")))
         return Response(body, media_type="application/json")
 
 
@@ -213,19 +223,6 @@ class _Gone(APIError):
 
 def _num_tokens(prompts: list[list[int]]) -> int:
     return sum(len(p) for p in prompts)
-
-
-def _list_of_vectors(
-    request_id: str,
-    model: str,
-    vectors: list[np.ndarray],
-    encoding_format: str,
-    object_name: str,
-    num_tokens: int,
-) -> dict[str, Any]:
-    return list_body(
-        request_id, model, embedding_data(vectors, encoding_format, object_name), num_tokens
-    )
 
 
 def build_pooling_router(serving: PoolingServing) -> APIRouter:

@@ -148,16 +148,17 @@ def test_reranker_scores_equal_the_model_card(rerankers, form):
     case = rerankers[form]
     ref = torch.tensor(case["ref"])
     assert ref.max() - ref.min() > 1e-3, "scores must tell the documents apart"
-    # The seq-cls form runs the GPU's pipeline on CPU: asynchronous scheduling (pooled rows
-    # recorded a step later) and the GPU's data paths.
+    # The original form runs at TP 2 (its overrides and head reach the workers through the
+    # bootstrap; the untied head is vocab-parallel). The seq-cls form runs the GPU's pipeline
+    # on CPU: asynchronous scheduling (pooled rows recorded a step later), its data paths.
     gpu_like = dict(async_scheduling=True, gpu_data_paths=True)
     for kind, path, overrides, extra in (
-        ("original", case["original"], RERANKER_OVERRIDES, {}),
+        ("original", case["original"], RERANKER_OVERRIDES, {"tensor_parallel_size": 2}),
         ("seq-cls", case["seq_cls"], None, gpu_like),
     ):
         llm = LLM(str(path), hf_overrides=overrides, **ENGINE_ARGS, **extra)
         try:
-            assert llm.engine.async_scheduling == bool(extra)
+            assert llm.engine.async_scheduling == (extra is gpu_like)
             head = llm.engine.model_spec.head.kind
             assert head == ("token_score" if kind == "original" else "seq_cls")
             outs = llm.score(PAIRS_QUERY, PAIRS_DOCS, use_tqdm=False)

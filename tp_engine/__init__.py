@@ -1,6 +1,6 @@
 """Rank 0's side of the runtime: the control plane, the engine and the offline API.
 
-`SamplingParams` and `EngineConfig` import nothing heavy; `LLM` and `LLMEngine` (which pull in
+`SamplingParams`, `PoolingParams` and `EngineConfig` import nothing heavy; `LLM` and `LLMEngine` (which pull in
 torch and the model) are loaded on first use, so the control plane stays importable alone.
 """
 
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from tp_engine.config import EngineConfig
 from tp_engine.outputs import CompletionOutput, RequestOutput
+from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.structured_outputs import StructuredOutputsParams
 
@@ -22,6 +23,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

@@ -11,6 +11,7 @@ route split (404) and the API key, after which the server still answers as befor
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -116,6 +117,16 @@ def test_openai_client_embeddings_equal_sentence_transformers(embed_server, embe
         assert resp.model == model
     cut = client.embeddings.create(model=model, input=embed_case["texts"], dimensions=16)
     assert_close([d.embedding for d in cut.data], embed_case["cut16"], "dimensions=16")
+    # One request per text, all at once: they share the engine's steps and still each equal
+    # sentence-transformers.
+    with ThreadPoolExecutor(len(embed_case["texts"])) as pool:
+        alone = list(
+            pool.map(
+                lambda t: client.embeddings.create(model=model, input=t).data[0].embedding,
+                embed_case["texts"],
+            )
+        )
+    assert_close(alone, embed_case["full"], "concurrent requests")
 
 
 REFUSALS = [

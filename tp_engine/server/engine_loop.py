@@ -6,6 +6,9 @@ thread-safe). Per iteration:
     poll the inbox (no wait while work is queued) → apply every Add / Abort → step once →
     send one EngineOutputs (acceptances, rejections, deltas, stats) if anything changed
 
+An Add with pooling params (a pooling model's request) runs as `PoolingParams`: its one Delta,
+once the prompt is computed, carries the pooled vector as little-endian float32 bytes.
+
 States and what ends them:
 
     SERVING ──Control pause──► PAUSED (requests queue; "wait" lets the running ones finish)

@@ -229,3 +229,20 @@ def test_rerank_and_score_shapes(tokenizer):
     q, b = (embedding_of(tokenizer(t)["input_ids"]) for t in ("q", "b"))
     assert score["data"][0]["score"] == pytest.approx(float(q @ b), abs=1e-6)
     assert len(engine.sent) == 2  # each distinct text embedded once
+
+
+def test_tasks_rank_0_announces():
+    from rank_worker.layers.rope_spec import RopeSpec
+    from rank_worker.model_spec import HeadSpec, ModelSpec
+    from tp_engine.server.rank0 import supported_tasks
+
+    rope = RopeSpec("default", 16, 10000.0, 512)
+
+    def tasks(task: str, head: HeadSpec) -> list[str]:
+        return supported_tasks(ModelSpec(task, head, rope, SIZE))  # type: ignore[arg-type]
+
+    assert tasks("generate", HeadSpec()) == ["generate"]
+    assert tasks("embed", HeadSpec("last_token")) == ["embed", "score"]
+    assert tasks("classify", HeadSpec("token_score", (1, 2))) == ["classify", "score"]
+    # Scores need one number per pair: a several-label classifier only classifies.
+    assert tasks("classify", HeadSpec("seq_cls", num_labels=3)) == ["classify"]

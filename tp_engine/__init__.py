@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tp_engine.config import EngineConfig
+from tp_engine.lora import LoRARequest
 from tp_engine.outputs import CompletionOutput, RequestOutput
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.structured_outputs import StructuredOutputsParams
@@ -22,6 +23,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

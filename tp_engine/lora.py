@@ -70,10 +70,15 @@ class LoRARequest:
 
 
 class LoRAAdapterNotFoundError(ValueError):
-    """No adapter at the path (vLLM answers it 404)."""
+    """No adapter at the path, or none of that id (vLLM answers both 404)."""
 
-    def __init__(self, name: str, path: str) -> None:
-        super().__init__(f"Loading lora {name} failed: No adapter found for {path}")
+    @classmethod
+    def at(cls, name: str, path: str) -> LoRAAdapterNotFoundError:
+        return cls(f"Loading lora {name} failed: No adapter found for {path}")
+
+    @classmethod
+    def unknown(cls, name: object) -> LoRAAdapterNotFoundError:
+        return cls(f"The lora adapter '{name}' cannot be found.")
 
 
 class SlotLoader(Protocol):
@@ -109,7 +114,7 @@ def check_adapter_dir(request: LoRARequest) -> None:
     """Refuse a path that holds no PEFT adapter (`LoRAAdapterNotFoundError`)."""
     path = Path(request.lora_path)
     if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
-        raise LoRAAdapterNotFoundError(request.lora_name, request.lora_path)
+        raise LoRAAdapterNotFoundError.at(request.lora_name, request.lora_path)
 
 
 _load_ids = itertools.count(1)
@@ -284,7 +289,10 @@ class AdapterRegistry(RowFollower):
             raise AssertionError(f"{seq} admitted without its adapter in a slot")
         adapter.num_running += 1
         self._row_adapter[row] = adapter
-        self._batch.adapter_slot[row] = adapter.slot  # type: ignore[union-attr]
+        batch = self._batch
+        assert batch is not None
+        batch.adapter_slot[row] = adapter.slot
+        batch.num_adapter_rows += 1
         self._touch(adapter.slot)
 
     def remove_row(self, row: int) -> None:
@@ -293,4 +301,7 @@ class AdapterRegistry(RowFollower):
             return
         adapter.num_running -= 1
         self._row_adapter[row] = None
-        self._batch.adapter_slot[row] = -1  # type: ignore[union-attr]
+        batch = self._batch
+        assert batch is not None
+        batch.adapter_slot[row] = -1
+        batch.num_adapter_rows -= 1

@@ -12,6 +12,9 @@ prompt logprobs. The sampler, logprob recording and the memory warm-up read that
 A decode whose token is still being sampled by the step in flight (asynchronous scheduling) gets
 the input id `-1 - row`: every rank replaces it on the device with that step's sampled token of
 row `row` (`rank_worker.input_prep`).
+
+A step with LoRA requests carries each sequence's adapter slot (`adapter_slots`, -1 for the
+base model), read from the running batch's column that the adapter registry keeps.
 """
 
 from __future__ import annotations
@@ -96,6 +99,9 @@ def plan_step(
 ) -> tuple[StepPlan, LogitsLayout]:
     """The plan of `step` and the layout of its logits rows (prompt-logprob rows included)."""
     plan = build_step_plan(step, step_id)
+    if batch.num_adapter_rows:
+        # Each row's LoRA slot (`tp_engine.lora`); left empty while every row runs the base.
+        plan = dataclasses.replace(plan, adapter_slots=batch.adapter_slot[step.rows])
     prompt_rows = prompt_logprob_rows(step, batch, plan)
     if prompt_rows:
         extra = np.concatenate([p.rows for p in prompt_rows]).astype(np.int32)

@@ -161,6 +161,9 @@ class RunningBatch:
         self.num_prompt_only = 0
         self.num_with_stop_ids = 0
         self.num_wanting_prompt_logprobs = 0
+        # Running rows with a LoRA adapter (kept by the adapter registry): while 0, plans carry
+        # no adapter slots.
+        self.num_adapter_rows = 0
         # Rows given back so far. While it stays the same, every row holds the sequence it
         # held: a step scheduled at that count finds all its rows live when it is applied.
         self.num_removals = 0

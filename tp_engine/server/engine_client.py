@@ -78,9 +78,10 @@ class EngineClient:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: dict[str, Any],
+        lora_request: list[Any] | None = None,
     ) -> None:
         self._owners[request_id] = queue
-        self.pipes.send(AddRequest(request_id, prompt_token_ids, sampling_params))
+        self.pipes.send(AddRequest(request_id, prompt_token_ids, sampling_params, lora_request))
 
     def abort(
         self, request_id: str, sample_indices: list[int] | None = None, *, stopped: bool = False

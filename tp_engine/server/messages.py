@@ -84,6 +84,10 @@ class Hello:
     # --enable-weight-updates, --enable-sleep-mode: which admin routes the API process offers.
     enable_weight_updates: bool = False
     enable_sleep_mode: bool = False
+    # --enable-lora: the adapters loaded at start-up (--lora-modules), each
+    # [name, lora_int_id, path, base_model_name]; the API process serves them by name.
+    enable_lora: bool = False
+    lora_modules: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,9 @@ class AddRequest:
     # `SamplingParams` fields by name (validated by the API, checked again by the engine).
     # `n` > 1 makes n samples, reported by their index (the engine shares the prompt's blocks).
     sampling_params: dict[str, Any]
+    # Its LoRA adapter as [name, lora_int_id, path, base_model_name]; None: the base model.
+    # Rank 0 refuses (404) an adapter unloaded meanwhile.
+    lora_request: list[Any] | None = None
 
 
 @dataclass(frozen=True)

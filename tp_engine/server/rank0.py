@@ -180,6 +180,8 @@ class Rank0Server:
             pipes.send(Exit(0))
             return 0
         names = served_names(self.args, self.config.model)
+        for adapter in self.args.lora_modules:  # as vLLM, start-up fails if one cannot load
+            engine.add_lora(adapter)
         hello_sent = pipes.send_once_connected(
             Hello(
                 model_dir=str(engine.model_dir),
@@ -195,6 +197,11 @@ class Rank0Server:
                 limits=self.args.limits.to_wire(),
                 enable_weight_updates=self.args.enable_weight_updates,
                 enable_sleep_mode=self.args.enable_sleep_mode,
+                enable_lora=engine.lora is not None,
+                lora_modules=[
+                    [m.lora_name, m.lora_int_id, m.lora_path, m.base_model_name]
+                    for m in self.args.lora_modules
+                ],
             ),
             keep_waiting=lambda: (
                 api.poll() is None and self._stop_signal is None and self._launcher_gone is None

@@ -46,6 +46,7 @@ from rank_worker.kv_cache import (
 )
 from rank_worker.layers.rope_spec import RopeSpec
 from rank_worker.loader import load_checkpoint
+from rank_worker.lora.manager import LoraManager
 from rank_worker.qwen3 import KVCachePair
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo, all_reduce_min_int
@@ -160,6 +161,11 @@ class ModelRunner:
         self.weight_map = WeightMap(self.model)
         load_checkpoint(self.weight_map, model_dir)
         self.model.eval()
+        # Multi-LoRA's slot stacks, allocated here so that the KV-cache sizing counts them.
+        self.lora: LoraManager | None = None
+        if config.enable_lora:
+            self.lora = LoraManager(self.model, config, self.dtype, self.uses_triton)
+            logger.info("rank %d: LoRA slots take %d bytes", tp.rank, self.lora.nbytes)
         # An fp8 cache halves bytes_per_block (vs bf16), so the same budget holds twice the blocks.
         self.kv_spec = KVCacheSpec.for_model(
             self.hf_config, tp, config.block_size, self.kv_cache_dtype
@@ -190,7 +196,10 @@ class ModelRunner:
         if config.draft_model is not None:
             self.draft = ModelRunner(
                 config.draft_model,
-                dataclasses.replace(config, draft_model=None, enforce_eager=True),
+                # The draft proposes with the base model; verification keeps outputs exact.
+                dataclasses.replace(
+                    config, draft_model=None, enforce_eager=True, enable_lora=False
+                ),
                 tp,
                 self.device,
             )
@@ -383,9 +392,16 @@ class ModelRunner:
             )
 
     def _prepare(self, plan: StepPlan, last_sampled: torch.Tensor | None = None) -> StepInputs:
-        return prepare_inputs(
+        inputs = prepare_inputs(
             plan, self.block_tables, buffers=self.input_buffers, last_sampled=last_sampled
         )
+        return self._bind_adapters(inputs)
+
+    def _bind_adapters(self, inputs: StepInputs) -> StepInputs:
+        """Hand the step's per-token adapter slots to the LoRA layers (their fixed buffer)."""
+        if self.lora is not None:
+            self.lora.bind(inputs.adapter_slots)
+        return inputs
 
     def _forward(self, inputs: StepInputs, kv_caches: list[KVCachePair]) -> torch.Tensor | None:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches)
@@ -442,7 +458,7 @@ class ModelRunner:
             self.device,
             device_copy=self.block_tables.has_device_copy,
         )
-        return prepare_inputs(plan, scratch, store_kv=False)
+        return self._bind_adapters(prepare_inputs(plan, scratch, store_kv=False))
 
     # -- memory profiling (GPU) -----------------------------------------------------------
 

@@ -27,7 +27,7 @@ class FakeLoader:
             raise ValueError(f"refused {path}")
         self.calls.append(("load", slot, lora_uid, Path(path).name))
 
-    def unload_slot(self, slot: int) -> None:
+    def unload_slot(self, slot: int, lora_uid: int) -> None:
         self.calls.append(("unload", slot))
 
 

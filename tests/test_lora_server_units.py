@@ -76,7 +76,9 @@ class FakeEngine:
         if request.lora_path == "/missing":
             from tp_engine.lora import LoRAAdapterNotFoundError
 
-            raise LoRAAdapterNotFoundError.at(request.lora_name, request.lora_path)
+            raise LoRAAdapterNotFoundError(
+                f"Loading lora {request.lora_name} failed: No adapter found for /missing"
+            )
         if request.lora_path == "/big":
             raise ValueError("LoRA rank 64 is greater than max_lora_rank 16.")
         if request.lora_int_id in self.loaded:

@@ -103,7 +103,9 @@ class EngineConfig:
                 "depend on the tokens this step accepts; leave it unset or set it False",
             )
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        # (The ranks check max_lora_rank against vLLM's choices: `RunnerConfig`.)
         _check(self.max_loras >= 1, "max_loras", "must be >= 1")
+        _check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"

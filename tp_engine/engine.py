@@ -187,6 +187,11 @@ def runner_config_for(config: EngineConfig) -> RunnerConfig:
         kv_cache_dtype=config.kv_cache_dtype,
         gpu_data_paths=config.gpu_data_paths,
         draft_model=_draft_model_dir(config),
+        enable_lora=config.enable_lora,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
+        lora_dtype=config.lora_dtype,
     )
 
 

@@ -46,10 +46,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # PEFT's file names (`save_pretrained`); vLLM also reads .bin/.pt weights, which we do not.
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# vLLM's choices of --max-lora-rank (`MaxLoRARanks`).
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class LoRAAdapterNotFoundError(ValueError):
+    """No adapter at a path, or none of a name (vLLM answers both 404)."""
 
 
 @dataclass(frozen=True)
@@ -69,25 +71,14 @@ class LoRARequest:
             raise ValueError("a LoRA adapter needs a name")
 
 
-class LoRAAdapterNotFoundError(ValueError):
-    """No adapter at the path, or none of that id (vLLM answers both 404)."""
-
-    @classmethod
-    def at(cls, name: str, path: str) -> LoRAAdapterNotFoundError:
-        return cls(f"Loading lora {name} failed: No adapter found for {path}")
-
-    @classmethod
-    def unknown(cls, name: object) -> LoRAAdapterNotFoundError:
-        return cls(f"The lora adapter '{name}' cannot be found.")
-
-
 class SlotLoader(Protocol):
     """Loads adapters into the ranks' device slots (the engine's control calls). A refusal
     (`ControlRefusedError`, a ValueError) leaves every rank as it was."""
 
     def load_slot(self, slot: int, lora_uid: int, path: str) -> None: ...
 
-    def unload_slot(self, slot: int) -> None: ...
+    def unload_slot(self, slot: int, lora_uid: int) -> None:
+        """Empty `slot` and drop adapter `lora_uid` from the ranks' host copies."""
 
 
 @dataclass(eq=False)
@@ -111,10 +102,12 @@ class Adapter:
 
 
 def check_adapter_dir(request: LoRARequest) -> None:
-    """Refuse a path that holds no PEFT adapter (`LoRAAdapterNotFoundError`)."""
+    """Refuse a path that holds no PEFT adapter (`LoRAAdapterNotFoundError`, vLLM's text)."""
     path = Path(request.lora_path)
-    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
-        raise LoRAAdapterNotFoundError.at(request.lora_name, request.lora_path)
+    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise LoRAAdapterNotFoundError(
+            f"Loading lora {request.lora_name} failed: No adapter found for {request.lora_path}"
+        )
 
 
 _load_ids = itertools.count(1)
@@ -207,7 +200,7 @@ class AdapterRegistry(RowFollower):
 
     def _forget(self, adapter: Adapter) -> None:
         if adapter.slot is not None:
-            self.loader.unload_slot(adapter.slot)
+            self.loader.unload_slot(adapter.slot, adapter.load_id)
             self.slots[adapter.slot] = None
             adapter.slot = None
         self.by_load_id.pop(adapter.load_id, None)

@@ -5,17 +5,22 @@ The registry (`tp_engine.lora.AdapterRegistry`) decides which adapter each devic
 this module carries those decisions to every rank as LOAD_LORA and UNLOAD_LORA control calls
 (`rank_worker.lora` prepares and commits them: a refusal on any rank changes no rank) and runs
 the registry between steps (`prepare_slots`), where a control call may quiesce the engine.
+
+A refusal raises `ControlRefusedError` whose message is the rank's bare reason, vLLM's text
+(e.g. "LoRA rank 32 is greater than max_lora_rank 16."), so the server can answer it as vLLM
+does; nothing changed on any rank. Adapters are checked on rank 0 first
+(`rank_worker.lora.peft_adapter.read_adapter_config`), which also tells a missing adapter (a
+404) from an unservable one.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from itertools import chain
 from typing import TYPE_CHECKING, Protocol
 
-from rank_worker.control import ControlOp
-from tp_engine.control import ControlRefusedError, EngineControl
+from tp_engine.control import ControlOp, ControlRefusedError, ControlResult, EngineControl
 from tp_engine.lora import AdapterRegistry, LoRARequest
 from tp_engine.sequence import Sequence, SequenceStatus
 
@@ -26,6 +31,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def lora_refusal(result: ControlResult) -> str:
+    """The first refusing rank's reason without the "rank r refused OP: " prefix (every rank
+    refuses an adapter for the same reason)."""
+    for reply in result.replies:
+        if not reply.ok:
+            return reply.message.split(": ", 1)[-1]
+    return result.message
+
+
+def load_lora(control: EngineControl, slot: int, lora_uid: int | str, path: str) -> int:
+    """Put adapter `lora_uid` (read from `path` unless a rank has it in its host LRU) into
+    device slot `slot` on every rank; returns the bytes rank 0 wrote."""
+    result = control.call(ControlOp.LOAD_LORA, {"slot": slot, "lora_uid": lora_uid, "path": path})
+    if not result.ok:
+        raise ControlRefusedError(lora_refusal(result))
+    return int(result.results[0]["bytes"])
+
+
+def unload_lora(control: EngineControl, slot: int, lora_uid: Hashable | None = None) -> None:
+    """Empty device slot `slot` on every rank; with `lora_uid`, also drop that adapter from the
+    ranks' host LRU (an unloaded adapter: a later load reads the disk again)."""
+    result = control.call(ControlOp.UNLOAD_LORA, {"slot": slot, "lora_uid": lora_uid})
+    if not result.ok:
+        raise ControlRefusedError(lora_refusal(result))
+
+
 class ControlSlotLoader:
     """`SlotLoader` over the engine's control calls."""
 
@@ -33,15 +64,10 @@ class ControlSlotLoader:
         self.control = control
 
     def load_slot(self, slot: int, lora_uid: int, path: str) -> None:
-        args = {"slot": slot, "lora_uid": lora_uid, "path": path}
-        result = self.control.call(ControlOp.LOAD_LORA, args)
-        if not result.ok:
-            raise ControlRefusedError(result.message)
+        load_lora(self.control, slot, lora_uid, path)
 
-    def unload_slot(self, slot: int) -> None:
-        result = self.control.call(ControlOp.UNLOAD_LORA, {"slot": slot})
-        if not result.ok:
-            raise ControlRefusedError(result.message)
+    def unload_slot(self, slot: int, lora_uid: int) -> None:
+        unload_lora(self.control, slot, lora_uid)
 
 
 def build_registry(config: EngineConfig, control: EngineControl) -> AdapterRegistry | None:

@@ -7,8 +7,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from rank_worker.lora.peft_adapter import MAX_LORA_RANKS
 from tp_engine.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
-from tp_engine.lora import MAX_LORA_RANKS, LoRARequest
+from tp_engine.lora import LoRARequest
 from tp_engine.server.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.engine_loop import LoopOptions
 from tp_engine.server.guards import RequestLimits, allowed_hosts

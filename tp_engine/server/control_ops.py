@@ -95,7 +95,8 @@ def _load_lora(engine: LLMEngine, args: dict[str, Any]) -> None:
 
 def _unload_lora(engine: LLMEngine, args: dict[str, Any]) -> None:
     if not engine.remove_lora(args["lora_int_id"]):
-        raise LoRAAdapterNotFoundError.unknown(args.get("lora_name", args["lora_int_id"]))
+        name = args.get("lora_name", args["lora_int_id"])
+        raise LoRAAdapterNotFoundError(f"The lora adapter '{name}' cannot be found.")
 
 
 def _sleep(engine: LLMEngine, args: dict[str, Any]) -> None:

@@ -100,3 +100,24 @@ def test_lora_control_ops_answer_vllm_statuses():
     too_big = {**load, "lora_int_id": 3, "lora_path": "/big"}
     big = run_op(engine, "load_lora_adapter", too_big)  # type: ignore[arg-type]
     assert (big.status, big.message) == (400, "LoRA rank 64 is greater than max_lora_rank 16.")
+
+
+@pytest.mark.parametrize("env", [None, "0", "true", "1"])
+def test_runtime_routes_exist_only_when_the_env_allows(env, monkeypatch, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from tp_engine.checkpoints import build_tokenizer
+    from tp_engine.server.api_server import build_app
+
+    if env is None:
+        monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", env)
+
+    class Client:  # what build_app reads before any request reaches the engine
+        hello = Hello("/m", ["base"], 64, 640, {}, None, 1, enable_lora=True)
+
+    app = build_app(Client(), build_tokenizer(tmp_path))  # type: ignore[arg-type]
+    http = TestClient(app, base_url="http://localhost")  # a Host the guard answers
+    status = http.post("/v1/unload_lora_adapter", json={}).status_code
+    assert status == (400 if env in ("true", "1") else 404)

@@ -105,3 +105,10 @@ def test_mixed_batch_tp(case: dict[str, Any], tmp_path: Path, world_size: int) -
     for result in others:
         assert all(x is None for x in result["logits"])
         assert result["refusals"] == first["refusals"]
+
+
+def test_mixed_batch_triton_tp1(case: dict[str, Any]) -> None:
+    # The Triton attention and layer kernels, and with them the LoRA shrink and expand
+    # kernels (interpreted on CPU).
+    result = run_lora_scenario(*case["args"], TPInfo(0, 1), attention_backend="triton")
+    _check(result, case)

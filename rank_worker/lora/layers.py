@@ -20,6 +20,7 @@ each step's slots into it).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -73,9 +74,11 @@ class AdapterBatch:
         self.token_slots = torch.full(
             (max_tokens,), -1, dtype=torch.int32, device=device
         )  # [T_max]
+        self._bound = 0  # tokens of the last step bound: slots past it are all -1
 
     def bind(self, slots: torch.Tensor) -> None:
-        """Take a step's `[T]` int32 slots (`StepInputs.adapter_slots`)."""
+        """Take a step's `[T]` int32 slots (`StepInputs.adapter_slots`). The rest of the
+        buffer is kept at -1, so the padding rows of a decode graph run the base model."""
         num_tokens = slots.shape[0]
         if num_tokens > self.token_slots.shape[0]:
             raise ValueError(
@@ -83,6 +86,9 @@ class AdapterBatch:
                 f"({self.token_slots.shape[0]} tokens)"
             )
         self.token_slots[:num_tokens].copy_(slots)
+        if num_tokens < self._bound:
+            self.token_slots[num_tokens : self._bound].fill_(-1)
+        self._bound = num_tokens
 
     def slots(self, num_tokens: int) -> torch.Tensor:
         return self.token_slots[:num_tokens]  # [T] int32
@@ -119,10 +125,16 @@ class LinearLoRA:
                              device=device)  # fmt: skip
         self.b = torch.zeros((max_loras, out_local, max_rank), dtype=dtype, device=device)
         bounds = [part.offset for part in self.parts] + [out_local]
-        self.offsets = torch.tensor(bounds, dtype=torch.int32, device=device)  # [P+1]
+        # [P+1] part bounds: on the device for the kernel, on the host for the torch path.
+        self.offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
         self.widest_part = max(part.rows for part in self.parts)
         self._shrink: Callable = lora_shrink if use_triton else lora_shrink_ref
-        self._expand: Callable = lora_expand if use_triton else lora_expand_ref
+        if use_triton:
+            self._expand: Callable = partial(
+                lora_expand, offsets=self.offsets, widest_part=self.widest_part
+            )
+        else:
+            self._expand = partial(lora_expand_ref, offsets=bounds)
 
     @property
     def nbytes(self) -> int:
@@ -132,7 +144,7 @@ class LinearLoRA:
         """`y` (this rank's `x @ W.T`, before any all-reduce) plus each token's LoRA term."""
         slots = self.batch.slots(x.shape[0])
         h = self._shrink(x, self.a, slots)  # [T, P, R] fp32
-        self._expand(y, h, self.b, slots, self.offsets, self.widest_part)
+        self._expand(y, h, self.b, slots)
         return y
 
     def shard(

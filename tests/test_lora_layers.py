@@ -53,7 +53,9 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         str(base),
         {name: str(p) for name, p in adapters.items()},
         {name: str(p) for name, p in bad.items()},
-        [plan.encode() for plan in [*scenario.plans, scenario.after_unload]],
+        [plan.encode() for plan in scenario.plans],
+        scenario.slots,
+        scenario.unload,
     )
     return {"args": args, "bad": bad, "reference": lora_reference(base, adapters, scenario),
             "scenario": scenario}  # fmt: skip
@@ -80,10 +82,14 @@ def test_mixed_batch_tp1(case: dict[str, Any], fields: dict[str, Any]) -> None:
     _check(run_lora_scenario(*case["args"], TPInfo(0, 1), **fields), case)
 
 
-def _run_ranks(world_size: int, case: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
+def run_ranks(
+    world_size: int, args: tuple, fields: dict[str, Any], tmp: Path
+) -> list[dict[str, Any]]:
+    """`run_lora_scenario(*args, tp, **fields)` on `world_size` forked gloo ranks; what each
+    returned."""
     ctx = mp.start_processes(
         lora_tp_worker,
-        args=(world_size, str(tmp / "store"), case["args"], {}, str(tmp)),
+        args=(world_size, str(tmp / "store"), args, fields, str(tmp)),
         nprocs=world_size,
         join=False,
         start_method="fork",
@@ -100,7 +106,7 @@ def _run_ranks(world_size: int, case: dict[str, Any], tmp: Path) -> list[dict[st
 # TP = 4 replicates the 2 KV heads: k/v's B rows are replicated as the base weights are.
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_mixed_batch_tp(case: dict[str, Any], tmp_path: Path, world_size: int) -> None:
-    first, *others = _run_ranks(world_size, case, tmp_path)
+    first, *others = run_ranks(world_size, case["args"], {}, tmp_path)
     _check(first, case)
     for result in others:
         assert all(x is None for x in result["logits"])

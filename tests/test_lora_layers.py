@@ -24,7 +24,9 @@ from tests.lora_cases import (
     REFUSALS,
     build_adapters,
     build_bad_adapters,
+    lora_call,
     lora_reference,
+    lora_runner,
     lora_tp_worker,
     make_lora_scenario,
     run_lora_scenario,
@@ -48,7 +50,8 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     adapters = build_adapters(base, root)
     bad = build_bad_adapters(adapters["a"], root / "bad")
-    scenario = make_lora_scenario(AutoConfig.from_pretrained(base).vocab_size)
+    vocab = AutoConfig.from_pretrained(base).vocab_size
+    scenario = make_lora_scenario(vocab)
     args = (
         str(base),
         {name: str(p) for name, p in adapters.items()},
@@ -58,7 +61,7 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         scenario.unload,
     )
     return {"args": args, "bad": bad, "reference": lora_reference(base, adapters, scenario),
-            "scenario": scenario}  # fmt: skip
+            "scenario": scenario, "vocab": vocab}  # fmt: skip
 
 
 def _check(result: dict[str, Any], case: dict[str, Any]) -> None:
@@ -118,3 +121,71 @@ def test_mixed_batch_triton_tp1(case: dict[str, Any]) -> None:
     # kernels (interpreted on CPU).
     result = run_lora_scenario(*case["args"], TPInfo(0, 1), attention_backend="triton")
     _check(result, case)
+
+
+def test_limits_refused_with_vllm_messages() -> None:
+    from rank_worker.runner_config import RunnerConfig
+
+    def config(**fields: Any) -> RunnerConfig:
+        return RunnerConfig(max_model_len=64, block_size=4, enable_lora=True, **fields)
+
+    with pytest.raises(ValueError, match=r"^max_cpu_loras \(1\) must be >= max_loras \(2\)$"):
+        config(max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match=r"^max_lora_rank \(12\) must be one of \[1, 8, 16,"):
+        config(max_lora_rank=12)
+    with pytest.raises(ValueError, match=r"^max_loras \(0\) must be >= 1$"):
+        config(max_loras=0)
+    assert config(max_loras=3).resolved_max_cpu_loras == 3
+
+
+def test_host_lru_evicts_and_reloads_from_disk(case: dict[str, Any]) -> None:
+    """One slot and one host copy: loading b evicts a's host copy; a, loaded again, is read
+    from disk and computes what PEFT does. Bad slots and arguments are refused."""
+    from tp_engine.lora_control import lora_refusal
+
+    base, adapters = case["args"][0], case["args"][1]
+    scenario = make_lora_scenario(
+        case["vocab"], {"a": 0}, {"a": ("a", 6, 0, [1, 2])}, [[("a", 6, "all")]]
+    )
+    tp = TPInfo(0, 1)
+    runner = lora_runner(base, tp, max_loras=1, max_cpu_loras=1)
+
+    def load(name: str) -> Any:
+        return lora_call(runner, tp, "LOAD_LORA", slot=0, lora_uid=name, path=adapters[name])
+
+    assert load("a").ok and list(runner.lora.host) == ["a"]
+    first = runner.execute(scenario.plans[0])
+    assert load("b").ok and list(runner.lora.host) == ["b"]
+    assert load("a").ok and list(runner.lora.host) == ["a"]
+    again = runner.execute(scenario.plans[0])
+    assert torch.equal(first, again)
+    ref = lora_reference(Path(base), {"a": Path(adapters["a"])}, scenario)[0]
+    assert (again - ref).abs().max().item() <= ATOL
+    refused = {
+        "slot 1": (
+            lora_call(runner, tp, "LOAD_LORA", slot=1, lora_uid="x", path=adapters["a"]),
+            "slot must be an int in [0, 1), got 1",
+        ),
+        "unload slot -1": (
+            lora_call(runner, tp, "UNLOAD_LORA", slot=-1),
+            "slot must be an int in [0, 1), got -1",
+        ),
+        "uid": (
+            lora_call(runner, tp, "LOAD_LORA", slot=0, lora_uid=1.5, path=adapters["a"]),
+            "lora_uid must be an int or a str, got 1.5",
+        ),
+    }
+    for what, (result, message) in refused.items():
+        assert not result.ok and lora_refusal(result) == message, what
+    assert runner.lora.slot_uids == ["a"]  # nothing refused changed the slot
+
+
+def test_lora_not_enabled_is_refused(case: dict[str, Any]) -> None:
+    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner_config import RunnerConfig
+    from tp_engine.lora_control import lora_refusal
+
+    tp = TPInfo(0, 1)
+    runner = ModelRunner(case["args"][0], RunnerConfig(max_model_len=64, block_size=4), tp, "cpu")
+    result = lora_call(runner, tp, "UNLOAD_LORA", slot=0)
+    assert lora_refusal(result) == "LoRA is not enabled (enable_lora)"

@@ -326,6 +326,7 @@ class ModelRunner:
             self.draft.release()
             self.draft = None
         self.kv_caches = None
+        self.lora = None  # its slot stacks hang on the model's layers too
         self.model = None  # type: ignore[assignment]
         self.weight_map = None  # type: ignore[assignment]  # it holds the parameters too
         self.input_buffers = None  # type: ignore[assignment]

@@ -222,8 +222,8 @@ def lora_reference(
     return [torch.stack([full[name][p] for name, p in rows]) for rows in scenario.expected]
 
 
-def lora_runner(base_dir: str, tp: Any, **runner_fields: Any) -> Any:
-    """A CPU ModelRunner with LoRA (`MAX_LORAS` slots, rank up to `MAX_LORA_RANK`, 4 adapters
+def lora_runner(base_dir: str, tp: Any, device: str = "cpu", **runner_fields: Any) -> Any:
+    """A ModelRunner with LoRA (`MAX_LORAS` slots, rank up to `MAX_LORA_RANK`, 4 adapters
     in host memory unless `runner_fields` say otherwise), its KV cache allocated."""
     from rank_worker.model_runner import ModelRunner
     from rank_worker.runner_config import RunnerConfig
@@ -235,7 +235,7 @@ def lora_runner(base_dir: str, tp: Any, **runner_fields: Any) -> Any:
         max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
         enable_lora=True, **fields,
     )  # fmt: skip
-    runner = ModelRunner(base_dir, config, tp, "cpu")
+    runner = ModelRunner(base_dir, config, tp, device)
     runner.init_kv_cache(runner.determine_num_kv_blocks())
     return runner
 

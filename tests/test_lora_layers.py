@@ -22,6 +22,7 @@ from rank_worker.tp import TPInfo
 from tests.lora_cases import (
     BASE_CHECKPOINT,
     REFUSALS,
+    SLOTS,
     build_adapters,
     build_bad_adapters,
     lora_call,
@@ -189,3 +190,21 @@ def test_lora_not_enabled_is_refused(case: dict[str, Any]) -> None:
     runner = ModelRunner(case["args"][0], RunnerConfig(max_model_len=64, block_size=4), tp, "cpu")
     result = lora_call(runner, tp, "UNLOAD_LORA", slot=0)
     assert lora_refusal(result) == "LoRA is not enabled (enable_lora)"
+
+
+@pytest.mark.gpu
+def test_decode_graph_replays_adapters_gpu(case: dict[str, Any]) -> None:
+    """On a GPU: adapters loaded after the decode graphs were captured (copied into the slot
+    stacks in place), a mixed prefill run eagerly and the mixed decode replayed from a graph
+    whose LoRA kernels read the fixed slot buffer, both equal to PEFT."""
+    base, adapters = case["args"][0], case["args"][1]
+    tp = TPInfo(0, 1)
+    runner = lora_runner(base, tp, device="cuda")
+    for name, path in adapters.items():
+        assert lora_call(runner, tp, "LOAD_LORA", slot=SLOTS[name], lora_uid=name, path=path).ok
+    prefill, decode = case["scenario"].plans[:2]
+    assert runner.graph_runner is not None and runner.graph_runner.can_run(decode)
+    for step, plan in enumerate((prefill, decode)):
+        logits = runner.execute(plan).cpu()
+        # fp32, but the attention kernels' dots may run in TF32 on the GPU (~1e-3 relative).
+        assert (logits - case["reference"][step]).abs().max().item() <= 5e-2, step

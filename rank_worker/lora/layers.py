@@ -75,10 +75,16 @@ class AdapterBatch:
             (max_tokens,), -1, dtype=torch.int32, device=device
         )  # [T_max]
         self._bound = 0  # tokens of the last step bound: slots past it are all -1
+        # No token of the step has an adapter: an eager forward skips every LoRA term (vLLM's
+        # `no_lora_flag_cpu`). A host fact, so deciding costs no sync; a graph captured with it
+        # off always runs the kernels, whose programs of slot -1 tokens return at once.
+        self.skip = False
 
-    def bind(self, slots: torch.Tensor) -> None:
-        """Take a step's `[T]` int32 slots (`StepInputs.adapter_slots`). The rest of the
-        buffer is kept at -1, so the padding rows of a decode graph run the base model."""
+    def bind(self, slots: torch.Tensor, any_adapter: bool = True) -> None:
+        """Take a step's `[T]` int32 slots (`StepInputs.adapter_slots`); `any_adapter` False
+        when they are all -1 (the runner knows from the plan). The rest of the buffer is kept
+        at -1, so the padding rows of a decode graph run the base model."""
+        self.skip = not any_adapter
         num_tokens = slots.shape[0]
         if num_tokens > self.token_slots.shape[0]:
             raise ValueError(
@@ -142,6 +148,8 @@ class LinearLoRA:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (this rank's `x @ W.T`, before any all-reduce) plus each token's LoRA term."""
+        if self.batch.skip:
+            return y
         slots = self.batch.slots(x.shape[0])
         h = self._shrink(x, self.a, slots)  # [T, P, R] fp32
         self._expand(y, h, self.b, slots)

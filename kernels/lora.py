@@ -21,14 +21,19 @@ but never read a slot per token on the host.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels._common import check_device, check_float
 
-_BLOCK_K = 64  # input features per shrink iteration
-_BLOCK_N = 64  # output rows per expand program
+
+def _block(rank: int) -> int:
+    """Input features per shrink iteration, and output rows per expand program: a
+    `[BLOCK_R, block]` tile of about 4096 elements (registers), whatever the rank."""
+    return max(16, min(256, 4096 // triton.next_power_of_2(rank)))
 
 
 @triton.jit
@@ -125,7 +130,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
     if num_tokens:
         _shrink_kernel[(num_tokens, parts)](
             h, x, a, slots, x.stride(0), k, P=parts, R=rank,
-            BLOCK_R=triton.next_power_of_2(rank), BLOCK_K=_BLOCK_K,
+            BLOCK_R=triton.next_power_of_2(rank), BLOCK_K=_block(rank),
         )  # fmt: skip
     return h
 
@@ -147,10 +152,11 @@ def lora_expand(
     if y.shape[0] != num_tokens or y.stride(1) != 1 or not h.is_contiguous():
         raise ValueError("y must be [T, N] with its last dim dense, h contiguous [T, P, R]")
     if num_tokens:
-        grid = (num_tokens, parts, triton.cdiv(widest_part, _BLOCK_N))
+        block_n = _block(rank)
+        grid = (num_tokens, parts, triton.cdiv(widest_part, block_n))
         _expand_kernel[grid](
             y, h, b, slots, offsets, y.stride(0), y.shape[1], P=parts, R=rank,
-            BLOCK_R=triton.next_power_of_2(rank), BLOCK_N=_BLOCK_N,
+            BLOCK_R=triton.next_power_of_2(rank), BLOCK_N=block_n,
         )  # fmt: skip
 
 
@@ -169,11 +175,12 @@ def lora_expand_ref(
     h: torch.Tensor,
     b: torch.Tensor,
     slots: torch.Tensor,
-    offsets: torch.Tensor,
+    offsets: torch.Tensor | Sequence[int],
     widest_part: int = 0,
 ) -> None:
-    """`lora_expand` in plain torch (`widest_part` unused: the grid's bound)."""
-    bounds = offsets.tolist()
+    """`lora_expand` in plain torch (`widest_part` unused: the grid's bound). `offsets` may be
+    a host list, which a CUDA graph can capture (a device tensor's `tolist` syncs)."""
+    bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
     delta = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
     for slot in range(b.shape[0]):
         mine = (slots == slot)[:, None]  # [T, 1]

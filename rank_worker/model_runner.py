@@ -300,6 +300,8 @@ class ModelRunner:
             block_size=self.config.block_size,
             device=self.device,
         )
+        if self.lora is not None:
+            self.lora.batch.skip = False  # graphs always hold the LoRA kernels
         start = time.perf_counter()
         self.graph_runner.capture()
         self.startup_s["capture"] = time.perf_counter() - start
@@ -326,6 +328,7 @@ class ModelRunner:
             self.draft.release()
             self.draft = None
         self.kv_caches = None
+        self.lora = None  # its slot stacks hang on the model's layers too
         self.model = None  # type: ignore[assignment]
         self.weight_map = None  # type: ignore[assignment]  # it holds the parameters too
         self.input_buffers = None  # type: ignore[assignment]
@@ -395,12 +398,14 @@ class ModelRunner:
         inputs = prepare_inputs(
             plan, self.block_tables, buffers=self.input_buffers, last_sampled=last_sampled
         )
-        return self._bind_adapters(inputs)
+        slots = plan.adapter_slots
+        return self._bind_adapters(inputs, slots.size > 0 and int(slots.max()) >= 0)
 
-    def _bind_adapters(self, inputs: StepInputs) -> StepInputs:
-        """Hand the step's per-token adapter slots to the LoRA layers (their fixed buffer)."""
+    def _bind_adapters(self, inputs: StepInputs, any_adapter: bool) -> StepInputs:
+        """Hand the step's per-token adapter slots to the LoRA layers (their fixed buffer);
+        `any_adapter` False lets an eager forward skip the LoRA terms."""
         if self.lora is not None:
-            self.lora.bind(inputs.adapter_slots)
+            self.lora.bind(inputs.adapter_slots, any_adapter)
         return inputs
 
     def _forward(self, inputs: StepInputs, kv_caches: list[KVCachePair]) -> torch.Tensor | None:
@@ -458,7 +463,9 @@ class ModelRunner:
             self.device,
             device_copy=self.block_tables.has_device_copy,
         )
-        return self._bind_adapters(prepare_inputs(plan, scratch, store_kv=False))
+        # The LoRA terms run (over slot -1 tokens): warm-ups compile their kernels and the
+        # memory profile sees their temporaries.
+        return self._bind_adapters(prepare_inputs(plan, scratch, store_kv=False), True)
 
     # -- memory profiling (GPU) -----------------------------------------------------------
 

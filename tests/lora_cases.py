@@ -145,8 +145,7 @@ BASE_CHECKPOINT: dict[str, Any] = dict(
 # Adapter -> device slot (not in name order, so a slot mix-up shows).
 SLOTS = {"a": 2, "b": 0, "c": 1}
 MAX_LORAS = 3
-# Sequence -> (adapter or None, prompt length, row, block ids); every sequence prefills its
-# prompt but one token in step 0, and decodes the last one in step 1.
+# Sequence -> (adapter or None, prompt length, row, block ids).
 _SEQS: dict[str, tuple[str | None, int, int, list[int]]] = {
     "base": (None, 9, 0, [5, 6, 7]),
     "a": ("a", 6, 1, [1, 2]),
@@ -155,55 +154,98 @@ _SEQS: dict[str, tuple[str | None, int, int, list[int]]] = {
     # Run after adapter a is unloaded from its slot: a's prompt in a's slot is the base model.
     "a_unloaded": ("a", 6, 4, [11, 12]),
 }
+# A mixed batch: every sequence prefills its prompt but one token, then decodes the last one
+# (in another order); then, after adapter a is unloaded, "a_unloaded".
+_STEPS: list[list[tuple[str, int, str]]] = [
+    [("base", 8, "all"), ("a", 5, "all"), ("b", 10, "all"), ("c", 4, "all")],
+    [("c", 1, "all"), ("base", 1, "all"), ("b", 1, "all"), ("a", 1, "all")],
+    [("a_unloaded", 6, "all")],
+]
 
 
 @dataclass
 class LoraScenario:
     sequences: dict[str, np.ndarray]
-    adapters: dict[str, str | None]  # sequence -> adapter
-    plans: list[StepPlan]  # the mixed batch: prefill, then decode
-    after_unload: StepPlan  # "a_unloaded"'s prefill
-    expected: list[list[tuple[str, int]]]  # per plan (plans, then after_unload): logits rows
+    adapters: dict[str, str | None]  # sequence -> the adapter of its reference (None: base)
+    slots: dict[str, int]  # adapter -> device slot
+    plans: list[StepPlan]
+    unload: str | None  # the adapter unloaded before the last plan, if any
+    expected: list[list[tuple[str, int]]]  # per plan: (sequence, position) of each logits row
 
 
-def make_lora_scenario(vocab_size: int, seed: int = 7) -> LoraScenario:
+def make_lora_scenario(
+    vocab_size: int,
+    slots: dict[str, int] = SLOTS,
+    sequences: dict[str, tuple[str | None, int, int, list[int]]] = _SEQS,
+    steps: list[list[tuple[str, int, str]]] = _STEPS,
+    seed: int = 7,
+) -> LoraScenario:
+    """Plans of `steps` over `sequences` (`tests.tp_cases` plans) with each sequence's adapter
+    slot; a sequence named `<adapter>_unloaded` repeats that adapter's prompt after it is
+    unloaded, so its reference is the base model."""
     from tests.tp_cases import _plan, _Seq
 
     rng = np.random.default_rng(seed)
-    tokens = {name: rng.integers(0, vocab_size, n) for name, (_, n, _, _) in _SEQS.items()}
-    tokens["a_unloaded"] = tokens["a"]
+    tokens = {name: rng.integers(0, vocab_size, n) for name, (_, n, _, _) in sequences.items()}
+    adapters = {name: spec[0] for name, spec in sequences.items()}
+    unload = None
+    for name in sequences:
+        if name.endswith("_unloaded"):
+            unload = name.removesuffix("_unloaded")
+            tokens[name] = tokens[unload]
+            adapters[name] = None
     seqs = {
-        name: _Seq(tokens[name], blocks, row=row) for name, (_, _, row, blocks) in _SEQS.items()
+        name: _Seq(tokens[name], blocks, row=row) for name, (_, _, row, blocks) in sequences.items()
     }
-    adapters = {name: spec[0] for name, spec in _SEQS.items()}
 
     def with_slots(plan: StepPlan, names: list[str]) -> StepPlan:
-        slots = [SLOTS[a] if (a := adapters[n]) else -1 for n in names]
-        return dataclasses.replace(plan, adapter_slots=np.array(slots, dtype=np.int32))
+        ids = [slots[a] if (a := sequences[n][0]) else -1 for n in names]
+        return dataclasses.replace(plan, adapter_slots=np.array(ids, dtype=np.int32))
 
-    steps = [
-        [("base", 8, "all"), ("a", 5, "all"), ("b", 10, "all"), ("c", 4, "all")],
-        [("c", 1, "all"), ("base", 1, "all"), ("b", 1, "all"), ("a", 1, "all")],
-        [("a_unloaded", 6, "all")],
-    ]
     plans, expected = [], []
     for step_id, work in enumerate(steps):
         plan, rows = _plan(step_id, seqs, work)
         plans.append(with_slots(plan, [name for name, _, _ in work]))
         expected.append(rows)
-    return LoraScenario(tokens, adapters, plans[:2], plans[2], expected)
+    return LoraScenario(tokens, adapters, dict(slots), plans, unload, expected)
 
 
 def lora_reference(
     base_dir: Path, adapter_dirs: dict[str, Path], scenario: LoraScenario
 ) -> list[torch.Tensor]:
-    """PEFT's logits of every expected row (`scenario.expected`); "a_unloaded" is the base."""
+    """PEFT's logits of every expected row (`scenario.expected`)."""
     full = {}
     for name, tokens in scenario.sequences.items():
-        adapter = None if name == "a_unloaded" else scenario.adapters[name]
+        adapter = scenario.adapters[name]
         path = None if adapter is None else adapter_dirs[adapter]
         full[name] = peft_logits(base_dir, path, tokens.tolist())
     return [torch.stack([full[name][p] for name, p in rows]) for rows in scenario.expected]
+
+
+def lora_runner(base_dir: str, tp: Any, device: str = "cpu", **runner_fields: Any) -> Any:
+    """A ModelRunner with LoRA (`MAX_LORAS` slots, rank up to `MAX_LORA_RANK`, 4 adapters
+    in host memory unless `runner_fields` say otherwise), its KV cache allocated."""
+    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner_config import RunnerConfig
+    from tests.tp_cases import BLOCK_SIZE, MAX_MODEL_LEN, NUM_KV_BLOCKS
+
+    fields = dict(max_loras=MAX_LORAS, max_lora_rank=MAX_LORA_RANK, max_cpu_loras=4)
+    fields.update(runner_fields)
+    config = RunnerConfig(
+        max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
+        enable_lora=True, **fields,
+    )  # fmt: skip
+    runner = ModelRunner(base_dir, config, tp, device)
+    runner.init_kv_cache(runner.determine_num_kv_blocks())
+    return runner
+
+
+def lora_call(runner: Any, tp: Any, op: str, **args: Any) -> Any:
+    """One control call (`ControlOp[op]`) on this rank, both phases: the ranks' real path."""
+    from rank_worker.control import ControlOp, RankControl
+    from shm_ipc import ControlCall
+
+    return RankControl(runner, tp).run(ControlCall(0, int(ControlOp[op]), args))
 
 
 def run_lora_scenario(
@@ -211,43 +253,34 @@ def run_lora_scenario(
     adapter_dirs: dict[str, str],
     bad_dirs: dict[str, str],
     encoded: list[bytes],
+    slots: dict[str, int],
+    unload: str | None,
     tp: Any,
     **runner_fields: Any,
 ) -> dict[str, Any]:
-    """On this rank: a runner with LoRA, the adapters loaded by control call into their
-    `SLOTS`, every bad adapter refused, the plans run (the last after unloading adapter a).
-    Returns the logits per plan (None off rank 0), the refusal messages, and slot bytes."""
-    from rank_worker.control import ControlOp, RankControl
-    from rank_worker.model_runner import ModelRunner
-    from rank_worker.runner_config import RunnerConfig
-    from shm_ipc import ControlCall
-    from tests.tp_cases import BLOCK_SIZE, MAX_MODEL_LEN, NUM_KV_BLOCKS
+    """On this rank: a runner with LoRA (`lora_runner`), the adapters loaded by control call
+    into their `slots`, every bad adapter refused, the plans run (the last after unloading
+    adapter `unload`, uid and all, if given). Returns the logits per plan (None off rank 0),
+    the refusal messages, and the slots and host LRU left."""
     from tp_engine.lora_control import lora_refusal
 
-    config = RunnerConfig(
-        max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
-        enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=MAX_LORA_RANK, max_cpu_loras=4,
-        **runner_fields,
-    )  # fmt: skip
-    runner = ModelRunner(base_dir, config, tp, "cpu")
-    runner.init_kv_cache(runner.determine_num_kv_blocks())
-    control = RankControl(runner, tp)
-
-    def call(op: ControlOp, **args: Any) -> Any:
-        return control.run(ControlCall(0, int(op), args))
-
+    runner = lora_runner(base_dir, tp, **runner_fields)
     loads = {
-        name: call(ControlOp.LOAD_LORA, slot=SLOTS[name], lora_uid=name, path=path).ok
+        name: lora_call(runner, tp, "LOAD_LORA", slot=slots[name], lora_uid=name, path=path).ok
         for name, path in adapter_dirs.items()
     }
     refusals = {
-        name: lora_refusal(call(ControlOp.LOAD_LORA, slot=0, lora_uid=f"bad-{name}", path=path))
+        name: lora_refusal(
+            lora_call(runner, tp, "LOAD_LORA", slot=0, lora_uid=f"bad-{name}", path=path)
+        )
         for name, path in bad_dirs.items()
     }
     plans = [StepPlan.decode(data) for data in encoded]
-    logits = [runner.execute(plan) for plan in plans[:-1]]
-    unloaded = call(ControlOp.UNLOAD_LORA, slot=SLOTS["a"], lora_uid="a").ok
-    logits.append(runner.execute(plans[-1]))
+    logits = [runner.execute(plan) for plan in (plans[:-1] if unload else plans)]
+    unloaded = None
+    if unload is not None:
+        unloaded = lora_call(runner, tp, "UNLOAD_LORA", slot=slots[unload], lora_uid=unload).ok
+        logits.append(runner.execute(plans[-1]))
     return {
         "loads": loads,
         "refusals": refusals,

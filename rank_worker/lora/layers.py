@@ -20,6 +20,7 @@ each step's slots into it).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -73,9 +74,17 @@ class AdapterBatch:
         self.token_slots = torch.full(
             (max_tokens,), -1, dtype=torch.int32, device=device
         )  # [T_max]
+        self._bound = 0  # tokens of the last step bound: slots past it are all -1
+        # No token of the step has an adapter: an eager forward skips every LoRA term (vLLM's
+        # `no_lora_flag_cpu`). A host fact, so deciding costs no sync; a graph captured with it
+        # off always runs the kernels, whose programs of slot -1 tokens return at once.
+        self.skip = False
 
-    def bind(self, slots: torch.Tensor) -> None:
-        """Take a step's `[T]` int32 slots (`StepInputs.adapter_slots`)."""
+    def bind(self, slots: torch.Tensor, any_adapter: bool = True) -> None:
+        """Take a step's `[T]` int32 slots (`StepInputs.adapter_slots`); `any_adapter` False
+        when they are all -1 (the runner knows from the plan). The rest of the buffer is kept
+        at -1, so the padding rows of a decode graph run the base model."""
+        self.skip = not any_adapter
         num_tokens = slots.shape[0]
         if num_tokens > self.token_slots.shape[0]:
             raise ValueError(
@@ -83,6 +92,9 @@ class AdapterBatch:
                 f"({self.token_slots.shape[0]} tokens)"
             )
         self.token_slots[:num_tokens].copy_(slots)
+        if num_tokens < self._bound:
+            self.token_slots[num_tokens : self._bound].fill_(-1)
+        self._bound = num_tokens
 
     def slots(self, num_tokens: int) -> torch.Tensor:
         return self.token_slots[:num_tokens]  # [T] int32
@@ -119,10 +131,16 @@ class LinearLoRA:
                              device=device)  # fmt: skip
         self.b = torch.zeros((max_loras, out_local, max_rank), dtype=dtype, device=device)
         bounds = [part.offset for part in self.parts] + [out_local]
-        self.offsets = torch.tensor(bounds, dtype=torch.int32, device=device)  # [P+1]
+        # [P+1] part bounds: on the device for the kernel, on the host for the torch path.
+        self.offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
         self.widest_part = max(part.rows for part in self.parts)
         self._shrink: Callable = lora_shrink if use_triton else lora_shrink_ref
-        self._expand: Callable = lora_expand if use_triton else lora_expand_ref
+        if use_triton:
+            self._expand: Callable = partial(
+                lora_expand, offsets=self.offsets, widest_part=self.widest_part
+            )
+        else:
+            self._expand = partial(lora_expand_ref, offsets=bounds)
 
     @property
     def nbytes(self) -> int:
@@ -130,9 +148,11 @@ class LinearLoRA:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (this rank's `x @ W.T`, before any all-reduce) plus each token's LoRA term."""
+        if self.batch.skip:
+            return y
         slots = self.batch.slots(x.shape[0])
         h = self._shrink(x, self.a, slots)  # [T, P, R] fp32
-        self._expand(y, h, self.b, slots, self.offsets, self.widest_part)
+        self._expand(y, h, self.b, slots)
         return y
 
     def shard(

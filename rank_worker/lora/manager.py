@@ -18,7 +18,6 @@ place (CUDA graphs keep the addresses) and zeroes the slot in layers the adapter
 from __future__ import annotations
 
 import collections
-import re
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -26,11 +25,14 @@ import torch
 
 from rank_worker.layers.linear import _Linear
 from rank_worker.lora.layers import AdapterBatch, LinearLoRA
-from rank_worker.lora.peft_adapter import LoraConfig, read_adapter_config, unsupported_modules_error
+from rank_worker.lora.peft_adapter import (
+    LoraConfig,
+    parse_key,
+    read_adapter_config,
+    unsupported_modules_error,
+)
 from rank_worker.runner_config import RunnerConfig
 
-# A PEFT key: `base_model.model.` + the HF module (prefix . projection) + the matrix.
-_KEY = re.compile(r"base_model\.model\.(?P<prefix>.+)\.(?P<proj>\w+)\.lora_(?P<which>[AB])\.weight")
 # Unpacked (HF) projections that are their own layer.
 _PLAIN = ("o_proj", "down_proj")
 
@@ -99,9 +101,10 @@ class LoraManager:
         """Device bytes of every slot stack."""
         return sum(layer.nbytes for layer in self.layers.values())
 
-    def bind(self, slots: torch.Tensor) -> None:
-        """The step's `[T]` per-token slots, read by every LoRA layer of its forward."""
-        self.batch.bind(slots)
+    def bind(self, slots: torch.Tensor, any_adapter: bool = True) -> None:
+        """The step's `[T]` per-token slots, read by every LoRA layer of its forward
+        (`AdapterBatch.bind`)."""
+        self.batch.bind(slots, any_adapter)
 
     def check_slot(self, slot: object) -> int:
         if type(slot) is not int or not 0 <= slot < self.max_loras:
@@ -146,21 +149,19 @@ class LoraManager:
         unknown = []
         tensors = load_file(config.weights_file)
         for key, tensor in tensors.items():
-            match = _KEY.fullmatch(key)
+            match = parse_key(key)
             assert match is not None  # read_adapter_config refused any other key
             if match["which"] == "B":
                 continue
-            prefix, proj = match["prefix"], match["proj"]
-            layer = f"{prefix}.{self._layer_of[proj]}"
+            module, proj = match["module"], match["proj"]
+            layer = f"{match['prefix']}.{self._layer_of[proj]}"
             if layer not in self.layers:  # a projection this model lacks (a MoE sparse layer)
-                unknown.append(f"{prefix}.{proj}")
+                unknown.append(module)
                 continue
             lora_b = tensors.get(key.replace(".lora_A.", ".lora_B."))
             if lora_b is None:
                 raise ValueError(f"{key}: no lora_B beside it in {config.weights_file}")
-            module = f"{prefix}.{proj}"
-            scaling = config.scaling_of(module)
-            weights.setdefault(layer, {})[proj] = (tensor, lora_b, scaling)
+            weights.setdefault(layer, {})[proj] = (tensor, lora_b, config.scaling_of(module))
         if unknown:
             raise unsupported_modules_error(path, sorted(unknown))
         return HostAdapter(config, weights)

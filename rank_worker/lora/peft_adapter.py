@@ -34,12 +34,19 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # vLLM's `MaxLoRARanks`.
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# `base_model.model.` + the base model's module name + the LoRA matrix.
+# `base_model.model.` + the base model's module name (`prefix.proj`) + the LoRA matrix.
 _KEY = re.compile(
-    r"base_model\.model\.(?P<module>model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\."
+    r"base_model\.model\.(?P<module>(?P<prefix>model\.layers\.\d+\.(?:self_attn|mlp))\."
     r"(?P<proj>\w+))\.lora_(?P<which>[AB])\.weight"
 )
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_embedding_A", ".lora_embedding_B")
+
+
+def parse_key(key: str) -> re.Match | None:
+    """A PEFT tensor name of a decoder-layer projection, split: `module` (the HF module,
+    "model.layers.0.self_attn.q_proj"), its `prefix` and `proj`, and `which` ("A" or "B");
+    None for any other name."""
+    return _KEY.fullmatch(key)
 
 
 class LoRAAdapterNotFoundError(ValueError):
@@ -139,7 +146,7 @@ def _adapted_modules(path: str, weights_file: Path) -> tuple[str, ...]:
     for key in keys:
         if key.endswith(".bias"):
             raise ValueError("Adapter bias is not supported.")
-        match = _KEY.fullmatch(key)
+        match = parse_key(key)
         if match is not None and match["proj"] in SUPPORTED_MODULES:
             modules.add(match["module"])
             continue

@@ -150,7 +150,8 @@ def test_prefix_cache_is_per_adapter_and_per_load(llm, case):
 
 
 def test_max_loras_bounds_each_step_and_host_lru_reloads(case):
-    llm = start_llm(case, 1, max_loras=2, max_cpu_loras=2)
+    # Asynchronous scheduling (a GPU's default): loads between steps quiesce the step in flight.
+    llm = start_llm(case, 1, max_loras=2, max_cpu_loras=2, async_scheduling=True)
     try:
         executor = llm.engine.executor
         run_plan = executor.run
@@ -167,7 +168,7 @@ def test_max_loras_bounds_each_step_and_host_lru_reloads(case):
         outs = generate(llm, prompts, [lora(case, n) for n in names])
         ref = case["reference"]
         assert [o.outputs[0].token_ids for o in outs] == [ref[n][i] for i, n in enumerate(names)]
-        assert max(len(s) for s in per_step) == 2 and min(len(s) for s in per_step) >= 0
+        assert max(len(s) for s in per_step) == 2  # never more than the slots, and both used
         host = llm.engine.runner.lora.host  # the ranks' host LRU of max_cpu_loras adapters
         assert len(host) == 2
         a_uid = llm.engine.lora.by_id[1].load_id

@@ -1,5 +1,5 @@
 """The multi-LoRA shrink and expand kernels against their torch references, and the references
-against a per-token dense LoRA (`y[t] += B[s] A[s] x[t]`, nothing shared with them).
+(and the CPU path, `lora_apply_by_slot`) against a per-token dense LoRA (`y[t] += B[s] A[s] x[t]`, nothing shared with them).
 
 Cases: a decode-sized step (T = 1), a mixed prefill (T = 37) over every slot and the base, a
 step of base tokens only (nothing added), packed parts of unequal widths (q 48 rows, k and v 16
@@ -13,7 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from kernels.lora import (
+    lora_apply_by_slot,
+    lora_expand,
+    lora_expand_ref,
+    lora_shrink,
+    lora_shrink_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.bfloat16: dict(atol=0.25, rtol=2e-2)}
@@ -66,6 +72,9 @@ def test_shrink_expand_match_reference(case: tuple, dtype: torch.dtype) -> None:
     ref_y = y.clone()
     lora_expand_ref(ref_y, lora_shrink_ref(x, a, slots), b, slots, offsets.tolist())
     torch.testing.assert_close(ref_y.double(), expected.to(dtype).double(), **TOL[dtype])
+    by_slot = y.clone()  # the CPU path
+    lora_apply_by_slot(by_slot, x, a, b, slots, offsets.tolist())
+    torch.testing.assert_close(by_slot.float(), ref_y.float(), **TOL[dtype])
     out = y.clone()
     lora_expand(out, lora_shrink(x, a, slots), b, slots, offsets, widest)
     torch.testing.assert_close(out.float(), ref_y.float(), **TOL[dtype])

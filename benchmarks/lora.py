@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -188,6 +189,9 @@ def main() -> None:
         "prefill_step_s": prefill,
         "load_from_disk_s": statistics.median(from_disk),
         "load_from_host_lru_s": statistics.median(from_host),
+        # Other processes' load on the host while it ran: on a shared CPU the step times are
+        # theirs as much as ours (compare runs only at a low load).
+        "load_average_1min": os.getloadavg()[0],
         "environment": environment(),
     }
     print(f"wrote {write_json(args.out, result)}")

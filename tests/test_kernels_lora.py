@@ -30,6 +30,18 @@ CASES = [
     (37, 64, [40], 2, 16, "mixed"),
     (9, 32, [24, 24], 2, 8, "base"),
 ]
+# Natively on a GPU: Qwen3-8B's QKV shard at TP = 1 and its down_proj input, rank 16 over
+# 16 slots, and the largest rank.
+GPU_CASES = [
+    (256, 4096, [4096, 1024, 1024], 16, 16, "mixed"),
+    (33, 12288, [4096], 4, 64, "mixed"),
+    (8, 1024, [2048, 512, 512], 2, 512, "mixed"),
+]
+ALL_CASES = [*CASES, *(pytest.param(c, marks=pytest.mark.gpu) for c in GPU_CASES)]
+
+
+def _case_id(c: tuple) -> str:
+    return f"T{c[0]}-K{c[1]}-P{len(c[2])}-r{c[4]}-{c[5]}"
 
 
 def _inputs(t, k, widths, num_slots, rank, pattern, dtype):
@@ -65,7 +77,7 @@ def _dense(x, a, b, y, slots, offsets):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-P{len(c[2])}-r{c[4]}-{c[5]}")
+@pytest.mark.parametrize("case", ALL_CASES, ids=_case_id)
 def test_shrink_expand_match_reference(case: tuple, dtype: torch.dtype) -> None:
     x, a, b, y, slots, offsets, widest = _inputs(*case, dtype)
     expected = _dense(x, a, b, y, slots, offsets)

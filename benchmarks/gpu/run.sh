@@ -8,7 +8,7 @@
 #   benchmarks/gpu/run.sh fp8     # 8B shape: bf16 vs FP8 weights, auto vs fp8 KV cache
 #   benchmarks/gpu/run.sh spec    # speculative decoding (ngram, draft model) vs none, 0.6B shape
 #   benchmarks/gpu/run.sh lora    # multi-LoRA: kernel and layer tests natively, the runner-level
-#                                 # benchmark (0, 1, 4, 16 adapters; load latency), 0.6B shape
+#                                 # benchmark (0, 1, 4, 16 adapters; LOAD_LORA), 0.6B shape
 #   benchmarks/gpu/run.sh lease   # all of it by priority for a short lease, within $DEADLINE s
 #                                 # (default 520): the `gpu` tests in two concurrent groups, the
 #                                 # greedy checks, then benchmarks and profiles while time lasts
@@ -252,13 +252,13 @@ spec() {
 
 lora() {
   # Issue 38: the LoRA kernels and the mixed batch (eager and decode graphs) natively, then
-  # benchmarks/lora.py (tiny shapes without a GPU).
+  # benchmarks/lora_runner.py (tiny shapes without a GPU).
   step pytest-lora 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_kernels_lora.py \
     tests/test_lora_layers.py
   local shape=(--model 0.6B) tiny=()
   [ $GPU = 0 ] && tiny=(--layers 1 --batch 4 --prefill 32 --context 32 --repeats 2)
-  step lora-bench 300 $PY -m benchmarks.lora "${shape[@]}" "${tiny[@]}" \
-    --out "$WORK/lora-bench.json"
+  step lora-runner 300 $PY -m benchmarks.lora_runner "${shape[@]}" "${tiny[@]}" \
+    --out "$WORK/lora-runner.json"
 }
 
 tiles() {

@@ -1,7 +1,9 @@
 """Multi-LoRA on one rank: forward time of a step with 0, 1, 4 and 16 distinct adapters in the
-batch against the same step without LoRA, and the time to load an adapter into a slot.
+batch against the same step without LoRA, and the time to load an adapter into a slot. (The
+engine's throughput and `add_lora` latency are `benchmarks/lora.py`'s; this one isolates the
+rank's share: the layers' LoRA terms and the LOAD_LORA call, no scheduling or sampling.)
 
-    python -m benchmarks.lora --model 0.6B --layers 2 --out benchmarks/results/cpu/lora/0.6B-2layers.json
+    python -m benchmarks.lora_runner --model 0.6B --layers 2 --out benchmarks/results/cpu/lora/0.6B-2layers.json
 
 The model is random, of a real Qwen3 shape (`benchmarks.models`, `--layers` keeps the first
 layers: the result says so), the adapters random PEFT files of rank `--rank` on all seven
@@ -175,7 +177,7 @@ def main() -> None:
     for count in ADAPTER_COUNTS:
         measure(runner, f"{count}_adapters", count)
     result = {
-        "benchmark": "lora",
+        "benchmark": "lora_runner",
         "model_shape": args.model,
         "num_layers": shape["num_layers"],
         "truncated": args.layers is not None,

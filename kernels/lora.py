@@ -14,9 +14,10 @@ needs no sorting, and the launch shape depends on T only: CUDA-graph safe):
     shrink  h[T, P, R] fp32 = x[T, K] @ a[slot]^T, part by part
     expand  y[T, N] += h[t, p] @ b[slot, rows of p]^T, in y's dtype
 
-A token of slot -1 returns at once in both. `*_ref` are the plain-torch references, which also
-serve the CPU path: they loop over the S slots with masks, so they cost S times a dense LoRA
-but never read a slot per token on the host.
+A token of slot -1 returns at once in both. `*_ref` are the plain-torch references: they loop
+over the S slots with masks, so they cost S times a dense LoRA but never read a slot per token
+on the host (a GPU running the torch layers may capture them in a graph). `lora_apply_by_slot`
+is the CPU path: it reads which slots the step uses and computes each on its tokens only.
 """
 
 from __future__ import annotations
@@ -189,3 +190,26 @@ def lora_expand_ref(
             part = h[:, p] @ b[slot, rows].float().T  # [T, rows of p]
             delta[:, rows] = torch.where(mine, part, delta[:, rows])
     y.copy_((y.float() + delta).to(y.dtype))  # one rounding, as the kernel
+
+
+def lora_apply_by_slot(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: Sequence[int],
+) -> None:
+    """`lora_shrink` then `lora_expand`, for the CPU: each slot the step uses, on its tokens
+    only (gathered and scattered back), so the cost follows the adapters' tokens, not the
+    number of slots. Reads the slots on the host: not for a CUDA graph."""
+    for slot in torch.unique(slots).tolist():
+        if slot < 0:
+            continue
+        rows = (slots == slot).nonzero().squeeze(1)  # [T_s] this slot's tokens
+        h = torch.einsum("tk,prk->tpr", x.index_select(0, rows).float(), a[slot].float())
+        delta = torch.cat(
+            [h[:, p] @ b[slot, offsets[p] : offsets[p + 1]].float().T for p in range(h.shape[1])],
+            dim=1,
+        )  # [T_s, N]
+        y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))

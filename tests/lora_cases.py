@@ -10,7 +10,7 @@ modules, one rsLoRA, one with per-module rank and alpha, one on some layers only
     b     8   all seven                        use_rslora, layers_to_transform=[1]
     c     16  k, o, gate, down                 rank_pattern down 8, alpha_pattern o 4
 
-`BAD_ADAPTERS` are one adapter per refusal, each with vLLM's message (`REFUSALS`).
+`build_bad_adapters` makes one adapter per refusal, each refused with vLLM's message (`REFUSALS`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ REFUSALS: dict[str, str] = {
     "dora": "vLLM does not yet support DoRA.",
     "modules_to_save": "vLLM only supports modules_to_save being None.",
     "bias": "Adapter bias is not supported.",
+    "lora_bias": "Adapter bias is not supported.",
+    "bias_key": "Adapter bias is not supported.",  # a bias tensor, whatever the config says
     "rank": "LoRA rank 32 is greater than max_lora_rank 16.",
     "lm_head": (
         "While loading {path}, expected target modules in ['q_proj', 'k_proj', 'v_proj', "
@@ -112,6 +114,9 @@ def build_bad_adapters(good: Path, root: Path) -> dict[str, Path]:
     variant("dora", {"use_dora": True}, {})
     variant("modules_to_save", {"modules_to_save": ["lm_head"]}, {})
     variant("bias", {"bias": "lora_only"}, {})
+    variant("lora_bias", {"lora_bias": True}, {})
+    bias = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias"
+    variant("bias_key", {}, {bias: torch.zeros(64)})
     variant("rank", {"r": 32}, {})
     variant("lm_head", {}, {"base_model.model.lm_head.lora_A.weight": a})
     prefix = "base_model.model.model.layers.0.mlp."

@@ -80,7 +80,8 @@ def _check(result: dict[str, Any], case: dict[str, Any]) -> None:
         assert err <= ATOL, f"step {step} rows {rows[step]}: max |diff| {err:.2e}"
 
 
-# gpu_data_paths: the per-token slots through the GPU's double-buffered staging, on CPU.
+# gpu_data_paths: the per-token slots through the GPU's double-buffered staging, and the LoRA
+# terms through the graph-safe torch path (masks over every slot), on CPU.
 @pytest.mark.parametrize("fields", [{}, {"gpu_data_paths": True}], ids=["cpu", "gpu_paths"])
 def test_mixed_batch_tp1(case: dict[str, Any], fields: dict[str, Any]) -> None:
     _check(run_lora_scenario(*case["args"], TPInfo(0, 1), **fields), case)

@@ -25,7 +25,13 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from kernels.lora import (
+    lora_apply_by_slot,
+    lora_expand,
+    lora_expand_ref,
+    lora_shrink,
+    lora_shrink_ref,
+)
 from rank_worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -113,6 +119,7 @@ class LinearLoRA:
         max_rank: int,
         dtype: torch.dtype,
         use_triton: bool,
+        graph_safe: bool,
     ) -> None:
         self.parts = output_parts(layer, projs)
         self.row_parallel = isinstance(layer, RowParallelLinear)
@@ -134,13 +141,22 @@ class LinearLoRA:
         # [P+1] part bounds: on the device for the kernel, on the host for the torch path.
         self.offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
         self.widest_part = max(part.rows for part in self.parts)
-        self._shrink: Callable = lora_shrink if use_triton else lora_shrink_ref
+        self._apply = self._choose_path(use_triton, graph_safe, bounds)
+
+    def _choose_path(
+        self, use_triton: bool, graph_safe: bool, bounds: list[int]
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+        """`(x, y, slots)` adding the terms into y: the Triton kernels; else, where a CUDA
+        graph may capture it (`graph_safe`: a GPU, or its paths run on CPU), the masked torch
+        reference; else (CPU) the by-slot gather, whose cost follows the adapters' tokens."""
         if use_triton:
-            self._expand: Callable = partial(
-                lora_expand, offsets=self.offsets, widest_part=self.widest_part
-            )
-        else:
-            self._expand = partial(lora_expand_ref, offsets=bounds)
+            expand = partial(lora_expand, offsets=self.offsets, widest_part=self.widest_part)
+            return lambda x, y, slots: expand(y, lora_shrink(x, self.a, slots), self.b, slots)
+        if not graph_safe:
+            return lambda x, y, slots: lora_apply_by_slot(y, x, self.a, self.b, slots, bounds)
+        return lambda x, y, slots: lora_expand_ref(
+            y, lora_shrink_ref(x, self.a, slots), self.b, slots, bounds
+        )
 
     @property
     def nbytes(self) -> int:
@@ -150,9 +166,7 @@ class LinearLoRA:
         """`y` (this rank's `x @ W.T`, before any all-reduce) plus each token's LoRA term."""
         if self.batch.skip:
             return y
-        slots = self.batch.slots(x.shape[0])
-        h = self._shrink(x, self.a, slots)  # [T, P, R] fp32
-        self._expand(y, h, self.b, slots)
+        self._apply(x, y, self.batch.slots(x.shape[0]))
         return y
 
     def shard(

@@ -92,6 +92,7 @@ class LoraManager:
                     module, tuple(projs_of[suffix]), self.batch,
                     max_loras=config.max_loras, max_rank=config.max_lora_rank,
                     dtype=lora_dtype(config.lora_dtype, dtype), use_triton=use_triton,
+                    graph_safe=device.type == "cuda" or config.gpu_data_paths,
                 )  # fmt: skip
         self.slot_uids: list[Hashable | None] = [None] * config.max_loras
         self.host: collections.OrderedDict[Hashable, HostAdapter] = collections.OrderedDict()

@@ -86,6 +86,10 @@ class ControlOp(enum.IntEnum):
     SLEEP = 20
     WAKE = 21
     MEMORY_REPORT = 22
+    # Multi-LoRA (`rank_worker.control_lora`, registered like sleep's): put an adapter into a
+    # device slot, empty a slot.
+    LOAD_LORA = 30
+    UNLOAD_LORA = 31
 
 
 class ControlOutcome(enum.Enum):

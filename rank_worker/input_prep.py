@@ -12,7 +12,8 @@ everything is copied out here; nothing downstream keeps a reference to the plan.
     flat int32 elements, each segment starting at a multiple of 4 elements (16 bytes); an
     int64 segment takes two elements per value
     | input_ids[T] i64 | positions[T] i64 | slot_mapping[T] i64 | logits_indices[B'] i64 |
-    | rows[B] i64 | query_start_loc[B+1] | seq_lens[B] | edited cells[3 * N] (GPU only) |
+    | rows[B] i64 | query_start_loc[B+1] | seq_lens[B] | adapter_slots[T] |
+    | edited cells[3 * N] (GPU only) |
 
 3. the buffer travels in ONE host-to-device copy; the inputs are views of the device buffer,
    and on a GPU the same copy brings the edited (row, column, block id) cells, which are
@@ -84,7 +85,7 @@ logger = logging.getLogger(__name__)
 _ALIGN = 4
 # Segments in packing order, int64 ones (index inputs) first; the edited cells follow.
 _I64_SEGMENTS = ("input_ids", "positions", "slot_mapping", "logits_indices", "rows")
-_I32_SEGMENTS = ("query_start_loc", "seq_lens")
+_I32_SEGMENTS = ("query_start_loc", "seq_lens", "adapter_slots")
 # Layouts whose views a buffer keeps (a decode batch uses one; prefill steps vary).
 _MAX_CACHED_LAYOUTS = 8
 
@@ -107,6 +108,7 @@ class _Layout:
             "rows": b,
             "query_start_loc": b + 1,
             "seq_lens": b,
+            "adapter_slots": t,
         }
         # name -> (first int32 element, number of values, int64?)
         self.segments: dict[str, tuple[int, int, bool]] = {}
@@ -151,6 +153,10 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata  # slot_mapping int64, the sequence layout int32
     logits_indices: torch.Tensor  # [B'] int64
+    # [T] int32 LoRA slot of each token (-1: the base model), the plan's per-sequence slots
+    # expanded; all -1 when the plan carries none. The runner copies it into the LoRA layers'
+    # fixed buffer (`rank_worker.lora.layers.AdapterBatch`).
+    adapter_slots: torch.Tensor
 
 
 # Writes one step's segments into their host views (and its cells into the [3, N] view, if any).
@@ -325,6 +331,19 @@ def positions_of(plan: StepPlan) -> np.ndarray:
     return np.arange(plan.num_tokens, dtype=np.int32) + np.repeat(first, q_lens)
 
 
+def write_adapter_slots(
+    plan: StepPlan, q_lens: np.ndarray, decode_only: bool, out: np.ndarray
+) -> None:
+    """`out[T]` = each token's adapter slot: its sequence's (the plan's `adapter_slots`), or
+    -1 everywhere when the plan has none (every sequence on the base model)."""
+    if plan.adapter_slots.size == 0:
+        out.fill(-1)
+    elif decode_only:
+        out[...] = plan.adapter_slots
+    else:
+        out[...] = np.repeat(plan.adapter_slots, q_lens)
+
+
 def prepare_inputs(
     plan: StepPlan,
     tables: BlockTables,
@@ -376,6 +395,7 @@ def prepare_inputs(
             tables.slots(token_rows, positions, out=host["slot_mapping"])
         else:
             host["slot_mapping"].fill(-1)
+        write_adapter_slots(plan, q_lens, decode_only, host["adapter_slots"])
         if host_cells is not None:
             host_cells[...] = cells
 
@@ -414,4 +434,5 @@ def prepare_inputs(
         positions=views["positions"],  # [T] int64
         meta=meta,
         logits_indices=views["logits_indices"],  # [B'] int64
+        adapter_slots=views["adapter_slots"],  # [T] int32
     )

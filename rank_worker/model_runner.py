@@ -46,6 +46,7 @@ from rank_worker.kv_cache import (
 )
 from rank_worker.layers.rope_spec import RopeSpec
 from rank_worker.loader import load_checkpoint
+from rank_worker.lora.manager import LoraManager
 from rank_worker.model_spec import HeadSpec, load_hf_config
 from rank_worker.qwen3 import KVCachePair
 from rank_worker.runner_config import RunnerConfig
@@ -155,6 +156,11 @@ class ModelRunner:
         self.weight_map = WeightMap(self.model)
         load_checkpoint(self.weight_map, model_dir)
         self.model.eval()
+        # Multi-LoRA's slot stacks, allocated here so that the KV-cache sizing counts them.
+        self.lora: LoraManager | None = None
+        if config.enable_lora:
+            self.lora = LoraManager(self.model, config, self.dtype, self.uses_triton)
+            logger.info("rank %d: LoRA slots take %d bytes", tp.rank, self.lora.nbytes)
         # An fp8 cache halves bytes_per_block (vs bf16), so the same budget holds twice the blocks.
         self.kv_spec = KVCacheSpec.for_model(
             self.hf_config, tp, config.block_size, self.kv_cache_dtype
@@ -185,8 +191,14 @@ class ModelRunner:
         if config.draft_model is not None:
             self.draft = ModelRunner(
                 config.draft_model,
+                # The draft proposes with the base model; verification keeps outputs exact.
                 dataclasses.replace(
-                    config, draft_model=None, enforce_eager=True, hf_overrides=None, head=None
+                    config,
+                    draft_model=None,
+                    enforce_eager=True,
+                    hf_overrides=None,
+                    head=None,
+                    enable_lora=False,
                 ),
                 tp,
                 self.device,
@@ -293,6 +305,8 @@ class ModelRunner:
             block_size=self.config.block_size,
             device=self.device,
         )
+        if self.lora is not None:
+            self.lora.batch.skip = False  # graphs always hold the LoRA kernels
         start = time.perf_counter()
         self.graph_runner.capture()
         self.startup_s["capture"] = time.perf_counter() - start
@@ -319,6 +333,7 @@ class ModelRunner:
             self.draft.release()
             self.draft = None
         self.kv_caches = None
+        self.lora = None  # its slot stacks hang on the model's layers too
         self.model = None  # type: ignore[assignment]
         self.weight_map = None  # type: ignore[assignment]  # it holds the parameters too
         self.input_buffers = None  # type: ignore[assignment]
@@ -386,9 +401,18 @@ class ModelRunner:
             )
 
     def _prepare(self, plan: StepPlan, last_sampled: torch.Tensor | None = None) -> StepInputs:
-        return prepare_inputs(
+        inputs = prepare_inputs(
             plan, self.block_tables, buffers=self.input_buffers, last_sampled=last_sampled
         )
+        slots = plan.adapter_slots
+        return self._bind_adapters(inputs, slots.size > 0 and int(slots.max()) >= 0)
+
+    def _bind_adapters(self, inputs: StepInputs, any_adapter: bool) -> StepInputs:
+        """Hand the step's per-token adapter slots to the LoRA layers (their fixed buffer);
+        `any_adapter` False lets an eager forward skip the LoRA terms."""
+        if self.lora is not None:
+            self.lora.bind(inputs.adapter_slots, any_adapter)
+        return inputs
 
     def _forward(self, inputs: StepInputs, kv_caches: list[KVCachePair]) -> torch.Tensor | None:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches)
@@ -445,7 +469,9 @@ class ModelRunner:
             self.device,
             device_copy=self.block_tables.has_device_copy,
         )
-        return prepare_inputs(plan, scratch, store_kv=False)
+        # The LoRA terms run (over slot -1 tokens): warm-ups compile their kernels and the
+        # memory profile sees their temporaries.
+        return self._bind_adapters(prepare_inputs(plan, scratch, store_kv=False), True)
 
     # -- memory profiling (GPU) -----------------------------------------------------------
 

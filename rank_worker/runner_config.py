@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from rank_worker.lora.peft_adapter import check_lora_limits
+
 
 @dataclass(frozen=True)
 class RunnerConfig:
@@ -68,6 +70,23 @@ class RunnerConfig:
     # The output head, `rank_worker.model_spec.HeadSpec.to_dict()`, decided on rank 0 (it
     # needs the tokenizer); None: the LM head.
     head: dict[str, Any] | None = None
+    # Multi-LoRA (`rank_worker.lora`): slot stacks for `max_loras` adapters of rank up to
+    # `max_lora_rank` beside every q/k/v/o/gate/up/down projection, allocated before the KV
+    # cache is sized; a host LRU of `max_cpu_loras` parsed adapters (None: max_loras) feeds
+    # them. `lora_dtype` "auto" is the model's dtype. No effect unless `enable_lora`.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.enable_lora:
+            check_lora_limits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @property
     def resolved_max_num_logits_rows(self) -> int:

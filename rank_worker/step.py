@@ -28,6 +28,7 @@ import enum
 
 import torch
 
+import rank_worker.control_lora
 import rank_worker.control_sleep
 import rank_worker.control_weights  # noqa: F401  (registers the weight-update ops)
 from rank_worker.control import ControlResult, RankControl

@@ -21,9 +21,10 @@ back to back:
     24      4     num_logits B' (uint32)
     28      4     num_edits E (uint32)
     32      4     num_edit_blocks N (uint32)
-    36      4     (reserved, 0)
+    36      4     num_adapter_slots A (uint32): B, or 0 when every sequence runs the base model
     40      ...   input_ids[T] query_start_loc[B+1] seq_lens[B] rows[B] logits_indices[B']
                   edit_rows[E] edit_starts[E] edit_offsets[E+1] edit_blocks[N]
+                  adapter_slots[A]
 
 The changes are edits, applied in order (the order things happened on rank 0 since the last
 plan): edit e sets `table[edit_rows[e], edit_starts[e] + j] = edit_blocks[edit_offsets[e] + j]`
@@ -43,13 +44,13 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 
 import numpy as np
 
 MAGIC = b"STPL"
-VERSION = 3  # 3: the DRAFT command
+VERSION = 4  # 3: the DRAFT command; 4: adapter_slots (multi-LoRA)
 _HEADER = struct.Struct("<4sHHQIIIIII")
 HEADER_SIZE = _HEADER.size  # 40 bytes
 _I32 = np.dtype("<i4")
@@ -64,6 +65,7 @@ ARRAY_FIELDS = (
     "edit_starts",
     "edit_offsets",
     "edit_blocks",
+    "adapter_slots",
 )
 
 
@@ -135,6 +137,11 @@ class StepPlan:
     edit_starts: np.ndarray
     edit_offsets: np.ndarray
     edit_blocks: np.ndarray
+    # [B] or [0]: the LoRA adapter slot of each sequence (`seq_lens` order), 0..max_loras-1, or
+    # -1 for the base model; empty when every sequence is base, so plans of engines without
+    # adapters (and DRAFT, EXIT and warm-up plans) carry nothing. Each rank expands it per
+    # token (`rank_worker.input_prep`) for the LoRA layers.
+    adapter_slots: np.ndarray = field(default_factory=lambda: _empty(0))
 
     @property
     def num_tokens(self) -> int:
@@ -187,6 +194,12 @@ class StepPlan:
             arr = getattr(self, name)
             if arr.dtype != np.int32 or arr.ndim != 1:
                 raise ValueError(f"StepPlan.{name}: expected a 1-D int32 array")
+        slots = self.adapter_slots
+        if slots.dtype != np.int32 or slots.shape not in ((0,), (b,)):
+            raise ValueError(
+                f"StepPlan.adapter_slots: expected int32 (0,) or ({b},), got {slots.dtype} "
+                f"{slots.shape}"
+            )
         if int(self.query_start_loc[-1]) != t:
             raise ValueError(
                 f"StepPlan.query_start_loc ends at {int(self.query_start_loc[-1])}, not {t}"
@@ -199,7 +212,7 @@ class StepPlan:
     def _counts(self) -> tuple[int, ...]:
         t, b = self.num_tokens, self.num_seqs
         e, n = self.num_edits, self.edit_blocks.size
-        return (t, b + 1, b, b, self.logits_indices.size, e, e, e + 1, n)
+        return (t, b + 1, b, b, self.logits_indices.size, e, e, e + 1, n, self.adapter_slots.size)
 
     def encoded_size(self) -> int:
         return HEADER_SIZE + 4 * sum(self._counts())
@@ -211,7 +224,7 @@ class StepPlan:
         size = HEADER_SIZE + 4 * total
         if len(buf) < size:
             raise ValueError(f"buffer of {len(buf)} bytes is too small for a {size}-byte plan")
-        input_ids, _, seq_lens, _, logits_indices, edit_rows, _, _, edit_blocks = arrays
+        input_ids, _, seq_lens, _, logits_indices, edit_rows, _, _, edit_blocks, slots = arrays
         _HEADER.pack_into(
             buf,
             0,
@@ -224,7 +237,7 @@ class StepPlan:
             logits_indices.size,
             edit_rows.size,
             edit_blocks.size,
-            0,
+            slots.size,
         )
         # The arrays back to back, written by one concatenate straight into the buffer.
         body = np.frombuffer(buf, dtype=_I32, count=total, offset=HEADER_SIZE)
@@ -244,19 +257,19 @@ class StepPlan:
             raise PlanDecodeError(
                 f"{len(view)} bytes is shorter than the {HEADER_SIZE}-byte header"
             )
-        magic, version, command, step_id, t, b, n_logits, e, n, reserved = _HEADER.unpack_from(
+        magic, version, command, step_id, t, b, n_logits, e, n, n_slots = _HEADER.unpack_from(
             view, 0
         )
         if magic != MAGIC:
             raise PlanDecodeError(f"bad magic {magic!r}")
         if version != VERSION:
             raise PlanDecodeError(f"plan version {version}, this build reads {VERSION}")
-        if reserved:
-            raise PlanDecodeError(f"reserved header field is {reserved}, not 0")
+        if n_slots not in (0, b):
+            raise PlanDecodeError(f"{n_slots} adapter slots for {b} sequences (must be 0 or {b})")
         cmd = _COMMANDS.get(command)
         if cmd is None:
             raise PlanDecodeError(f"unknown command {command}")
-        counts = (t, b + 1, b, b, n_logits, e, e, e + 1, n)
+        counts = (t, b + 1, b, b, n_logits, e, e, e + 1, n, n_slots)
         total = sum(counts)
         expected = HEADER_SIZE + 4 * total
         if len(view) != expected:
@@ -268,7 +281,7 @@ class StepPlan:
         for count in counts:
             arrays.append(body[offset : offset + count])
             offset += count
-        qsl, logits, offsets = arrays[1], arrays[4], arrays[7]
+        qsl, logits, offsets, slots = arrays[1], arrays[4], arrays[7], arrays[9]
         # Compared pairwise, not with np.diff: an int32 diff wraps around, and a wrapped jump
         # (e.g. 2**31 - 1 -> -2**31) would pass as an increase.
         if qsl[0] != 0 or qsl[-1] != t or np.count_nonzero(qsl[1:] < qsl[:-1]):
@@ -280,4 +293,7 @@ class StepPlan:
         # One comparison for both bounds: seen as uint32, a negative index is above any T.
         if np.count_nonzero(logits.view(np.uint32) >= t):
             raise PlanDecodeError("logits_indices out of range")
+        # The upper bound (max_loras) is the rank's to check: the wire does not know it.
+        if np.count_nonzero(slots < -1):
+            raise PlanDecodeError("adapter_slots below -1")
         return cls(step_id, cmd, *arrays)

@@ -371,10 +371,10 @@ def test_buffers_for_config_are_sized_for_the_largest_step():
         max_model_len=100, block_size=16, max_num_seqs=4, max_num_batched_tokens=32
     )
     buffers = StepInputBuffers.for_config(config, "cpu")
-    # int64 (two elements each): 3T + B' + B; int32: (B+1) + B + 3 * cells, cells =
-    # ceil(32 / 16) + 2 * 4; each segment rounded up to 4 elements; B' = T (no
+    # int64 (two elements each): 3T + B' + B; int32: (B+1) + B + T (adapter slots) + 3 *
+    # cells, cells = ceil(32 / 16) + 2 * 4; each segment rounded up to 4 elements; B' = T (no
     # max_num_logits_rows given: every token's row).
-    assert buffers.capacity == 2 * (3 * 32 + 32 + 4) + 8 + 4 + 32
+    assert buffers.capacity == 2 * (3 * 32 + 32 + 4) + 8 + 4 + 32 + 32
 
 
 def test_buffers_refuse_another_device():

@@ -92,7 +92,15 @@ def compile_report() -> dict[str, int]:
     import torch
     import triton
 
-    from kernels import activation, decode_attention, fp8_gemm, prefill_attention, rmsnorm, rotary
+    from kernels import (
+        activation,
+        decode_attention,
+        fp8_gemm,
+        lora,
+        prefill_attention,
+        rmsnorm,
+        rotary,
+    )
 
     # `kernels.store_kv` the attribute is the re-exported function; the module is in sys.modules.
     store_kv = importlib.import_module("kernels.store_kv")
@@ -212,6 +220,14 @@ def compile_report() -> dict[str, int]:
         report[name] = _compile(gumbel._split_sample_kernel, "fp32", consts, i64)
     merge = dict(SPLITS_PAD=gumbel._SPLITS_PAD)
     report["gumbel_split_merge"] = _compile(gumbel._split_merge_kernel, "fp32", merge, i64)
+    # Multi-LoRA shrink and expand: rank 16 (bf16, fp32) and the largest rank, 512.
+    lora_types = {"h_ptr": "fp32", "slots_ptr": "i32", "offsets_ptr": "i32"}
+    for dt, rank in (("bf16", 16), ("fp32", 16), ("bf16", 512)):
+        block_r, block = triton.next_power_of_2(rank), lora._block(rank)
+        shrink = dict(P=3, R=rank, BLOCK_R=block_r, BLOCK_K=block)
+        report[f"lora_shrink-{dt}-r{rank}"] = _compile(lora._shrink_kernel, dt, shrink, lora_types)
+        expand = dict(P=3, R=rank, BLOCK_R=block_r, BLOCK_N=block)
+        report[f"lora_expand-{dt}-r{rank}"] = _compile(lora._expand_kernel, dt, expand, lora_types)
     return report
 
 
@@ -239,5 +255,6 @@ def test_every_kernel_compiles_for_sm90():
     too_big = {k: v for k, v in report.items() if v > SM90_MAX_SHARED_BYTES}
     assert not too_big, f"more shared memory than an sm_90 block can have: {too_big}"
     # 4 prefill, 4 decode, merge, store_kv, 2 rmsnorm, rotary, silu, 2 qk_norm_rope, 3 x 2 MoE;
-    # 2 with an fp8 KV cache, 2 x 2 fp8 MoE, 2 fp8 quant, the W8A8 GEMM, 4 of Gumbel sampling
-    assert len(report) == 35, sorted(report)
+    # 2 with an fp8 KV cache, 2 x 2 fp8 MoE, 2 fp8 quant, the W8A8 GEMM, 4 of Gumbel sampling,
+    # 3 x 2 of LoRA
+    assert len(report) == 41, sorted(report)

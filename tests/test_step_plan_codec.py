@@ -61,6 +61,11 @@ def plans(draw: st.DrawFn) -> StepPlan:
         edit_starts=draw(int32_arrays(num_edits)),
         edit_offsets=np.concatenate([[0], np.cumsum(edit_sizes)]).astype(np.int32),
         edit_blocks=draw(int32_arrays(sum(edit_sizes))),
+        adapter_slots=draw(
+            st.sampled_from([0, num_seqs]).flatmap(
+                lambda n: hnp.arrays(np.int32, n, elements=st.integers(-1, I32_MAX))
+            )
+        ),
     )
 
 
@@ -245,11 +250,22 @@ def _sample_plan(logits_indices: list[int] | None = None, **arrays: np.ndarray) 
         ({"n_logits": 3}, "bytes"),
         ({"e": 2}, "bytes"),
         ({"n": 3}, "bytes"),
+        ({"r": 1}, "adapter slots"),  # neither 0 nor one per sequence
     ],
 )
 def test_bad_header_field_rejected(fields: dict, match: str) -> None:
     with pytest.raises(PlanDecodeError, match=match):
         StepPlan.decode(_header_with(_sample_plan(), **fields))
+
+
+def test_adapter_slots_roundtrip_and_below_base_rejected() -> None:
+    plan = _sample_plan(adapter_slots=np.array([2, -1], np.int32))
+    assert_same_plan(plan, StepPlan.decode(plan.encode()))
+    assert _sample_plan().encoded_size() + 8 == plan.encoded_size()  # base plans carry nothing
+    with pytest.raises(PlanDecodeError, match="below -1"):
+        StepPlan.decode(_sample_plan(adapter_slots=np.array([0, -2], np.int32)).encode())
+    with pytest.raises(ValueError, match="adapter_slots"):
+        _sample_plan(adapter_slots=np.array([0], np.int32)).validate()
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tp_engine.config import EngineConfig
+from tp_engine.lora import LoRARequest
 from tp_engine.outputs import CompletionOutput, RequestOutput
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
@@ -23,6 +24,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",

@@ -98,6 +98,15 @@ class EngineConfig:
     # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
     # "is_original_qwen3_reranker": true}.
     hf_overrides: dict[str, Any] | None = None
+    # Multi-LoRA (vLLM's names; `tp_engine.lora`): serve PEFT adapters, up to `max_loras`
+    # distinct ones per batch (the device slots) of rank up to `max_lora_rank`, with
+    # `max_cpu_loras` (None: max_loras) parsed adapters kept in host memory; `lora_dtype`
+    # "auto" is the model's dtype.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
@@ -115,6 +124,13 @@ class EngineConfig:
                 "depend on the tokens this step accepts; leave it unset or set it False",
             )
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        # (The ranks check max_lora_rank against vLLM's choices: `RunnerConfig`.)
+        _check(self.max_loras >= 1, "max_loras", "must be >= 1")
+        _check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
         if self.max_model_len is not None:
             _check(self.max_model_len >= 1, "max_model_len", "must be >= 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")

@@ -77,13 +77,14 @@ from rank_worker.runner_config import RunnerConfig
 from rank_worker.step import StepExecutor
 from rank_worker.tp import TPInfo
 from shm_ipc import ChannelError, PlanBroadcaster, StepPlan
-from tp_engine import weight_updates
+from tp_engine import lora_control, weight_updates
 from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
 from tp_engine.control import EngineControl, EngineInconsistentError
 from tp_engine.engine_states import Gate, PauseMode
 from tp_engine.failures import EngineDeadError, FailureGuard, diagnose_stall
 from tp_engine.generation_config import eos_token_ids, sampling_defaults
+from tp_engine.lora import LoRARequest
 from tp_engine.outputs import EngineStats, SequenceOutput, StepOutputs
 from tp_engine.plan_builder import LogitsLayout, plan_step
 from tp_engine.pooling import record_pooled
@@ -198,6 +199,11 @@ def runner_config_for(config: EngineConfig, head: HeadSpec | None = None) -> Run
         draft_model=_draft_model_dir(config),
         hf_overrides=config.hf_overrides,
         head=None if head is None else head.to_dict(),
+        enable_lora=config.enable_lora,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
+        lora_dtype=config.lora_dtype,
     )
 
 
@@ -289,6 +295,10 @@ class LLMEngine:
         self.pause_mode: PauseMode | None = None
         # Sleep mode (`tp_engine.sleep`): what sleeps on every rank; it closes the gate too.
         self.sleep_state = EngineSleep(self)
+        # Control calls to every rank (`tp_engine.control`), run between steps.
+        self.control = EngineControl(self)
+        # LoRA adapters' slots and pins (`tp_engine.lora`); None without enable_lora.
+        self.lora = lora_control.build_registry(self.config, self.control)
         self.scheduler = self._build_scheduler(self.config)
         self.async_scheduling = self._resolve_async(self.config)
         if self.spec is not None:
@@ -308,8 +318,6 @@ class LLMEngine:
         # Set to a StepTimeline to record where each step's time goes (launch/bench.py).
         self.timeline: StepTimeline | None = None
         self.sampling.follow(self.scheduler.batch)
-        # Control calls to every rank (`tp_engine.control`), run between steps.
-        self.control = EngineControl(self)
         # The label of the weights in use (SGLang's `weight_version`); set by weight updates.
         self.weight_version = "default"
 
@@ -331,10 +339,11 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[str]:
         """Queue a request as `params.n` sequences sharing the prompt; returns their ids, in
         sample order. Raises ValueError (RequestRejectedError) saying what is wrong; nothing is
-        queued then.
+        queued then. `lora_request`: the LoRA adapter it runs with (None: the base model).
 
         `PoolingParams` (a pooling model only): one prompt-only sequence whose output carries
         `pooled`, its result, once its prompt is computed (`_add_pooling_request`).
@@ -377,6 +386,8 @@ class LLMEngine:
         if taken:
             raise RequestRejectedError(f"request id {taken[0]!r} is already in use")
         self.scheduler.check_fits(seqs[0])  # the siblings are the same size
+        if lora_request is not None:
+            lora_control.attach(self, lora_request, seqs)
         if params.structured_outputs is not None:
             future = self.grammars.submit(params.structured_outputs)
             self._compiling[seqs[0].seq_id] = (future, seqs)
@@ -546,7 +557,27 @@ class LLMEngine:
     def _gate(self) -> Gate:
         if self.sleep_state.holds_requests:
             return Gate(admitting=False, stepping=False)
-        return Gate.for_pause(self.pause_mode)
+        return Gate.for_pause(self.pause_mode, None if self.lora is None else self.lora.admits)
+
+    # -- LoRA adapters (`tp_engine.lora_control`) --------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return lora_control.add_lora(self, lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return lora_control.remove_lora(self, lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return lora_control.list_loras(self)
+
+    def _prepare_adapter_slots(self) -> None:
+        """Slots for the adapters the waiting requests need (control calls, so before anything
+        of this step is taken); requests whose adapter the ranks refused end here."""
+        failed = lora_control.prepare_slots(self, self._queued_outside())
+        if failed:
+            self._undelivered = self._undelivered.then(
+                StepOutputs([self._output(seq) for seq in failed])
+            )
 
     # -- sleep mode (`tp_engine.sleep`) -----------------------------------------------------------
 
@@ -671,6 +702,8 @@ class LLMEngine:
         undone, and outputs already made are returned by the next call.
         """
         self.check_usable()
+        if self.lora is not None:
+            self._prepare_adapter_slots()
         if self._held:
             self._release_held()
         outputs, self._undelivered = self._undelivered, StepOutputs([])
@@ -984,6 +1017,8 @@ class LLMEngine:
         scheduler.gate = self._gate()
         if self.proposer is not None:
             self.proposer.follow(scheduler.batch)
+        if self.lora is not None:
+            self.lora.follow(scheduler.batch)
         return scheduler
 
     def _build_proposer(self) -> NgramProposer | DraftModelProposer | None:

@@ -12,15 +12,21 @@ already running:
             after resume they continue (on whatever
             weights the engine has then)
 
-`Gate` is what the scheduler reads: whether it may admit waiting requests and whether it may
-step the running ones. The engine owns it (`LLMEngine.pause` / `resume`); the scheduler only
+`Gate` is what the scheduler reads: whether it may admit waiting requests, which ones (a LoRA
+request only once its adapter holds a device slot: `tp_engine.lora`), and whether it may step
+the running ones. The engine owns it (`LLMEngine.pause` / `resume`); the scheduler only
 reads it, so every way of holding requests back goes through one place.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tp_engine.sequence import Sequence
 
 
 class PauseMode(str, enum.Enum):
@@ -45,9 +51,14 @@ class Gate:
     admitting: bool = True
     # Running requests may be scheduled (closed while paused in `keep` mode).
     stepping: bool = True
+    # Which waiting sequences may be admitted now (the others wait, and later ones may pass
+    # them); None: any.
+    admits: Callable[[Sequence], bool] | None = None
 
     @classmethod
-    def for_pause(cls, mode: PauseMode | None) -> Gate:
+    def for_pause(
+        cls, mode: PauseMode | None, admits: Callable[[Sequence], bool] | None = None
+    ) -> Gate:
         if mode is None:
-            return cls()
-        return cls(admitting=False, stepping=mode is not PauseMode.KEEP)
+            return cls(admits=admits)
+        return cls(admitting=False, stepping=mode is not PauseMode.KEEP, admits=admits)

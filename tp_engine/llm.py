@@ -39,6 +39,7 @@ from tp_engine.control import EngineInconsistentError
 from tp_engine.detokenizer import IncrementalDetokenizer
 from tp_engine.engine import EngineDeadError, LLMEngine
 from tp_engine.llm_pooling import PoolingMethods
+from tp_engine.lora import LoRARequest
 from tp_engine.metrics_reader import Metric, engine_metrics
 from tp_engine.outputs import CompletionOutput, RequestOutput, SequenceOutput, logprob_dicts
 from tp_engine.pooling_params import PoolingParams
@@ -111,12 +112,15 @@ class LLM(PoolingMethods):
         prompts: PromptType | SequenceOf[PromptType],
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
 
         A prompt is a string, a list of token ids, or `{"prompt_token_ids": [...]}` (or
         `{"prompt": "..."}`, or both). `sampling_params` None takes the checkpoint's defaults.
-        A bad prompt or parameter raises ValueError before anything runs.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model; needs `enable_lora=True`). A bad prompt, parameter or adapter raises ValueError
+        before anything runs.
         """
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
@@ -124,6 +128,7 @@ class LLM(PoolingMethods):
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        loras = _as_lora_list(lora_request, len(prompt_list))
         requests = [
             (self._prompt_ids(p), _prompt_text(p), sp)
             for p, sp in zip(prompt_list, params_list, strict=True)
@@ -135,9 +140,10 @@ class LLM(PoolingMethods):
                 params.structured_outputs.check()
         groups: list[tuple[str, list[str]]] = []
         try:
-            for token_ids, _, params in requests:
+            for (token_ids, _, params), lora in zip(requests, loras, strict=True):
                 request_id = f"gen-{next(self._ids)}"
-                groups.append((request_id, self.engine.add_request(request_id, token_ids, params)))
+                seq_ids = self.engine.add_request(request_id, token_ids, params, lora_request=lora)
+                groups.append((request_id, seq_ids))
         except Exception:
             for _, seq_ids in groups:
                 for seq_id in seq_ids:
@@ -545,6 +551,17 @@ def _as_params_list(
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling params for {n} prompts")
     return params
+
+
+def _as_lora_list(
+    lora: LoRARequest | SequenceOf[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"{len(lora)} LoRA requests for {n} prompts")
+    return lora
 
 
 class _Sample:

@@ -14,6 +14,9 @@ A pooling model's head makes the rows (`rank_worker.heads`): "logits" are then i
 A decode whose token is still being sampled by the step in flight (asynchronous scheduling) gets
 the input id `-1 - row`: every rank replaces it on the device with that step's sampled token of
 row `row` (`rank_worker.input_prep`).
+
+A step with LoRA requests carries each sequence's adapter slot (`adapter_slots`, -1 for the
+base model), read from the running batch's column that the adapter registry keeps.
 """
 
 from __future__ import annotations
@@ -133,6 +136,9 @@ def plan_step(
     """The plan of `step` and the layout of its logits rows (prompt-logprob and pooled rows
     included)."""
     plan = build_step_plan(step, step_id)
+    if batch.num_adapter_rows:
+        # Each row's LoRA slot (`tp_engine.lora`); left empty while every row runs the base.
+        plan = dataclasses.replace(plan, adapter_slots=batch.adapter_slot[step.rows])
     prompt_rows = prompt_logprob_rows(step, batch, plan)
     pooled = pooled_rows(step, batch, plan)
     if prompt_rows or pooled:

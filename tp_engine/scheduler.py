@@ -581,7 +581,9 @@ class Scheduler:
         this step may still take (None: no limit)."""
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.batch) < max_running:
-            seq = self.waiting[0]
+            seq = self._next_admissible()
+            if seq is None:
+                break
             cached_prefix = bm.find_cached_prefix(seq)
             num_tokens = seq.num_tokens - len(cached_prefix) * bm.block_size
             if num_tokens > budget:
@@ -597,7 +599,7 @@ class Scheduler:
                 break
             if takes_rows:
                 rows_left -= num_tokens
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.queue_time_s is None:
                 seq.queue_time_s = max(0.0, time.monotonic() - seq.arrival_time)
@@ -605,6 +607,15 @@ class Scheduler:
             self.batch.sync_blocks(seq)
             self._add_entry(entries, seq, num_tokens)
             budget -= num_tokens
+
+    def _next_admissible(self) -> Sequence | None:
+        """The first waiting sequence the gate admits (the head, unless the gate holds some
+        back: a LoRA request whose adapter has no slot yet waits, as in vLLM, while later
+        requests pass it)."""
+        admits = self.gate.admits
+        if admits is None:
+            return self.waiting[0]
+        return next(filter(admits, self.waiting), None)
 
     def _add_entry(
         self, entries: _Entries, seq: Sequence, num_tokens: int, drafts: np.ndarray | None = None

@@ -139,6 +139,8 @@ class Sequence:
         # id, a user's salt): tagged pairs such as ("adapter", 7), hashed with the weight epoch
         # into the root of its hash chain (`prefix_cache_root`). Empty: the base model.
         self.cache_tags: tuple[tuple[str, object], ...] = ()
+        # The load id of its LoRA adapter (`tp_engine.lora`); None: the base model.
+        self.adapter_id: int | None = None
         # The BlockManager's weight epoch when this sequence's K/V started (its last
         # admission) and the root its block_hashes were chained from (None: base, epoch 0).
         self.cache_epoch = 0

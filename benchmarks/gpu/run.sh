@@ -7,6 +7,8 @@
 #                                 # structured-output bitmask fill and apply, 1/64/256 rows
 #   benchmarks/gpu/run.sh fp8     # 8B shape: bf16 vs FP8 weights, auto vs fp8 KV cache
 #   benchmarks/gpu/run.sh spec    # speculative decoding (ngram, draft model) vs none, 0.6B shape
+#   benchmarks/gpu/run.sh lora    # multi-LoRA: kernel and layer tests natively, the runner-level
+#                                 # benchmark (0, 1, 4, 16 adapters; LOAD_LORA), 0.6B shape
 #   benchmarks/gpu/run.sh lease   # all of it by priority for a short lease, within $DEADLINE s
 #                                 # (default 520): the `gpu` tests in two concurrent groups, the
 #                                 # greedy checks, then benchmarks and profiles while time lasts
@@ -248,6 +250,17 @@ spec() {
   pack
 }
 
+lora() {
+  # Issue 38: the LoRA kernels and the mixed batch (eager and decode graphs) natively, then
+  # benchmarks/lora_runner.py (tiny shapes without a GPU).
+  step pytest-lora 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_kernels_lora.py \
+    tests/test_lora_layers.py
+  local shape=(--model 0.6B) tiny=()
+  [ $GPU = 0 ] && tiny=(--layers 1 --batch 4 --prefill 32 --context 32 --repeats 2)
+  step lora-runner 300 $PY -m benchmarks.lora_runner "${shape[@]}" "${tiny[@]}" \
+    --out "$WORK/lora-runner.json"
+}
+
 tiles() {
   step decode-tiles 120 $PY benchmarks/gpu/decode_tiles.py --out "$WORK"
 }
@@ -263,7 +276,8 @@ lease() {
   local xdist=()
   $PY -c 'import xdist' 2>/dev/null && xdist=(-n 6)
   local kernel_tests=(tests/test_kernels_attention.py tests/test_kernels_store_kv.py
-    tests/test_kernels_elementwise.py tests/test_kernels_moe.py tests/test_kernels_fp8.py)
+    tests/test_kernels_elementwise.py tests/test_kernels_moe.py tests/test_kernels_fp8.py
+    tests/test_kernels_lora.py)
   step pytest-gpu-kernels 400 $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 -rs \
     "${xdist[@]}" "${kernel_tests[@]}" &
   local kernels_pid=$!
@@ -311,6 +325,7 @@ for part in "$@"; do
     moe) env_info; moe; structured ;;
     fp8) env_info; fp8 ;;
     spec) env_info; spec ;;
+    lora) env_info; lora ;;
     lease) lease ;;
     env_info|tiles|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile|structured|fp8) $part ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -13,6 +13,10 @@ Every layer takes `quant`: None keeps W in the model dtype and multiplies with `
 `weight_scale_inv [cdiv(out, 128), cdiv(in, 128)]` fp32 parameter beside it, cut into shards
 with W (whole blocks only: a cut inside a block is refused when the layer is built), and
 multiplies with the W8A8 block GEMM. The choice is fixed here: `forward` does not branch.
+
+Multi-LoRA hangs a `LinearLoRA` on a layer (`lora`, `rank_worker.lora.layers`): `forward` adds
+the step's adapter terms right after the matmul (`_adapt`), so a row-parallel layer adds its
+partial term before its all-reduce.
 """
 
 from __future__ import annotations
@@ -44,6 +48,14 @@ def _divide(n: int, d: int, what: str) -> int:
 
 class _Linear(nn.Module):
     """What the parallel linears share: W (quantized or not) and the matmul bound to it."""
+
+    # `(x, y) -> y` plus the LoRA term of each token's adapter (`rank_worker.lora.layers.
+    # LinearLoRA`); None without LoRA.
+    lora: Any = None
+
+    def _adapt(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (this rank's `x @ W.T`) plus the step's adapter terms; `y` itself without LoRA."""
+        return y if self.lora is None else self.lora(x, y)
 
     def _make_weight(
         self,
@@ -136,6 +148,7 @@ class ColumnParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)  # [num_tokens, out/size]
+        y = self._adapt(x, y)
         return y if self.bias is None else y + self.bias
 
 
@@ -212,6 +225,7 @@ class MergedColumnParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)  # [num_tokens, sum(output_sizes)/size]
+        y = self._adapt(x, y)
         return y if self.bias is None else y + self.bias
 
 
@@ -320,6 +334,7 @@ class QKVParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)  # [num_tokens, q_size + 2 * kv_size]
+        y = self._adapt(x, y)
         return y if self.bias is None else y + self.bias
 
 
@@ -397,6 +412,7 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)  # [num_tokens, out], a partial sum on each rank
+        y = self._adapt(x, y)
         if self.reduce_results:
             y = all_reduce(y, self.tp)
         if self.bias is not None:

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import metadata
 from typing import Any
@@ -37,8 +36,10 @@ from tp_engine.server.engine_client import EngineClient
 from tp_engine.server.guards import RequestGuard, RequestLimits
 from tp_engine.server.http_errors import APIError, install_handlers
 from tp_engine.server.ipc import ApiPipes
+from tp_engine.server.lora_routes import build_lora_router, runtime_lora_updating
 from tp_engine.server.messages import Exit, Hello, Ready
 from tp_engine.server.metrics import ServerMetrics
+from tp_engine.server.models import ServedModels
 from tp_engine.server.pooling_inputs import PairTokens, PoolingInputs
 from tp_engine.server.pooling_routes import PoolingServing, build_pooling_router
 from tp_engine.server.prompts import PromptBuilder
@@ -81,8 +82,8 @@ def build_app(
     limits = RequestLimits.from_wire(hello.limits) if hello.limits else RequestLimits()
     builder = PromptBuilder(tokenizer, hello, parsing)
     work = RequestWork(limits)
-    serving = OpenAIServing(client, builder, work)
-    created = int(time.time())
+    models = ServedModels(hello)
+    serving = OpenAIServing(client, builder, work, models)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -111,6 +112,8 @@ def build_app(
                 sleep_mode=hello.enable_sleep_mode,
             )
         )
+    if hello.enable_lora and runtime_lora_updating():
+        app.include_router(build_lora_router(client, models))
 
     @app.get("/health")
     async def health() -> Response:
@@ -127,23 +130,8 @@ def build_app(
         return {"version": version()}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "tp-engine",
-                    "root": hello.model_dir,
-                    "parent": None,
-                    "max_model_len": hello.max_model_len,
-                    "permission": [],
-                }
-                for name in hello.served_model_names
-            ],
-        }
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": models.cards()}
 
     if generates:  # a pooling model has no completions (vLLM: 404)
 

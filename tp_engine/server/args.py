@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field
 
+from rank_worker.lora.peft_adapter import MAX_LORA_RANKS
 from tp_engine.config import (
     ATTENTION_BACKENDS,
     CONVERTS,
@@ -14,6 +16,7 @@ from tp_engine.config import (
     RUNNERS,
     EngineConfig,
 )
+from tp_engine.lora import LoRARequest
 from tp_engine.server.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.engine_loop import LoopOptions
 from tp_engine.server.guards import RequestLimits, allowed_hosts
@@ -42,6 +45,23 @@ class ServerArgs:
     # Admin routes (`tp_engine.server.admin_routes`): RL weight sync and pause; sleep and wake.
     enable_weight_updates: bool = False
     enable_sleep_mode: bool = False
+    # --lora-modules: adapters loaded at start-up, served by name (ids 1, 2, ... in order).
+    lora_modules: list[LoRARequest] = field(default_factory=list)
+
+
+def lora_module(item: str) -> LoRARequest:
+    """One --lora-modules item: `name=path`, or JSON {"name", "path", "base_model_name"?}
+    (vLLM's `LoRAParserAction`; its int id is set once all are parsed)."""
+    if "=" in item and "," not in item:
+        name, path = item.split("=", 1)
+        return LoRARequest(name, 1, path)
+    try:
+        spec = json.loads(item)
+        return LoRARequest(spec["name"], 1, spec["path"], spec.get("base_model_name"))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"Invalid JSON format for --lora-modules: {item} ({exc})"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,6 +231,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="offer /sleep, /wake_up, /is_sleeping (and SGLang's /release_memory_occupation, "
         "/resume_memory_occupation): give the GPU's memory back while a trainer runs",
     )
+    lora = p.add_argument_group(
+        "LoRA adapters", "serve PEFT adapters on the base model, mixed in one batch (vLLM's flags)"
+    )
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument(
+        "--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+        help='adapters a request picks by its "model": name=path, or JSON \'{"name": ..., '
+        '"path": ..., "base_model_name": ...}\'',
+    )  # fmt: skip
+    lora.add_argument(
+        "--max-loras", type=int, default=1, help="most distinct adapters in one batch (slots)"
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=int, default=16, choices=MAX_LORA_RANKS,
+        help="largest adapter rank served",
+    )  # fmt: skip
+    lora.add_argument(
+        "--max-cpu-loras", type=int, default=None,
+        help="adapters kept in host memory (default: --max-loras)",
+    )  # fmt: skip
+    lora.add_argument(
+        "--lora-dtype", default="auto", help="adapter weights' dtype (auto: the model's)"
+    )
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     limits = p.add_argument_group(
@@ -274,6 +317,11 @@ def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
         runner=args.runner,
         convert=args.convert,
         hf_overrides=args.hf_overrides,
+        enable_lora=args.enable_lora or bool(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_dtype=args.lora_dtype,
     )
 
 
@@ -296,6 +344,13 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.structured_outputs_timeout <= 0:
         raise ValueError("--structured-outputs-timeout must be > 0")
+    lora_modules = [
+        LoRARequest(m.lora_name, i, m.lora_path, m.base_model_name)
+        for i, m in enumerate(args.lora_modules or [], start=1)
+    ]
+    names = [m.lora_name for m in lora_modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names must differ, got {names}")
     return ServerArgs(
         host=args.host,
         port=args.port,
@@ -314,6 +369,7 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_weight_updates=args.enable_weight_updates,
         enable_sleep_mode=args.enable_sleep_mode,
+        lora_modules=lora_modules,
         limits=RequestLimits(
             max_body_bytes=args.max_request_body_bytes,
             allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),

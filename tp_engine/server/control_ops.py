@@ -7,7 +7,8 @@ loop's own bookkeeping (`pause`: the aborted requests' last deltas, the reply of
 once the running requests are done) are the loop's; every other one is a row of `OPS`.
 
 A refusal (`ValueError`, which `ControlRefusedError` is: a bad weight name or shape, an unknown
-pause mode) is a 400 with the engine unchanged and serving; any other exception a 500 (a bug in
+pause mode, a LoRA adapter the ranks cannot serve) is a 400 (a 404 for an adapter path or id
+that is not there) with the engine unchanged and serving; any other exception a 500 (a bug in
 the operation, logged); an `EngineDeadError` is not caught here: the loop ends the run as for a
 failed step.
 """
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from tp_engine.control import EngineInconsistentError
 from tp_engine.failures import EngineDeadError
+from tp_engine.lora import LoRAAdapterNotFoundError, LoRARequest
 
 if TYPE_CHECKING:
     from tp_engine.engine import LLMEngine
@@ -85,6 +87,18 @@ def _weights_by_name(engine: LLMEngine, args: dict[str, Any]) -> dict[str, Any]:
     return {"values": values}
 
 
+def _load_lora(engine: LLMEngine, args: dict[str, Any]) -> None:
+    request = LoRARequest(args["lora_name"], args["lora_int_id"], args["lora_path"])
+    if not engine.add_lora(request):
+        raise ValueError(f"The lora adapter '{request.lora_name}' has already been loaded.")
+
+
+def _unload_lora(engine: LLMEngine, args: dict[str, Any]) -> None:
+    if not engine.remove_lora(args["lora_int_id"]):
+        name = args.get("lora_name", args["lora_int_id"])
+        raise LoRAAdapterNotFoundError(f"The lora adapter '{name}' cannot be found.")
+
+
 def _sleep(engine: LLMEngine, args: dict[str, Any]) -> None:
     engine.sleep(level=args.get("level", 1))
 
@@ -107,6 +121,8 @@ OPS: dict[str, Callable[[LLMEngine, dict[str, Any]], dict[str, Any] | None]] = {
     "sleep": _sleep,
     "wake_up": _wake_up,
     "is_sleeping": lambda engine, args: {"is_sleeping": engine.is_sleeping()},
+    "load_lora_adapter": _load_lora,
+    "unload_lora_adapter": _unload_lora,
 }
 
 
@@ -123,6 +139,8 @@ def run_op(engine: LLMEngine, op: str, args: dict[str, Any]) -> OpOutcome:
         return OpOutcome(503, str(exc))
     except EngineDeadError:
         raise
+    except LoRAAdapterNotFoundError as exc:
+        return OpOutcome(404, str(exc))
     except (ValueError, TypeError, KeyError) as exc:
         return OpOutcome(400, str(exc) if not isinstance(exc, KeyError) else f"missing {exc}")
     except Exception as exc:  # a bug in an operation: a 500 for it, the engine serves on

@@ -79,11 +79,20 @@ class EngineClient:
         prompt_token_ids: list[int],
         sampling_params: dict[str, Any],
         pooling_params: dict[str, Any] | None = None,
+        lora_request: list[Any] | None = None,
     ) -> None:
         """Send one engine request; its events go to `queue`. With `pooling_params` it pools
         its prompt instead of sampling (`sampling_params` is then empty)."""
         self._owners[request_id] = queue
-        self.pipes.send(AddRequest(request_id, prompt_token_ids, sampling_params, pooling_params))
+        self.pipes.send(
+            AddRequest(
+                request_id,
+                prompt_token_ids,
+                sampling_params,
+                pooling_params=pooling_params,
+                lora_request=lora_request,
+            )
+        )
 
     def abort(
         self, request_id: str, sample_indices: list[int] | None = None, *, stopped: bool = False

@@ -40,6 +40,7 @@ import numpy as np
 
 from tp_engine.engine import EngineDeadError, LLMEngine
 from tp_engine.engine_states import PauseMode
+from tp_engine.lora import LoRARequest
 from tp_engine.outputs import SequenceOutput
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
@@ -209,8 +210,17 @@ class EngineLoop:
             why = f"the engine's weights are inconsistent until a full update: {self.engine.inconsistent}"
             self._rejected.append(Rejected(msg.request_id, 503, why))
             return
+        lora = None if msg.lora_request is None else LoRARequest(*msg.lora_request)
+        if lora is not None and lora.lora_int_id not in self.engine.list_loras():
+            # Unloaded after the API process picked it (vLLM's answer to an unknown model).
+            self._rejected.append(
+                Rejected(msg.request_id, 404, f"The model `{lora.lora_name}` does not exist.")
+            )
+            return
         try:
-            seq_ids = self.engine.add_request(msg.request_id, msg.prompt_token_ids, _params(msg))
+            seq_ids = self.engine.add_request(
+                msg.request_id, msg.prompt_token_ids, _params(msg), lora_request=lora
+            )
         except (ValueError, TypeError) as exc:
             # The engine refuses what it cannot serve (too long, unsupported field): that
             # request gets a 400, everything else keeps running.

@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tp_engine.detokenizer import IncrementalDetokenizer
+from tp_engine.lora import LoRARequest
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.server.engine_client import ACCEPTED, EngineClient, EngineDied
 from tp_engine.server.http_errors import APIError
 from tp_engine.server.logprob_format import Entry, cut_top
 from tp_engine.server.messages import Delta, Rejected
+from tp_engine.server.models import wire
 
 
 class EngineDiedError(RuntimeError):
@@ -87,8 +89,11 @@ class Generation:
         params_for: Callable[[int], SamplingParams],
         n: int,
         stop: StopOptions,
+        adapter: LoRARequest | None = None,
     ) -> None:
         self.client = client
+        # The LoRA adapter the request's `model` picked (None: the base model).
+        self.adapter = adapter
         self.request_id = request_id
         self.prompts = prompts
         self.arrival = time.monotonic()
@@ -123,7 +128,13 @@ class Generation:
             raise APIError(503, "the server is shutting down; retry elsewhere")
         for p, engine_id in enumerate(self.engine_ids):
             params = self._params_for(p).as_fields()
-            client.add(self._queue, engine_id, self.prompts[p].token_ids, params)
+            client.add(
+                self._queue,
+                engine_id,
+                self.prompts[p].token_ids,
+                params,
+                lora_request=wire(self.adapter),
+            )
         pending = set(self.engine_ids)
         rejection: Rejected | None = None
         while pending:
@@ -141,7 +152,9 @@ class Generation:
                 self._early.append((engine_id, event))
         if rejection is not None:
             self.close()
-            raise APIError(rejection.status, rejection.message)
+            # A 404: the adapter its `model` named was unloaded meanwhile (vLLM's NotFoundError).
+            kind = "NotFoundError" if rejection.status == 404 else None
+            raise APIError(rejection.status, rejection.message, type=kind)
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Updates of every choice, in arrival order, until all have finished."""

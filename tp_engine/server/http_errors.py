@@ -30,7 +30,7 @@ class APIError(Exception):
         message: str,
         *,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
         type: str | None = None,
     ) -> None:
         super().__init__(message)
@@ -49,7 +49,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
+def error_body(
+    message: str, type: str, param: str | None, code: str | int | None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 

@@ -94,6 +94,10 @@ class Hello:
     pooled_size: int = 0
     # Whether `dimensions` may cut embeddings (Matryoshka training); a 400 otherwise.
     is_matryoshka: bool = False
+    # --enable-lora: the adapters loaded at start-up (--lora-modules), each
+    # [name, lora_int_id, path, base_model_name]; the API process serves them by name.
+    enable_lora: bool = False
+    lora_modules: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,9 @@ class AddRequest:
     # `PoolingParams` fields by name: the request pools its prompt instead of sampling (one
     # Delta comes back, carrying `pooled`). None for a generation request.
     pooling_params: dict[str, Any] | None = None
+    # Its LoRA adapter as [name, lora_int_id, path, base_model_name]; None: the base model.
+    # Rank 0 refuses (404) an adapter unloaded meanwhile.
+    lora_request: list[Any] | None = None
 
 
 @dataclass(frozen=True)

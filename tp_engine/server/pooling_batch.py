@@ -52,7 +52,7 @@ class PoolingBatch:
         if client.draining:
             raise APIError(503, "the server is shutting down; retry elsewhere")
         for engine_id, prompt in zip(self.engine_ids, self.prompts, strict=True):
-            client.add(self._queue, engine_id, prompt, {}, self.pooling_params)
+            client.add(self._queue, engine_id, prompt, {}, pooling_params=self.pooling_params)
         while any(v is None for v in self._pooled):
             engine_id, event = await self._queue.get()
             self._apply(engine_id, event)

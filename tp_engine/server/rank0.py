@@ -181,6 +181,8 @@ class Rank0Server:
             pipes.send(Exit(0))
             return 0
         names = served_names(self.args, self.config.model)
+        for adapter in self.args.lora_modules:  # as vLLM, start-up fails if one cannot load
+            engine.add_lora(adapter)
         hello_sent = pipes.send_once_connected(
             Hello(
                 model_dir=str(engine.model_dir),
@@ -199,6 +201,11 @@ class Rank0Server:
                 supported_tasks=supported_tasks(engine.model_spec),
                 pooled_size=engine.model_spec.hidden_size,
                 is_matryoshka=engine.model_spec.is_matryoshka,
+                enable_lora=engine.lora is not None,
+                lora_modules=[
+                    [m.lora_name, m.lora_int_id, m.lora_path, m.base_model_name]
+                    for m in self.args.lora_modules
+                ],
             ),
             keep_waiting=lambda: (
                 api.poll() is None and self._stop_signal is None and self._launcher_gone is None

@@ -16,12 +16,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tp_engine.lora import LoRARequest
 from tp_engine.server.chat_output import ChatOutputParser
 from tp_engine.server.constraints import output_constraint
 from tp_engine.server.engine_client import EngineClient
 from tp_engine.server.generation import EngineDiedError, Generation, PromptInput
 from tp_engine.server.http_errors import APIError
 from tp_engine.server.logprob_format import LogprobFormatter
+from tp_engine.server.models import ServedModels
 from tp_engine.server.prompts import (
     PromptBuilder,
     check_choices,
@@ -52,32 +54,34 @@ _CLIENT_CLOSED = 499
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, builder: PromptBuilder, work: RequestWork) -> None:
+    def __init__(
+        self, client: EngineClient, builder: PromptBuilder, work: RequestWork, models: ServedModels
+    ) -> None:
         self.client = client
         self.builder = builder
         self.work = work
+        self.models = models
         self.model_name = client.hello.served_model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.client.hello.served_model_names:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist. This server serves "
-                f"{self.client.hello.served_model_names}.",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` picks (None: the base model); vLLM's 404 for a name that
+        is neither."""
+        return self.models.resolve(model)
 
     # -- completions -------------------------------------------------------------------------------
 
     async def completion(self, req: CompletionRequest, request: Request) -> Response:
-        self.check_model(req.model)
+        adapter = self.check_model(req.model)
         refuse_unsupported(req)
         check_max_tokens(req)
         constraint = await self.work.constraint(output_constraint, req, None, self.work.limits)
         prompts, max_tokens, extra = await self.work.run(self._completion_inputs, req, constraint)
         gen = self._generation(
-            "cmpl", req, prompts, lambda p: self.builder.sampling_params(req, max_tokens, extra)
+            "cmpl",
+            req,
+            prompts,
+            lambda p: self.builder.sampling_params(req, max_tokens, extra),
+            adapter,
         )
         return await self._respond(gen, req, request, chat=False)
 
@@ -98,7 +102,7 @@ class OpenAIServing:
     # -- chat --------------------------------------------------------------------------------------
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(req.model)
+        adapter = self.check_model(req.model)
         refuse_unsupported(req)
         check_max_tokens(req)
         check_choices(1, req.n)
@@ -109,6 +113,7 @@ class OpenAIServing:
             req,
             [prompt],
             lambda p: self.builder.sampling_params(req, max_tokens, extra),
+            adapter,
         )
         output = self._chat_output(req, prompt, tools)
         return await self._respond(gen, req, request, chat=True, chat_output=output)
@@ -158,7 +163,12 @@ class OpenAIServing:
     # -- shared ------------------------------------------------------------------------------------
 
     def _generation(
-        self, prefix: str, req: Any, prompts: list[PromptInput], params_for
+        self,
+        prefix: str,
+        req: Any,
+        prompts: list[PromptInput],
+        params_for,
+        adapter: LoRARequest | None,
     ) -> Generation:
         return Generation(
             self.client,
@@ -168,6 +178,7 @@ class OpenAIServing:
             params_for,
             req.n,
             self.builder.stop_options(req),
+            adapter,
         )
 
     async def _respond(
@@ -192,7 +203,7 @@ class OpenAIServing:
             stream = SSEStream(
                 gen,
                 req,
-                envelope_fields=(request_id, created, self.model_name),
+                envelope_fields=(request_id, created, self._model_of(gen)),
                 chat=chat,
                 prompt_text=self._prompt_text,
                 formatter=LogprobFormatter(self.builder.tokenizer),
@@ -262,13 +273,17 @@ class OpenAIServing:
                 choice["token_ids"] = c.detok.token_ids
             choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
-        body = envelope(obj, request_id, created, self.model_name, choices)
+        body = envelope(obj, request_id, created, self._model_of(gen), choices)
         body["usage"] = gen.usage()
         if chat and self.builder.parsing.think is not None:
             body["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         if chat and req.prompt_logprobs is not None:  # vLLM puts chat's at the top level
             body["prompt_logprobs"] = fmt.prompt(gen.prompt_logprobs[0] or [])
         return body
+
+    def _model_of(self, gen: Generation) -> str:
+        """The `model` a response carries: the adapter's name, else the base model's."""
+        return self.model_name if gen.adapter is None else gen.adapter.lora_name
 
     def _prompt_text(self, prompt: PromptInput) -> str:
         """The prompt as text, for echo (a token-id prompt is decoded, as vLLM does)."""

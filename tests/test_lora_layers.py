@@ -1,0 +1,211 @@
+"""Multi-LoRA at the model-runner level: a mixed batch of three PEFT adapters and the base model
+equals PEFT's float32 logits row by row, at TP = 1 (in this process), 2 and 4 (gloo ranks).
+
+The adapters (`tests.lora_cases`) differ in rank (4, 8, 16 with a per-module 8), modules (q/v
+only; all seven on one layer only; k/o/gate/down) and scaling (plain, rsLoRA, per-module
+alpha), and sit in device slots out of name order. They are loaded by the LOAD_LORA control
+call on every rank; every unservable adapter is refused with vLLM's message; after UNLOAD_LORA
+the emptied slot computes the base model.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rank_worker.tp import TPInfo
+from tests.lora_cases import (
+    BASE_CHECKPOINT,
+    REFUSALS,
+    SLOTS,
+    build_adapters,
+    build_bad_adapters,
+    lora_call,
+    lora_reference,
+    lora_runner,
+    lora_tp_worker,
+    make_lora_scenario,
+    run_lora_scenario,
+)
+from tests.tp_cases import MAX_MODEL_LEN
+
+# fp32 on both sides; TP reorders sums (~1e-6 on logits of magnitude ~3-10).
+ATOL = 1e-4
+RANKS_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    from tp_engine.checkpoints import build_random_qwen3
+
+    root = tmp_path_factory.mktemp("lora")
+    base = build_random_qwen3(
+        root / "base", max_position_embeddings=MAX_MODEL_LEN, **BASE_CHECKPOINT
+    )
+    adapters = build_adapters(base, root)
+    bad = build_bad_adapters(adapters["a"], root / "bad")
+    vocab = AutoConfig.from_pretrained(base).vocab_size
+    scenario = make_lora_scenario(vocab)
+    args = (
+        str(base),
+        {name: str(p) for name, p in adapters.items()},
+        {name: str(p) for name, p in bad.items()},
+        [plan.encode() for plan in scenario.plans],
+        scenario.slots,
+        scenario.unload,
+    )
+    return {"args": args, "bad": bad, "reference": lora_reference(base, adapters, scenario),
+            "scenario": scenario, "vocab": vocab}  # fmt: skip
+
+
+def _check(result: dict[str, Any], case: dict[str, Any]) -> None:
+    assert result["loads"] == {"a": True, "b": True, "c": True}
+    expected = {name: REFUSALS[name].format(path=path) for name, path in case["bad"].items()}
+    assert result["refusals"] == expected
+    assert result["unloaded"]
+    # a's slot is empty and its host copy gone; the refused adapters were never kept.
+    assert result["slot_uids"] == ["b", "c", None]
+    assert sorted(result["host_uids"]) == ["b", "c"]
+    rows = case["scenario"].expected
+    for step, (logits, ref) in enumerate(zip(result["logits"], case["reference"], strict=True)):
+        assert logits is not None and logits.shape == ref.shape
+        err = (logits - ref).abs().max().item()
+        assert err <= ATOL, f"step {step} rows {rows[step]}: max |diff| {err:.2e}"
+
+
+# gpu_data_paths: the per-token slots through the GPU's double-buffered staging, and the LoRA
+# terms through the graph-safe torch path (masks over every slot), on CPU.
+@pytest.mark.parametrize("fields", [{}, {"gpu_data_paths": True}], ids=["cpu", "gpu_paths"])
+def test_mixed_batch_tp1(case: dict[str, Any], fields: dict[str, Any]) -> None:
+    _check(run_lora_scenario(*case["args"], TPInfo(0, 1), **fields), case)
+
+
+def run_ranks(
+    world_size: int, args: tuple, fields: dict[str, Any], tmp: Path
+) -> list[dict[str, Any]]:
+    """`run_lora_scenario(*args, tp, **fields)` on `world_size` forked gloo ranks; what each
+    returned."""
+    ctx = mp.start_processes(
+        lora_tp_worker,
+        args=(world_size, str(tmp / "store"), args, fields, str(tmp)),
+        nprocs=world_size,
+        join=False,
+        start_method="fork",
+    )
+    deadline = time.monotonic() + RANKS_TIMEOUT_S
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"TP={world_size} LoRA ranks did not finish in {RANKS_TIMEOUT_S}s")
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+# TP = 4 replicates the 2 KV heads: k/v's B rows are replicated as the base weights are.
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mixed_batch_tp(case: dict[str, Any], tmp_path: Path, world_size: int) -> None:
+    first, *others = run_ranks(world_size, case["args"], {}, tmp_path)
+    _check(first, case)
+    for result in others:
+        assert all(x is None for x in result["logits"])
+        assert result["refusals"] == first["refusals"]
+
+
+def test_mixed_batch_triton_tp1(case: dict[str, Any]) -> None:
+    # The Triton attention and layer kernels, and with them the LoRA shrink and expand
+    # kernels (interpreted on CPU).
+    result = run_lora_scenario(*case["args"], TPInfo(0, 1), attention_backend="triton")
+    _check(result, case)
+
+
+def test_limits_refused_with_vllm_messages() -> None:
+    from rank_worker.runner_config import RunnerConfig
+
+    def config(**fields: Any) -> RunnerConfig:
+        return RunnerConfig(max_model_len=64, block_size=4, enable_lora=True, **fields)
+
+    with pytest.raises(ValueError, match=r"^max_cpu_loras \(1\) must be >= max_loras \(2\)$"):
+        config(max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match=r"^max_lora_rank \(12\) must be one of \[1, 8, 16,"):
+        config(max_lora_rank=12)
+    with pytest.raises(ValueError, match=r"^max_loras \(0\) must be >= 1$"):
+        config(max_loras=0)
+    assert config(max_loras=3).resolved_max_cpu_loras == 3
+
+
+def test_host_lru_evicts_and_reloads_from_disk(case: dict[str, Any]) -> None:
+    """One slot and one host copy: loading b evicts a's host copy; a, loaded again, is read
+    from disk and computes what PEFT does. Bad slots and arguments are refused."""
+    from tp_engine.lora_control import lora_refusal
+
+    base, adapters = case["args"][0], case["args"][1]
+    scenario = make_lora_scenario(
+        case["vocab"], {"a": 0}, {"a": ("a", 6, 0, [1, 2])}, [[("a", 6, "all")]]
+    )
+    tp = TPInfo(0, 1)
+    runner = lora_runner(base, tp, max_loras=1, max_cpu_loras=1)
+
+    def load(name: str) -> Any:
+        return lora_call(runner, tp, "LOAD_LORA", slot=0, lora_uid=name, path=adapters[name])
+
+    assert load("a").ok and list(runner.lora.host) == ["a"]
+    first = runner.execute(scenario.plans[0])
+    assert load("b").ok and list(runner.lora.host) == ["b"]
+    assert load("a").ok and list(runner.lora.host) == ["a"]
+    again = runner.execute(scenario.plans[0])
+    assert torch.equal(first, again)
+    ref = lora_reference(Path(base), {"a": Path(adapters["a"])}, scenario)[0]
+    assert (again - ref).abs().max().item() <= ATOL
+    refused = {
+        "slot 1": (
+            lora_call(runner, tp, "LOAD_LORA", slot=1, lora_uid="x", path=adapters["a"]),
+            "slot must be an int in [0, 1), got 1",
+        ),
+        "unload slot -1": (
+            lora_call(runner, tp, "UNLOAD_LORA", slot=-1),
+            "slot must be an int in [0, 1), got -1",
+        ),
+        "uid": (
+            lora_call(runner, tp, "LOAD_LORA", slot=0, lora_uid=1.5, path=adapters["a"]),
+            "lora_uid must be an int or a str, got 1.5",
+        ),
+    }
+    for what, (result, message) in refused.items():
+        assert not result.ok and lora_refusal(result) == message, what
+    assert runner.lora.slot_uids == ["a"]  # nothing refused changed the slot
+
+
+def test_lora_not_enabled_is_refused(case: dict[str, Any]) -> None:
+    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner_config import RunnerConfig
+    from tp_engine.lora_control import lora_refusal
+
+    tp = TPInfo(0, 1)
+    runner = ModelRunner(case["args"][0], RunnerConfig(max_model_len=64, block_size=4), tp, "cpu")
+    result = lora_call(runner, tp, "UNLOAD_LORA", slot=0)
+    assert lora_refusal(result) == "LoRA is not enabled (enable_lora)"
+
+
+@pytest.mark.gpu
+def test_decode_graph_replays_adapters_gpu(case: dict[str, Any]) -> None:
+    """On a GPU: adapters loaded after the decode graphs were captured (copied into the slot
+    stacks in place), a mixed prefill run eagerly and the mixed decode replayed from a graph
+    whose LoRA kernels read the fixed slot buffer, both equal to PEFT."""
+    base, adapters = case["args"][0], case["args"][1]
+    tp = TPInfo(0, 1)
+    runner = lora_runner(base, tp, device="cuda")
+    for name, path in adapters.items():
+        assert lora_call(runner, tp, "LOAD_LORA", slot=SLOTS[name], lora_uid=name, path=path).ok
+    prefill, decode = case["scenario"].plans[:2]
+    assert runner.graph_runner is not None and runner.graph_runner.can_run(decode)
+    for step, plan in enumerate((prefill, decode)):
+        logits = runner.execute(plan).cpu()
+        # fp32, but the attention kernels' dots may run in TF32 on the GPU (~1e-3 relative).
+        assert (logits - case["reference"][step]).abs().max().item() <= 5e-2, step

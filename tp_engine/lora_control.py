@@ -1,0 +1,141 @@
+"""Rank 0's side of LoRA: the engine operations behind `add_lora`, `remove_lora`,
+`list_loras` and a request's `lora_request`, and the control calls that fill the ranks' slots.
+
+The registry (`tp_engine.lora.AdapterRegistry`) decides which adapter each device slot holds;
+this module carries those decisions to every rank as LOAD_LORA and UNLOAD_LORA control calls
+(`rank_worker.lora` prepares and commits them: a refusal on any rank changes no rank) and runs
+the registry between steps (`prepare_slots`), where a control call may quiesce the engine.
+
+A refusal raises `ControlRefusedError` whose message is the rank's bare reason, vLLM's text
+(e.g. "LoRA rank 32 is greater than max_lora_rank 16."), so the server can answer it as vLLM
+does; nothing changed on any rank. Adapters are checked on rank 0 first
+(`rank_worker.lora.peft_adapter.read_adapter_config`), which also tells a missing adapter (a
+404) from an unservable one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Iterable
+from itertools import chain
+from typing import TYPE_CHECKING, Protocol
+
+from tp_engine.control import ControlOp, ControlRefusedError, ControlResult, EngineControl
+from tp_engine.lora import AdapterRegistry, LoRARequest
+from tp_engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from tp_engine.config import EngineConfig
+    from tp_engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def lora_refusal(result: ControlResult) -> str:
+    """The first refusing rank's reason without the "rank r refused OP: " prefix (every rank
+    refuses an adapter for the same reason)."""
+    for reply in result.replies:
+        if not reply.ok:
+            return reply.message.split(": ", 1)[-1]
+    return result.message
+
+
+def load_lora(control: EngineControl, slot: int, lora_uid: int | str, path: str) -> int:
+    """Put adapter `lora_uid` (read from `path` unless a rank has it in its host LRU) into
+    device slot `slot` on every rank; returns the bytes rank 0 wrote."""
+    result = control.call(ControlOp.LOAD_LORA, {"slot": slot, "lora_uid": lora_uid, "path": path})
+    if not result.ok:
+        raise ControlRefusedError(lora_refusal(result))
+    return int(result.results[0]["bytes"])
+
+
+def unload_lora(control: EngineControl, slot: int, lora_uid: Hashable | None = None) -> None:
+    """Empty device slot `slot` on every rank; with `lora_uid`, also drop that adapter from the
+    ranks' host LRU (an unloaded adapter: a later load reads the disk again)."""
+    result = control.call(ControlOp.UNLOAD_LORA, {"slot": slot, "lora_uid": lora_uid})
+    if not result.ok:
+        raise ControlRefusedError(lora_refusal(result))
+
+
+class ControlSlotLoader:
+    """`SlotLoader` over the engine's control calls."""
+
+    def __init__(self, control: EngineControl) -> None:
+        self.control = control
+
+    def load_slot(self, slot: int, lora_uid: int, path: str) -> None:
+        load_lora(self.control, slot, lora_uid, path)
+
+    def unload_slot(self, slot: int, lora_uid: int) -> None:
+        unload_lora(self.control, slot, lora_uid)
+
+
+def build_registry(config: EngineConfig, control: EngineControl) -> AdapterRegistry | None:
+    """The engine's adapter registry (None without `enable_lora`); adapter configs are checked
+    on rank 0 with the ranks' own rules before any rank is asked."""
+    if not config.enable_lora:
+        return None
+    from rank_worker.lora.peft_adapter import read_adapter_config
+
+    max_rank = config.max_lora_rank
+    return AdapterRegistry(
+        config.max_loras,
+        ControlSlotLoader(control),
+        lambda path: read_adapter_config(path, max_rank),
+    )
+
+
+class LoRAHost(Protocol):
+    """What these operations need of the engine (`LLMEngine` is one)."""
+
+    lora: AdapterRegistry | None
+    scheduler: Scheduler
+
+
+def registry(engine: LoRAHost, request: object) -> AdapterRegistry:
+    if engine.lora is None:
+        raise ValueError(f"Got lora_request {request} but LoRA is not enabled!")
+    return engine.lora
+
+
+def attach(engine: LoRAHost, request: LoRARequest, seqs: list[Sequence]) -> None:
+    """Run `seqs` (a new request's) with `request`'s adapter, registering it on first use."""
+    adapter = registry(engine, request).register(request)
+    for seq in seqs:
+        adapter.attach(seq)
+
+
+def add_lora(engine: LoRAHost, request: LoRARequest) -> bool:
+    """Register an adapter and load it into a slot if one can be had, so that every rank has
+    checked it (vLLM's `add_lora`); False if its id is registered already. Raises ValueError
+    (`ControlRefusedError` from a rank) when it cannot be served; nothing is kept then."""
+    reg = registry(engine, request)
+    if request.lora_int_id in reg.by_id:
+        return False
+    reg.preload(reg.register(request))
+    return True
+
+
+def remove_lora(engine: LoRAHost, lora_int_id: int) -> bool:
+    """Stop serving an adapter (False if unknown): its running and waiting requests finish on
+    it, then its slot is given back."""
+    return engine.lora is not None and engine.lora.remove(lora_int_id)
+
+
+def list_loras(engine: LoRAHost) -> set[int]:
+    return set() if engine.lora is None else set(engine.lora.list_loras())
+
+
+def prepare_slots(engine: LoRAHost, outside: Iterable[Sequence]) -> list[Sequence]:
+    """Between steps: free the slots of removed adapters nobody uses (`outside`: sequences not
+    in the scheduler yet), load the adapters the waiting queue needs. Returns the waiting
+    sequences whose adapter the ranks refused, ended (aborted) here."""
+    reg, scheduler = engine.lora, engine.scheduler
+    assert reg is not None
+    reg.release_removed(chain(scheduler.waiting, outside))
+    if not scheduler.waiting:
+        return []
+    failed = reg.prepare_slots(scheduler.waiting)
+    for seq in failed:
+        scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
+    return failed

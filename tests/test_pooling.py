@@ -22,7 +22,7 @@ from tests.pooling_cases import (
     convert_reranker_to_seq_cls,
     reranker_reference,
 )
-from tp_engine import LLM, SamplingParams
+from tp_engine import LLM, LoRARequest, SamplingParams
 from tp_engine.pooling_params import PoolingParams
 
 pytestmark = pytest.mark.slow
@@ -111,6 +111,9 @@ def test_embeddings_equal_sentence_transformers(embed_case, tp):
                 llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)
             with pytest.raises(ValueError, match="Classify API is not supported"):
                 llm.classify("x", use_tqdm=False)
+            with pytest.raises(ValueError, match="LoRA adapters serve generation only"):
+                adapter = LoRARequest("a", 1, str(embed_case["path"]))
+                llm.engine.add_request("x", [1, 2], PoolingParams(), lora_request=adapter)
             # score on an embedding model: the cosine of the two embeddings.
             (score,) = llm.score(DOCUMENTS[2], DOCUMENTS[3], use_tqdm=False)
             a, b = embed_case["full"][4], embed_case["full"][5]

@@ -354,6 +354,11 @@ class LLMEngine:
         """
         self.sleep_state.check_can_generate()  # after sleep(level=2), until new weights
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise RequestRejectedError(
+                    f"request {request_id!r}: LoRA adapters serve generation only; a pooling "
+                    "request runs on the base model (drop lora_request)"
+                )
             return self._add_pooling_request(request_id, prompt_token_ids, params, arrival_time)
         self._check_request(request_id, prompt_token_ids, params)
         # Bad words become token sequences here unless the API server did it already.

@@ -29,6 +29,8 @@ from tests.moe_cases import hf_greedy
 from tests.tp_cases import MAX_MODEL_LEN
 from tp_engine import LLM, LoRARequest, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 5
 # Prompt lengths of the mixed batch: (adapter, length), base and every adapter twice at TP 1
 # and 2, once at TP 4.

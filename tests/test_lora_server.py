@@ -100,6 +100,10 @@ def test_model_field_picks_the_adapter_and_models_lists_them(server, case):
     }
     for model, name in (("base", None), ("a", "a"), ("b", "b")):
         assert complete(server, model) == ref[name][:MAX_TOKENS], model
+    stream = client(server).chat.completions.create(
+        model="b", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True
+    )
+    assert {chunk.model for chunk in stream} == {"b"}  # streamed chat names the adapter too
     with pytest.raises(openai.NotFoundError) as err:
         complete(server, "nope")
     assert err.value.body == {

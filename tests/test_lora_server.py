@@ -160,4 +160,7 @@ def test_unload_lets_running_requests_finish(server, case):
             assert admin(server, "/v1/unload_lora_adapter", {"lora_name": "a"})[0] == 200
         ids += chunk.choices[0].model_extra.get("token_ids") or []
     assert ids == case["ref"]["a"]
+    # vLLM's gauge saw a running with its two slots (labels sorted by name).
+    info = [k for k in server.metrics() if k.startswith("vllm:lora_requests_info{")]
+    assert any('max_lora="2"' in k and 'running_lora_adapters="a' in k for k in info), info
     assert server.post("/v1/completions", {"model": "a", "prompt": PROMPT})[0] == 404

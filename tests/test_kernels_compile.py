@@ -97,6 +97,7 @@ def compile_report() -> dict[str, int]:
         decode_attention,
         fp8_gemm,
         lora,
+        lora_grouped,
         prefill_attention,
         rmsnorm,
         rotary,
@@ -231,8 +232,8 @@ def compile_report() -> dict[str, int]:
         report[f"lora_expand-{dt}-r{rank}"] = _compile(lora._expand_kernel, dt, expand, lora_types)
         # The grouped (SGMV) forms, with their tl.dot tiles.
         grouped_types = dict(lora_types, order_ptr="i32", starts_ptr="i32")
-        for kernel in (lora._grouped_shrink_kernel, lora._grouped_expand_kernel):
-            meta = dict(lora.grouped_meta(kernel, torch_dtype[dt], rank), P=3, R=rank)
+        for kernel in (lora_grouped._grouped_shrink_kernel, lora_grouped._grouped_expand_kernel):
+            meta = dict(lora_grouped.grouped_meta(kernel, torch_dtype[dt], rank), P=3, R=rank)
             name = f"lora_{kernel.fn.__name__.strip('_')}-{dt}-r{rank}"
             report[name] = _compile(kernel, dt, meta, grouped_types)
     return report

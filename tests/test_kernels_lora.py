@@ -17,13 +17,11 @@ import torch
 from kernels.lora import (
     lora_apply_by_slot,
     lora_expand,
-    lora_expand_grouped,
     lora_expand_ref,
     lora_shrink,
-    lora_shrink_grouped,
     lora_shrink_ref,
-    lora_token_groups,
 )
+from kernels.lora_grouped import lora_expand_grouped, lora_shrink_grouped, lora_token_groups
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.bfloat16: dict(atol=0.25, rtol=2e-2)}

@@ -27,13 +27,11 @@ import torch
 from kernels.lora import (
     lora_apply_by_slot,
     lora_expand,
-    lora_expand_grouped,
     lora_expand_ref,
     lora_shrink,
-    lora_shrink_grouped,
     lora_shrink_ref,
-    lora_token_groups,
 )
+from kernels.lora_grouped import lora_expand_grouped, lora_shrink_grouped, lora_token_groups
 from rank_worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,

@@ -113,6 +113,8 @@ def _expand_kernel(
 
 
 def check_stacks(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> None:
+    """x `[T, K]` (last dim dense), a contiguous `[S, P, R, K]`, slots int32 `[T]`: what both
+    shrink kernels index without bounds of their own."""
     check_float("x", x)
     if a.dim() != 4 or x.dim() != 2 or a.shape[3] != x.shape[1]:
         raise ValueError(

@@ -152,13 +152,25 @@ def grouped_meta(kernel: object, dtype: torch.dtype, rank: int) -> dict[str, obj
     )
 
 
+def _check_groups(groups: tuple[torch.Tensor, torch.Tensor], num_tokens: int, num_slots: int):
+    order, starts = groups
+    if order.shape != (num_tokens,) or starts.shape != (num_slots + 2,):
+        raise ValueError(
+            f"groups of {tuple(order.shape)} tokens and {tuple(starts.shape)} starts do not fit "
+            f"{num_tokens} tokens over {num_slots} slots"
+        )
+    if order.dtype != torch.int32 or starts.dtype != torch.int32:
+        raise ValueError("groups must be int32")
+
+
 def lora_shrink_grouped(
     x: torch.Tensor, a: torch.Tensor, groups: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
     """`lora_shrink` over tokens grouped by slot (`lora_token_groups`)."""
     order, starts = groups
     check_device(_grouped_shrink_kernel, x, a, order, starts)
-    check_stacks(x, a, torch.empty(x.shape[0], dtype=torch.int32))
+    check_stacks(x, a, order)  # order: one int32 per token, as slots
+    _check_groups(groups, x.shape[0], a.shape[0])
     num_tokens, (num_slots, parts, rank, k) = x.shape[0], a.shape
     h = torch.empty((num_tokens, parts, rank), dtype=torch.float32, device=x.device)
     if num_tokens:
@@ -186,6 +198,7 @@ def lora_expand_grouped(
         raise ValueError(f"b must be contiguous [S, {y.shape[1]}, {rank}], got {tuple(b.shape)}")
     if y.shape[0] != num_tokens or y.stride(1) != 1 or not h.is_contiguous():
         raise ValueError("y must be [T, N] with its last dim dense, h contiguous [T, P, R]")
+    _check_groups(groups, num_tokens, b.shape[0])
     if num_tokens:
         meta = grouped_meta(_grouped_expand_kernel, b.dtype, rank)
         n_tiles = triton.cdiv(widest_part, meta["BLOCK_N"])

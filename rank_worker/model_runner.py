@@ -301,7 +301,7 @@ class ModelRunner:
             device=self.device,
         )
         if self.lora is not None:
-            self.lora.batch.skip = False  # graphs always hold the LoRA kernels
+            self.lora.batch.prepare_capture()  # graphs always hold the per-token LoRA kernels
         start = time.perf_counter()
         self.graph_runner.capture()
         self.startup_s["capture"] = time.perf_counter() - start

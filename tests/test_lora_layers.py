@@ -118,9 +118,12 @@ def test_mixed_batch_tp(case: dict[str, Any], tmp_path: Path, world_size: int) -
         assert result["refusals"] == first["refusals"]
 
 
-def test_mixed_batch_triton_tp1(case: dict[str, Any]) -> None:
-    # The Triton attention and layer kernels, and with them the LoRA shrink and expand
-    # kernels (interpreted on CPU).
+def test_mixed_batch_triton_tp1(case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Triton attention and layer kernels, and with them the LoRA kernels (interpreted on
+    # CPU): grouped by slot for the 27-token prefill, per token for the 4-token decode.
+    import rank_worker.lora.layers as lora_layers
+
+    monkeypatch.setattr(lora_layers, "GROUPED_MIN_TOKENS", 16)
     result = run_lora_scenario(*case["args"], TPInfo(0, 1), attention_backend="triton")
     _check(result, case)
 

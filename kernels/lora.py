@@ -8,11 +8,16 @@ adapter slot (-1: the base model, nothing added). The slot stacks hold every loa
     b  [S, N, R]     B of each slot over the layer's N local output rows, the scaling folded
                      in; part p owns rows offsets[p] .. offsets[p+1]
 
-Two kernels, in the style of Punica's BGMV (one program per token, so a batch mixing adapters
-needs no sorting, and the launch shape depends on T only: CUDA-graph safe):
+Two kernels, in two forms:
 
     shrink  h[T, P, R] fp32 = x[T, K] @ a[slot]^T, part by part
     expand  y[T, N] += h[t, p] @ b[slot, rows of p]^T, in y's dtype
+
+- per token (Punica's BGMV; `lora_shrink`, `lora_expand`): one program per token, so a batch
+  mixing adapters needs no sorting and the launch depends on T only: what decode steps and
+  their CUDA graphs run;
+- per slot (Punica's SGMV; `kernels.lora_grouped`): tokens grouped by slot, each program a
+  tile of one slot's tokens multiplied with `tl.dot`: what large eager steps run.
 
 A token of slot -1 returns at once in both. `*_ref` are the plain-torch references: they loop
 over the S slots with masks, so they cost S times a dense LoRA but never read a slot per token
@@ -107,7 +112,9 @@ def _expand_kernel(
     tl.store(y_row, (yv + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _check_stacks(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> None:
+def check_stacks(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> None:
+    """x `[T, K]` (last dim dense), a contiguous `[S, P, R, K]`, slots int32 `[T]`: what both
+    shrink kernels index without bounds of their own."""
     check_float("x", x)
     if a.dim() != 4 or x.dim() != 2 or a.shape[3] != x.shape[1]:
         raise ValueError(
@@ -125,7 +132,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
     """`h [T, P, R]` fp32: each token's input times its slot's A, part by part (rows of slot
     -1 tokens are left unwritten: expand skips them)."""
     check_device(_shrink_kernel, x, a, slots)
-    _check_stacks(x, a, slots)
+    check_stacks(x, a, slots)
     num_tokens, (_, parts, rank, k) = x.shape[0], a.shape
     h = torch.empty((num_tokens, parts, rank), dtype=torch.float32, device=x.device)
     if num_tokens:

@@ -46,6 +46,7 @@ from rank_worker.kv_cache import (
 )
 from rank_worker.layers.rope_spec import RopeSpec
 from rank_worker.loader import load_checkpoint
+from rank_worker.lora import layers as lora_layers
 from rank_worker.lora.manager import LoraManager
 from rank_worker.model_spec import HeadSpec, load_hf_config
 from rank_worker.qwen3 import KVCachePair
@@ -306,7 +307,7 @@ class ModelRunner:
             device=self.device,
         )
         if self.lora is not None:
-            self.lora.batch.skip = False  # graphs always hold the LoRA kernels
+            self.lora.batch.prepare_capture()  # graphs always hold the per-token LoRA kernels
         start = time.perf_counter()
         self.graph_runner.capture()
         self.startup_s["capture"] = time.perf_counter() - start
@@ -439,6 +440,8 @@ class ModelRunner:
         Nothing is stored (`store_kv=False`) and every read is of block 0, so the cache is
         untouched. Kernels are not specialised on what varies from step to step (batch size,
         table width, slice offsets), so these launches compile every binary serving needs.
+        With LoRA, the mixed step runs the per-token LoRA kernels; a prefill long enough for
+        the grouped ones follows (`rank_worker.lora.layers.GROUPED_MIN_TOKENS`).
         """
         cfg = self.config
         max_model_len = int(cfg.max_model_len)
@@ -447,6 +450,9 @@ class ModelRunner:
         prefill = (0, min(2, cfg.max_num_batched_tokens), [0])
         mixed = cfg.max_num_seqs >= 2 and cfg.max_num_batched_tokens >= 3
         batches = [[decode, prefill]] if mixed else [[decode], [prefill]]
+        if self.lora is not None:
+            n = min(lora_layers.GROUPED_MIN_TOKENS, cfg.max_num_batched_tokens, max_model_len)
+            batches.append([(0, n, [0] * math.ceil(n / cfg.block_size))])
         return [synthetic_plan(seqs) for seqs in batches]
 
     @torch.inference_mode()

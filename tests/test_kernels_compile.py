@@ -97,6 +97,7 @@ def compile_report() -> dict[str, int]:
         decode_attention,
         fp8_gemm,
         lora,
+        lora_grouped,
         prefill_attention,
         rmsnorm,
         rotary,
@@ -220,7 +221,8 @@ def compile_report() -> dict[str, int]:
         report[name] = _compile(gumbel._split_sample_kernel, "fp32", consts, i64)
     merge = dict(SPLITS_PAD=gumbel._SPLITS_PAD)
     report["gumbel_split_merge"] = _compile(gumbel._split_merge_kernel, "fp32", merge, i64)
-    # Multi-LoRA shrink and expand: rank 16 (bf16, fp32) and the largest rank, 512.
+    # Multi-LoRA shrink and expand, per token and grouped: rank 16 (bf16, fp32) and the largest
+    # rank, 512.
     lora_types = {"h_ptr": "fp32", "slots_ptr": "i32", "offsets_ptr": "i32"}
     for dt, rank in (("bf16", 16), ("fp32", 16), ("bf16", 512)):
         block_r, block = triton.next_power_of_2(rank), lora._block(rank)
@@ -228,6 +230,12 @@ def compile_report() -> dict[str, int]:
         report[f"lora_shrink-{dt}-r{rank}"] = _compile(lora._shrink_kernel, dt, shrink, lora_types)
         expand = dict(P=3, R=rank, BLOCK_R=block_r, BLOCK_N=block)
         report[f"lora_expand-{dt}-r{rank}"] = _compile(lora._expand_kernel, dt, expand, lora_types)
+        # The grouped (SGMV) forms, with their tl.dot tiles.
+        grouped_types = dict(lora_types, order_ptr="i32", starts_ptr="i32")
+        for kernel in (lora_grouped._grouped_shrink_kernel, lora_grouped._grouped_expand_kernel):
+            meta = dict(lora_grouped.grouped_meta(kernel, torch_dtype[dt], rank), P=3, R=rank)
+            name = f"lora_{kernel.fn.__name__.strip('_')}-{dt}-r{rank}"
+            report[name] = _compile(kernel, dt, meta, grouped_types)
     return report
 
 
@@ -256,5 +264,5 @@ def test_every_kernel_compiles_for_sm90():
     assert not too_big, f"more shared memory than an sm_90 block can have: {too_big}"
     # 4 prefill, 4 decode, merge, store_kv, 2 rmsnorm, rotary, silu, 2 qk_norm_rope, 3 x 2 MoE;
     # 2 with an fp8 KV cache, 2 x 2 fp8 MoE, 2 fp8 quant, the W8A8 GEMM, 4 of Gumbel sampling,
-    # 3 x 2 of LoRA
-    assert len(report) == 41, sorted(report)
+    # 3 x 4 of LoRA
+    assert len(report) == 47, sorted(report)

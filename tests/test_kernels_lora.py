@@ -1,5 +1,6 @@
-"""The multi-LoRA shrink and expand kernels against their torch references, and the references
-(and the CPU path, `lora_apply_by_slot`) against a per-token dense LoRA (`y[t] += B[s] A[s] x[t]`, nothing shared with them).
+"""The multi-LoRA shrink and expand kernels, per token and grouped by slot, against their torch
+references, and the references (and the CPU path, `lora_apply_by_slot`) against a per-token
+dense LoRA (`y[t] += B[s] A[s] x[t]`, nothing shared with them).
 
 Cases: a decode-sized step (T = 1), a mixed prefill (T = 37) over every slot and the base, a
 step of base tokens only (nothing added), packed parts of unequal widths (q 48 rows, k and v 16
@@ -20,6 +21,7 @@ from kernels.lora import (
     lora_shrink,
     lora_shrink_ref,
 )
+from kernels.lora_grouped import lora_expand_grouped, lora_shrink_grouped, lora_token_groups
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.bfloat16: dict(atol=0.25, rtol=2e-2)}
@@ -90,5 +92,10 @@ def test_shrink_expand_match_reference(case: tuple, dtype: torch.dtype) -> None:
     out = y.clone()
     lora_expand(out, lora_shrink(x, a, slots), b, slots, offsets, widest)
     torch.testing.assert_close(out.float(), ref_y.float(), **TOL[dtype])
+    groups = lora_token_groups(slots, a.shape[0])
+    grouped = y.clone()
+    h = lora_shrink_grouped(x, a, groups)
+    lora_expand_grouped(grouped, h, b, groups, offsets, widest)
+    torch.testing.assert_close(grouped.float(), ref_y.float(), **TOL[dtype])
     if case[5] == "base":
-        assert torch.equal(out, y)  # slot -1 adds nothing, not even a rounding
+        assert torch.equal(out, y) and torch.equal(grouped, y)  # nothing added, not a rounding

@@ -29,6 +29,8 @@ from tests.moe_cases import hf_greedy
 from tests.tp_cases import MAX_MODEL_LEN
 from tp_engine import LLM, LoRARequest, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 5
 # Prompt lengths of the mixed batch: (adapter, length), base and every adapter twice at TP 1
 # and 2, once at TP 4.
@@ -147,6 +149,10 @@ def test_prefix_cache_is_per_adapter_and_per_load(llm, case):
             generate(llm, [prompt], [bad])
         assert err.value.args[0].endswith(message.format(path=case["bad"][name])), name
     assert run(None) == (ref[None][-1], 16)
+    # chat passes its adapter on: the conversation's first token under c differs from base.
+    hi = [{"role": "user", "content": "Hi"}]
+    chat = [llm.chat(hi, greedy(), use_tqdm=False, lora_request=lora(case, n)) for n in (None, "c")]
+    assert chat[0][0].outputs[0].token_ids != chat[1][0].outputs[0].token_ids
 
 
 def test_max_loras_bounds_each_step_and_host_lru_reloads(case):

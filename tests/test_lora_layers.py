@@ -118,11 +118,29 @@ def test_mixed_batch_tp(case: dict[str, Any], tmp_path: Path, world_size: int) -
         assert result["refusals"] == first["refusals"]
 
 
-def test_mixed_batch_triton_tp1(case: dict[str, Any]) -> None:
-    # The Triton attention and layer kernels, and with them the LoRA shrink and expand
-    # kernels (interpreted on CPU).
+def test_mixed_batch_triton_tp1(case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Triton attention and layer kernels, and with them the LoRA kernels (interpreted on
+    # CPU): grouped by slot for the 27-token prefill, per token for the 4-token decode.
+    import rank_worker.lora.layers as lora_layers
+
+    monkeypatch.setattr(lora_layers, "GROUPED_MIN_TOKENS", 16)
     result = run_lora_scenario(*case["args"], TPInfo(0, 1), attention_backend="triton")
     _check(result, case)
+
+
+def test_kernel_warmup_launches_grouped_lora_kernels(case: dict[str, Any]) -> None:
+    # Every binary is compiled before serving: with LoRA the warm-up has a step long enough
+    # for the grouped kernels (they compile at their first launch, whatever it computes).
+    import rank_worker.lora.layers as lora_layers
+    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner_config import RunnerConfig
+
+    config = RunnerConfig(
+        max_model_len=64, block_size=4, attention_backend="triton", enable_lora=True
+    )
+    runner = ModelRunner(case["args"][0], config, TPInfo(0, 1), "cpu")
+    sizes = [plan.num_tokens for plan in runner._kernel_warmup_plans()]
+    assert max(sizes) >= lora_layers.GROUPED_MIN_TOKENS, sizes
 
 
 def test_limits_refused_with_vllm_messages() -> None:

@@ -100,6 +100,10 @@ def test_model_field_picks_the_adapter_and_models_lists_them(server, case):
     }
     for model, name in (("base", None), ("a", "a"), ("b", "b")):
         assert complete(server, model) == ref[name][:MAX_TOKENS], model
+    stream = client(server).chat.completions.create(
+        model="b", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True
+    )
+    assert {chunk.model for chunk in stream} == {"b"}  # streamed chat names the adapter too
     with pytest.raises(openai.NotFoundError) as err:
         complete(server, "nope")
     assert err.value.body == {
@@ -156,4 +160,7 @@ def test_unload_lets_running_requests_finish(server, case):
             assert admin(server, "/v1/unload_lora_adapter", {"lora_name": "a"})[0] == 200
         ids += chunk.choices[0].model_extra.get("token_ids") or []
     assert ids == case["ref"]["a"]
+    # vLLM's gauge saw a running with its two slots (labels sorted by name).
+    info = [k for k in server.metrics() if k.startswith("vllm:lora_requests_info{")]
+    assert any('max_lora="2"' in k and 'running_lora_adapters="a' in k for k in info), info
     assert server.post("/v1/completions", {"model": "a", "prompt": PROMPT})[0] == 404

@@ -615,6 +615,7 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            **lora_control.adapter_stats(self),
         )
 
     def _release_held(self) -> None:

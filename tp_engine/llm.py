@@ -172,6 +172,7 @@ class LLM(PoolingMethods):
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of `{"role", "content"}` messages) or a
         list of conversations, rendered with the checkpoint's chat template (or
@@ -181,7 +182,8 @@ class LLM(PoolingMethods):
         `tools` (OpenAI's function definitions), `documents` and `chat_template_kwargs` (e.g.
         `{"enable_thinking": False}`) go to the template, as the server passes them. Sampling
         params with a `thinking_token_budget` get the tokenizer's `<think>` / `</think>` ids
-        and each prompt's thinking state filled in (`tp_engine.thinking`)."""
+        and each prompt's thinking state filled in (`tp_engine.thinking`). `lora_request`: as
+        for `generate`, one or one per conversation."""
         from tp_engine import thinking
 
         if not messages:
@@ -212,7 +214,7 @@ class LLM(PoolingMethods):
                 thinking.with_think_tokens(params, think, prompt["prompt_token_ids"])
                 for params, prompt in zip(sampling_params, prompts, strict=True)
             ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _request_output(
         self,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable, Iterable
 from itertools import chain
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tp_engine.control import ControlOp, ControlRefusedError, ControlResult, EngineControl
 from tp_engine.lora import AdapterRegistry, LoRARequest
@@ -124,6 +124,25 @@ def remove_lora(engine: LoRAHost, lora_int_id: int) -> bool:
 
 def list_loras(engine: LoRAHost) -> set[int]:
     return set() if engine.lora is None else set(engine.lora.list_loras())
+
+
+def adapter_stats(engine: LoRAHost) -> dict[str, Any]:
+    """`EngineStats`' LoRA fields: the slots and the adapters of running and waiting requests
+    (by name, sorted); nothing without LoRA."""
+    reg = engine.lora
+    if reg is None:
+        return {}
+    running = {a.request.lora_name for a in reg.by_load_id.values() if a.num_running}
+    waiting = {
+        reg.by_load_id[seq.adapter_id].request.lora_name
+        for seq in engine.scheduler.waiting
+        if seq.adapter_id is not None
+    }
+    return {
+        "max_lora": reg.max_loras,
+        "running_lora_adapters": sorted(running),
+        "waiting_lora_adapters": sorted(waiting),
+    }
 
 
 def prepare_slots(engine: LoRAHost, outside: Iterable[Sequence]) -> list[Sequence]:

@@ -98,6 +98,11 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # LoRA (vLLM's vllm:lora_requests_info): the device slots (0: LoRA off) and the names of
+    # the adapters of running and of waiting requests.
+    max_lora: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
 
 @dataclass

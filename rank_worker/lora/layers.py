@@ -20,7 +20,6 @@ each step's slots into it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -32,6 +31,7 @@ from kernels.lora import (
     lora_shrink,
     lora_shrink_ref,
 )
+from kernels.lora_grouped import lora_expand_grouped, lora_shrink_grouped, lora_token_groups
 from rank_worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -73,10 +73,19 @@ def output_parts(layer: torch.nn.Module, projs: tuple[str, ...]) -> list[OutputP
     raise TypeError(f"no LoRA for {type(layer).__name__}")
 
 
-class AdapterBatch:
-    """The step's adapter slot per token, in a buffer whose address never changes."""
+# Eager steps of at least this many tokens run the grouped (SGMV) kernels; smaller ones, and
+# every decode graph, the per-token (BGMV) ones. Not tuned on a GPU yet.
+GROUPED_MIN_TOKENS = 64
 
-    def __init__(self, max_tokens: int, device: torch.device) -> None:
+
+class AdapterBatch:
+    """The step's adapter slot per token, in a buffer whose address never changes; for a large
+    eager step also its tokens grouped by slot (`groups`, for the grouped kernels)."""
+
+    def __init__(
+        self, max_tokens: int, device: torch.device, num_slots: int, grouped: bool
+    ) -> None:
+        """`grouped`: the layers run the Triton kernels, which can take the grouped form."""
         self.token_slots = torch.full(
             (max_tokens,), -1, dtype=torch.int32, device=device
         )  # [T_max]
@@ -85,6 +94,10 @@ class AdapterBatch:
         # `no_lora_flag_cpu`). A host fact, so deciding costs no sync; a graph captured with it
         # off always runs the kernels, whose programs of slot -1 tokens return at once.
         self.skip = False
+        self.num_slots = num_slots
+        self.grouped = grouped
+        # (order, starts) of `kernels.lora.lora_token_groups` for this step, or None.
+        self.groups: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def bind(self, slots: torch.Tensor, any_adapter: bool = True) -> None:
         """Take a step's `[T]` int32 slots (`StepInputs.adapter_slots`); `any_adapter` False
@@ -101,6 +114,15 @@ class AdapterBatch:
         if num_tokens < self._bound:
             self.token_slots[num_tokens : self._bound].fill_(-1)
         self._bound = num_tokens
+        self.groups = None
+        if self.grouped and any_adapter and num_tokens >= GROUPED_MIN_TOKENS:
+            self.groups = lora_token_groups(self.slots(num_tokens), self.num_slots)
+
+    def prepare_capture(self) -> None:
+        """Before capturing decode graphs: the LoRA terms run, per token (a graph replays
+        whatever step comes, and groups made before it would be stale)."""
+        self.skip = False
+        self.groups = None
 
     def slots(self, num_tokens: int) -> torch.Tensor:
         return self.token_slots[:num_tokens]  # [T] int32
@@ -150,13 +172,22 @@ class LinearLoRA:
         graph may capture it (`graph_safe`: a GPU, or its paths run on CPU), the masked torch
         reference; else (CPU) the by-slot gather, whose cost follows the adapters' tokens."""
         if use_triton:
-            expand = partial(lora_expand, offsets=self.offsets, widest_part=self.widest_part)
-            return lambda x, y, slots: expand(y, lora_shrink(x, self.a, slots), self.b, slots)
+            return self._triton
         if not graph_safe:
             return lambda x, y, slots: lora_apply_by_slot(y, x, self.a, self.b, slots, bounds)
         return lambda x, y, slots: lora_expand_ref(
             y, lora_shrink_ref(x, self.a, slots), self.b, slots, bounds
         )
+
+    def _triton(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> None:
+        """The kernels: grouped by slot when the step has groups, else per token."""
+        groups = self.batch.groups
+        if groups is None:
+            h = lora_shrink(x, self.a, slots)  # [T, P, R] fp32
+            lora_expand(y, h, self.b, slots, self.offsets, self.widest_part)
+        else:
+            h = lora_shrink_grouped(x, self.a, groups)
+            lora_expand_grouped(y, h, self.b, groups, self.offsets, self.widest_part)
 
     @property
     def nbytes(self) -> int:

@@ -76,7 +76,9 @@ class LoraManager:
         self.config = config
         self.max_loras = config.max_loras
         device = next(model.parameters()).device
-        self.batch = AdapterBatch(config.max_num_batched_tokens, device)
+        self.batch = AdapterBatch(
+            config.max_num_batched_tokens, device, config.max_loras, grouped=use_triton
+        )
         self.layers: dict[str, LinearLoRA] = {}
         # HF projection -> (layer suffix) for packed ones, from the model's own table.
         mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})

@@ -12,6 +12,8 @@ Every series carries `model_name` (the served model name), as vLLM's do.
 
 from __future__ import annotations
 
+import time
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -105,6 +107,13 @@ class ServerMetrics:
             ["model_name", "position"],
             registry=r,
         )
+        # vLLM's: one sample per state of the adapters, its value the time it was last seen.
+        self._lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=r,
+        )
         self._model_name = model_name
         self._last: EngineStats | None = None
 
@@ -118,6 +127,12 @@ class ServerMetrics:
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.gpu_cache_usage.set(stats.kv_cache_usage)
+        if stats.max_lora:
+            self._lora_info.labels(
+                str(stats.max_lora),
+                ",".join(stats.waiting_lora_adapters),
+                ",".join(stats.running_lora_adapters),
+            ).set(time.time())
         last = self._last
         for counter, now, before in (
             (self.prefix_queries, stats.prefix_cache_queries, last and last.prefix_cache_queries),

@@ -211,6 +211,32 @@ def test_lora_not_enabled_is_refused(case: dict[str, Any]) -> None:
     assert lora_refusal(result) == "LoRA is not enabled (enable_lora)"
 
 
+def test_padded_decode_buffers_run_adapters(case: dict[str, Any]) -> None:
+    """The decode graph runner's path on CPU (not captured: it runs the padded static buffers
+    eagerly, with the GPU's data paths): the mixed decode of 4 sequences padded to 8 rows
+    equals PEFT, and the padding rows' slots are -1 (the base model)."""
+    from rank_worker.cuda_graphs import DecodeGraphRunner
+    from tests.tp_cases import BLOCK_SIZE, MAX_MODEL_LEN
+
+    base, adapters = case["args"][0], case["args"][1]
+    tp = TPInfo(0, 1)
+    runner = lora_runner(base, tp, gpu_data_paths=True)
+    runner.graph_runner = DecodeGraphRunner(
+        runner.model, runner.kv_caches, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE, device=runner.device,
+    )  # fmt: skip
+    runner.graph_runner.sizes = [8]
+    for name, path in adapters.items():
+        assert lora_call(runner, tp, "LOAD_LORA", slot=SLOTS[name], lora_uid=name, path=path).ok
+    prefill, decode = case["scenario"].plans[:2]
+    assert runner.graph_runner.can_run(decode)
+    for step, plan in enumerate((prefill, decode)):
+        logits = runner.execute(plan)
+        assert (logits - case["reference"][step]).abs().max().item() <= ATOL, step
+    assert runner.graph_runner.num_replays == 0  # the padded eager path, not a graph
+    assert runner.lora.batch.token_slots[4:8].tolist() == [-1] * 4
+
+
 @pytest.mark.gpu
 def test_decode_graph_replays_adapters_gpu(case: dict[str, Any]) -> None:
     """On a GPU: adapters loaded after the decode graphs were captured (copied into the slot

@@ -234,7 +234,8 @@ def test_padded_decode_buffers_run_adapters(case: dict[str, Any]) -> None:
         logits = runner.execute(plan)
         assert (logits - case["reference"][step]).abs().max().item() <= ATOL, step
     assert runner.graph_runner.num_replays == 0  # the padded eager path, not a graph
-    assert runner.lora.batch.token_slots[4:8].tolist() == [-1] * 4
+    # The prefill's adapter tokens (a's at 8..12, ...) are gone past the decode's 4 rows.
+    assert runner.lora.batch.token_slots[4:].eq(-1).all()
 
 
 @pytest.mark.gpu

@@ -5,7 +5,13 @@ The adapters (`tests.lora_cases`) differ in rank (4, 8, 16 with a per-module 8),
 only; all seven on one layer only; k/o/gate/down) and scaling (plain, rsLoRA, per-module
 alpha), and sit in device slots out of name order. They are loaded by the LOAD_LORA control
 call on every rank; every unservable adapter is refused with vLLM's message; after UNLOAD_LORA
-the emptied slot computes the base model.
+the emptied slot computes the base model. The same batch runs through each LoRA path: the CPU
+path (by slot), the graph-safe torch path (`gpu_data_paths`), the Triton kernels (grouped for
+the prefill, per token for the decode), and the decode graph runner's padded buffers.
+
+Also: the engine limits' messages; the host LRU evicting and reloading from disk; refused
+slots and arguments changing nothing; LoRA off refused; the warm-up compiling every LoRA
+kernel; on a GPU, decode graphs replaying adapters loaded after capture.
 """
 
 from __future__ import annotations

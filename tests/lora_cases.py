@@ -247,6 +247,7 @@ def lora_runner(base_dir: str, tp: Any, device: str = "cpu", **runner_fields: An
 
 def lora_call(runner: Any, tp: Any, op: str, **args: Any) -> Any:
     """One control call (`ControlOp[op]`) on this rank, both phases: the ranks' real path."""
+    import rank_worker.control_lora  # noqa: F401  (registers the LoRA ops)
     from rank_worker.control import ControlOp, RankControl
     from shm_ipc import ControlCall
 

@@ -5,7 +5,13 @@ The adapters (`tests.lora_cases`) differ in rank (4, 8, 16 with a per-module 8),
 only; all seven on one layer only; k/o/gate/down) and scaling (plain, rsLoRA, per-module
 alpha), and sit in device slots out of name order. They are loaded by the LOAD_LORA control
 call on every rank; every unservable adapter is refused with vLLM's message; after UNLOAD_LORA
-the emptied slot computes the base model.
+the emptied slot computes the base model. The same batch runs through each LoRA path: the CPU
+path (by slot), the graph-safe torch path (`gpu_data_paths`), the Triton kernels (grouped for
+the prefill, per token for the decode), and the decode graph runner's padded buffers.
+
+Also: the engine limits' messages; the host LRU evicting and reloading from disk; refused
+slots and arguments changing nothing; LoRA off refused; the warm-up compiling every LoRA
+kernel; on a GPU, decode graphs replaying adapters loaded after capture.
 """
 
 from __future__ import annotations
@@ -209,6 +215,33 @@ def test_lora_not_enabled_is_refused(case: dict[str, Any]) -> None:
     runner = ModelRunner(case["args"][0], RunnerConfig(max_model_len=64, block_size=4), tp, "cpu")
     result = lora_call(runner, tp, "UNLOAD_LORA", slot=0)
     assert lora_refusal(result) == "LoRA is not enabled (enable_lora)"
+
+
+def test_padded_decode_buffers_run_adapters(case: dict[str, Any]) -> None:
+    """The decode graph runner's path on CPU (not captured: it runs the padded static buffers
+    eagerly, with the GPU's data paths): the mixed decode of 4 sequences padded to 8 rows
+    equals PEFT, and the padding rows' slots are -1 (the base model)."""
+    from rank_worker.cuda_graphs import DecodeGraphRunner
+    from tests.tp_cases import BLOCK_SIZE, MAX_MODEL_LEN
+
+    base, adapters = case["args"][0], case["args"][1]
+    tp = TPInfo(0, 1)
+    runner = lora_runner(base, tp, gpu_data_paths=True)
+    runner.graph_runner = DecodeGraphRunner(
+        runner.model, runner.kv_caches, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE, device=runner.device,
+    )  # fmt: skip
+    runner.graph_runner.sizes = [8]
+    for name, path in adapters.items():
+        assert lora_call(runner, tp, "LOAD_LORA", slot=SLOTS[name], lora_uid=name, path=path).ok
+    prefill, decode = case["scenario"].plans[:2]
+    assert runner.graph_runner.can_run(decode)
+    for step, plan in enumerate((prefill, decode)):
+        logits = runner.execute(plan)
+        assert (logits - case["reference"][step]).abs().max().item() <= ATOL, step
+    assert runner.graph_runner.num_replays == 0  # the padded eager path, not a graph
+    # The prefill's adapter tokens (a's at 8..12, ...) are gone past the decode's 4 rows.
+    assert runner.lora.batch.token_slots[4:].eq(-1).all()
 
 
 @pytest.mark.gpu

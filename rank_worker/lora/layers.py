@@ -180,9 +180,10 @@ class LinearLoRA:
         )
 
     def _triton(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> None:
-        """The kernels: grouped by slot when the step has groups, else per token."""
+        """The kernels: grouped by slot when the step has groups of these rows, else per token
+        (a decode graph's padded rows are more than the step's tokens its groups cover)."""
         groups = self.batch.groups
-        if groups is None:
+        if groups is None or groups[0].shape[0] != x.shape[0]:
             h = lora_shrink(x, self.a, slots)  # [T, P, R] fp32
             lora_expand(y, h, self.b, slots, self.offsets, self.widest_part)
         else:

@@ -11,15 +11,18 @@ the prefill, per token for the decode), and the decode graph runner's padded buf
 
 Also: the engine limits' messages; the host LRU evicting and reloading from disk; refused
 slots and arguments changing nothing; LoRA off refused; the warm-up compiling every LoRA
-kernel; on a GPU, decode graphs replaying adapters loaded after capture.
+kernel; on a GPU, decode graphs replaying adapters loaded after capture, and the graphs
+without LoRA for a step without adapters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -255,8 +258,17 @@ def test_decode_graph_replays_adapters_gpu(case: dict[str, Any]) -> None:
     for name, path in adapters.items():
         assert lora_call(runner, tp, "LOAD_LORA", slot=SLOTS[name], lora_uid=name, path=path).ok
     prefill, decode = case["scenario"].plans[:2]
-    assert runner.graph_runner is not None and runner.graph_runner.can_run(decode)
+    graphs = runner.graph_runner
+    assert graphs is not None and graphs.can_run(decode)
+    assert sorted(graphs.base_graphs) == sorted(graphs.graphs)  # with and without LoRA
     for step, plan in enumerate((prefill, decode)):
         logits = runner.execute(plan).cpu()
         # fp32, but the attention kernels' dots may run in TF32 on the GPU (~1e-3 relative).
         assert (logits - case["reference"][step]).abs().max().item() <= 5e-2, step
+    assert (graphs.num_replays, graphs.num_base_replays) == (1, 0)
+    # The decode again with every sequence on the base model: the graph without LoRA. Row 1
+    # is the base sequence, whose whole history is the base model's.
+    base_only = dataclasses.replace(decode, adapter_slots=np.full(4, -1, dtype=np.int32))
+    logits = runner.execute(base_only).cpu()
+    assert (graphs.num_replays, graphs.num_base_replays) == (2, 1)
+    assert (logits[1] - case["reference"][1][1]).abs().max().item() <= 5e-2

@@ -18,6 +18,10 @@ addresses, so:
   with metadata over views of the static buffers, whose host fields hold upper bounds
   (`max_model_len`), see `AttentionBackend`.
 
+With LoRA, each size has two graphs (vLLM's `cudagraph_specialize_lora`): one with the LoRA
+kernels, which read the per-token slots from their fixed buffer, and one without them for
+steps where no sequence has an adapter, so that enabling LoRA costs base traffic nothing.
+
 What runs eagerly instead: a batch with any prefill row, a batch larger than the largest
 captured size, and everything when graphs are off (`disabled_reason`): on CPU, with
 `enforce_eager`, with a backend that syncs with the host (torch), or when the ranks talk over
@@ -36,6 +40,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -193,14 +198,22 @@ class DecodeGraphRunner:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        set_lora: Callable[[bool], None] | None = None,
     ) -> None:
+        """`set_lora(on)`: with LoRA, turns the model's LoRA terms on or off for a capture
+        (`rank_worker.lora.layers.AdapterBatch.capture_mode`); None without LoRA."""
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
         self.buffers = StaticDecodeBuffers(self.sizes[-1], max_model_len, block_size, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> [size, hidden], in the graph pool
+        # With LoRA: the graphs without the LoRA terms, for steps with no adapter.
+        self.set_lora = set_lora
+        self.base_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.base_outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
+        self.num_base_replays = 0  # of them, replays of a graph without LoRA
 
     def can_run(self, plan: StepPlan) -> bool:
         # Any context fits: the static block table is as wide as max_model_len needs.
@@ -221,38 +234,58 @@ class DecodeGraphRunner:
         would fail. The buffers hold padding rows (slot -1) throughout: nothing is stored.
         """
         pool = torch.cuda.graph_pool_handle()
+        if self.set_lora is not None:
+            self.set_lora(True)
+        self._capture_set(self.graphs, self.outputs, pool)
+        if self.set_lora is not None:
+            self.set_lora(False)
+            self._capture_set(self.base_graphs, self.base_outputs, pool)
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s%s",
+            self.sizes,
+            " (with and without LoRA)" if self.set_lora is not None else "",
+        )
+
+    def _capture_set(
+        self, graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, torch.Tensor], pool: Any
+    ) -> None:
+        """One graph per size, largest first (see `capture`), into `graphs` and `outputs`."""
         for size in reversed(self.sizes):
             self._forward(size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
+                outputs[size] = self._forward(size)
+            graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def release(self) -> None:
         """Drop the graphs (and with the last of them their memory pool), their outputs and the
         static buffers; `run` cannot be called again."""
-        for graph in self.graphs.values():
+        for graph in (*self.graphs.values(), *self.base_graphs.values()):
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
+        self.base_graphs.clear()
+        self.base_outputs.clear()
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, base_only: bool = False) -> torch.Tensor:
         """Hidden states `[b, hidden]` of a decode-only step that `can_run`, from its prepared
-        inputs (`input_prep.prepare_inputs`)."""
+        inputs (`input_prep.prepare_inputs`). `base_only`: no sequence has a LoRA adapter, so
+        the graph without LoRA serves (where there is one)."""
         b = inputs.meta.num_seqs
         size = graph_size_for(b, self.sizes)
         if size is None:
             raise ValueError(f"step {inputs.step_id}: no captured graph fits {b} sequences")
         self.buffers.load(inputs, size)
-        graph = self.graphs.get(size)
+        base = base_only and size in self.base_graphs
+        graph = (self.base_graphs if base else self.graphs).get(size)
         if graph is None:
             return self._forward(size)[:b]
         graph.replay()
         self.num_replays += 1
-        return self.outputs[size][:b]
+        self.num_base_replays += base
+        return (self.base_outputs if base else self.outputs)[size][:b]

@@ -305,9 +305,8 @@ class ModelRunner:
             max_model_len=int(self.config.max_model_len),
             block_size=self.config.block_size,
             device=self.device,
+            set_lora=None if self.lora is None else self.lora.batch.capture_mode,
         )
-        if self.lora is not None:
-            self.lora.batch.prepare_capture()  # graphs always hold the per-token LoRA kernels
         start = time.perf_counter()
         self.graph_runner.capture()
         self.startup_s["capture"] = time.perf_counter() - start
@@ -364,7 +363,8 @@ class ModelRunner:
         self._check_awake(plan)
         inputs = self._prepare(plan, last_sampled)
         if self.graph_runner is not None and self.graph_runner.can_run(plan):
-            hidden = self.graph_runner.run(inputs)  # [B, hidden], one row per sequence
+            base_only = self.lora is not None and self.lora.batch.skip
+            hidden = self.graph_runner.run(inputs, base_only)  # [B, hidden], a row per sequence
             logits = self._logits(hidden, inputs.logits_indices)
         else:
             logits = self._forward(inputs, self.kv_caches)

@@ -318,3 +318,33 @@ def lora_tp_worker(
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out)
         raise
+
+
+RANKS_TIMEOUT_S = 240
+
+
+def run_lora_ranks(
+    world_size: int, args: tuple, fields: dict[str, Any], tmp: Path
+) -> list[dict[str, Any]]:
+    """`run_lora_scenario(*args, tp, **fields)` on `world_size` gloo ranks (forked, or spawned
+    where this process holds a process group a fork would inherit); what each returned."""
+    import time
+
+    import pytest
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        lora_tp_worker,
+        args=(world_size, str(tmp / "store"), args, fields, str(tmp)),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn" if dist.is_available() and dist.is_initialized() else "fork",
+    )
+    deadline = time.monotonic() + RANKS_TIMEOUT_S
+    while not ctx.join(timeout=1.0):  # raises, with the child's traceback, if a rank fails
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"TP={world_size} LoRA ranks did not finish in {RANKS_TIMEOUT_S}s")
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

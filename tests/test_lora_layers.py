@@ -11,18 +11,19 @@ the prefill, per token for the decode), and the decode graph runner's padded buf
 
 Also: the engine limits' messages; the host LRU evicting and reloading from disk; refused
 slots and arguments changing nothing; LoRA off refused; the warm-up compiling every LoRA
-kernel; on a GPU, decode graphs replaying adapters loaded after capture.
+kernel; on a GPU, decode graphs replaying adapters loaded after capture, and the graphs
+without LoRA for a step without adapters.
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rank_worker.tp import TPInfo
 from tests.lora_cases import (
@@ -34,15 +35,14 @@ from tests.lora_cases import (
     lora_call,
     lora_reference,
     lora_runner,
-    lora_tp_worker,
     make_lora_scenario,
+    run_lora_ranks,
     run_lora_scenario,
 )
 from tests.tp_cases import MAX_MODEL_LEN
 
 # fp32 on both sides; TP reorders sums (~1e-6 on logits of magnitude ~3-10).
 ATOL = 1e-4
-RANKS_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
@@ -93,31 +93,10 @@ def test_mixed_batch_tp1(case: dict[str, Any], fields: dict[str, Any]) -> None:
     _check(run_lora_scenario(*case["args"], TPInfo(0, 1), **fields), case)
 
 
-def run_ranks(
-    world_size: int, args: tuple, fields: dict[str, Any], tmp: Path
-) -> list[dict[str, Any]]:
-    """`run_lora_scenario(*args, tp, **fields)` on `world_size` forked gloo ranks; what each
-    returned."""
-    ctx = mp.start_processes(
-        lora_tp_worker,
-        args=(world_size, str(tmp / "store"), args, fields, str(tmp)),
-        nprocs=world_size,
-        join=False,
-        start_method="fork",
-    )
-    deadline = time.monotonic() + RANKS_TIMEOUT_S
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"TP={world_size} LoRA ranks did not finish in {RANKS_TIMEOUT_S}s")
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
-
-
 # TP = 4 replicates the 2 KV heads: k/v's B rows are replicated as the base weights are.
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_mixed_batch_tp(case: dict[str, Any], tmp_path: Path, world_size: int) -> None:
-    first, *others = run_ranks(world_size, case["args"], {}, tmp_path)
+    first, *others = run_lora_ranks(world_size, case["args"], {}, tmp_path)
     _check(first, case)
     for result in others:
         assert all(x is None for x in result["logits"])
@@ -255,8 +234,17 @@ def test_decode_graph_replays_adapters_gpu(case: dict[str, Any]) -> None:
     for name, path in adapters.items():
         assert lora_call(runner, tp, "LOAD_LORA", slot=SLOTS[name], lora_uid=name, path=path).ok
     prefill, decode = case["scenario"].plans[:2]
-    assert runner.graph_runner is not None and runner.graph_runner.can_run(decode)
+    graphs = runner.graph_runner
+    assert graphs is not None and graphs.can_run(decode)
+    assert sorted(graphs.base_graphs) == sorted(graphs.graphs)  # with and without LoRA
     for step, plan in enumerate((prefill, decode)):
         logits = runner.execute(plan).cpu()
         # fp32, but the attention kernels' dots may run in TF32 on the GPU (~1e-3 relative).
         assert (logits - case["reference"][step]).abs().max().item() <= 5e-2, step
+    assert (graphs.num_replays, graphs.num_base_replays) == (1, 0)
+    # The decode again with every sequence on the base model: the graph without LoRA. Row 1
+    # is the base sequence, whose whole history is the base model's.
+    base_only = dataclasses.replace(decode, adapter_slots=np.full(4, -1, dtype=np.int32))
+    logits = runner.execute(base_only).cpu()
+    assert (graphs.num_replays, graphs.num_base_replays) == (2, 1)
+    assert (logits[1] - case["reference"][1][1]).abs().max().item() <= 5e-2

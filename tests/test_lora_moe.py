@@ -22,10 +22,11 @@ from tests.lora_cases import (
     build_adapter,
     lora_reference,
     make_lora_scenario,
+    run_lora_ranks,
     run_lora_scenario,
 )
 from tests.moe_cases import MIN_ROUTER_MARGIN, MOE_CHECKPOINTS, router_margins
-from tests.test_lora_layers import ATOL, run_ranks
+from tests.test_lora_layers import ATOL
 from tests.tp_cases import MAX_MODEL_LEN
 
 ADAPTERS = {
@@ -121,6 +122,6 @@ def test_moe_mixed_batch_tp1(case: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
 def test_moe_mixed_batch_tp2(case: dict[str, Any], tmp_path: Path, ep: bool) -> None:
-    first, second = run_ranks(2, case["args"], {"enable_expert_parallel": ep}, tmp_path)
+    first, second = run_lora_ranks(2, case["args"], {"enable_expert_parallel": ep}, tmp_path)
     _check(first, case)
     assert all(x is None for x in second["logits"]) and torch.is_tensor(first["logits"][0])

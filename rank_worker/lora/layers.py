@@ -91,8 +91,8 @@ class AdapterBatch:
         )  # [T_max]
         self._bound = 0  # tokens of the last step bound: slots past it are all -1
         # No token of the step has an adapter: an eager forward skips every LoRA term (vLLM's
-        # `no_lora_flag_cpu`). A host fact, so deciding costs no sync; a graph captured with it
-        # off always runs the kernels, whose programs of slot -1 tokens return at once.
+        # `no_lora_flag_cpu`), and a decode replays the graph captured without them. A host
+        # fact, so deciding costs no sync.
         self.skip = False
         self.num_slots = num_slots
         self.grouped = grouped
@@ -118,10 +118,10 @@ class AdapterBatch:
         if self.grouped and any_adapter and num_tokens >= GROUPED_MIN_TOKENS:
             self.groups = lora_token_groups(self.slots(num_tokens), self.num_slots)
 
-    def prepare_capture(self) -> None:
-        """Before capturing decode graphs: the LoRA terms run, per token (a graph replays
-        whatever step comes, and groups made before it would be stale)."""
-        self.skip = False
+    def capture_mode(self, lora: bool) -> None:
+        """Before capturing decode graphs, with the LoRA terms (per token: a graph replays
+        whatever step comes, and groups made before it would be stale) or without them."""
+        self.skip = not lora
         self.groups = None
 
     def slots(self, num_tokens: int) -> torch.Tensor:

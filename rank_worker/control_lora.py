@@ -3,11 +3,12 @@
 `rank_worker.control` for the two phases). Importing this module registers the ops.
 
     op           args                                  refused when
-    LOAD_LORA    slot: int, lora_uid: int | str,       LoRA is off; slot out of range; the
-                 path: str                             adapter is missing or unservable
-                                                       (vLLM's messages, `peft_adapter`)
-    UNLOAD_LORA  slot: int, lora_uid (optional: also   LoRA is off; slot out of range
-                 drop the host copy)
+    LOAD_LORA    slot: int, lora_uid: int | str,       LoRA is off; the weights sleep; slot
+                 path: str                             out of range; the adapter is missing
+                                                       or unservable (vLLM's messages,
+                                                       `peft_adapter`)
+    UNLOAD_LORA  slot: int, lora_uid (optional: also   LoRA is off; the weights sleep; slot
+                 drop the host copy)                   out of range
 
 Every rank reads the adapter itself (its host LRU, else `path`) and cuts its own shard, so
 nothing travels over the TP group. A refusal's reason is the bare message (`lora_refusal`
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 def _manager(runner: ModelRunner) -> LoraManager:
     if runner.lora is None:
         raise ControlRefused("LoRA is not enabled (enable_lora)")
+    # The slot stacks sleep with the weights: a write there would land in released storage.
+    runner.device_sleep.check_weights_awake()
     return runner.lora
 
 

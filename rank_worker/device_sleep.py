@@ -58,6 +58,7 @@ class SleepingRunner(Protocol):
     draft: Any  # the draft model's ModelRunner, or None
     kv_caches: list[Any] | None  # (k, v) per layer
     graph_runner: Any  # DecodeGraphRunner or None
+    lora: Any  # rank_worker.lora.manager.LoraManager, or None without LoRA
     device: torch.device
     tp: TPInfo
 
@@ -146,7 +147,11 @@ class DeviceSleep:
         return [p for model in self._models() for p in model.parameters()]
 
     def _buffers(self) -> list[torch.Tensor]:
-        return [b for model in self._models() for b in model.buffers()]
+        """What the weights tag keeps on the host at either level: the models' buffers, and
+        the LoRA slot stacks (no weight update writes them again; the adapters stay loaded)."""
+        buffers = [b for model in self._models() for b in model.buffers()]
+        lora = self.runner.lora
+        return buffers if lora is None else buffers + lora.device_tensors()
 
     def _kv_tensors(self) -> list[torch.Tensor]:
         runner = self.runner

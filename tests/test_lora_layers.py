@@ -185,6 +185,38 @@ def test_host_lru_evicts_and_reloads_from_disk(case: dict[str, Any]) -> None:
     assert runner.lora.slot_uids == ["a"]  # nothing refused changed the slot
 
 
+def test_slot_stacks_sleep_and_wake_with_the_weights(case: dict[str, Any]) -> None:
+    """Sleep releases the slot stacks with the weights and brings them back exactly at either
+    level (the adapter stays loaded); while they sleep a load or unload is refused."""
+    from rank_worker.device_sleep import SleepTag
+    from tp_engine.lora_control import lora_refusal
+
+    base, adapters = case["args"][0], case["args"][1]
+    scenario = make_lora_scenario(
+        case["vocab"], {"a": 0}, {"a": ("a", 6, 0, [1, 2])}, [[("a", 6, "all")]]
+    )
+    tp = TPInfo(0, 1)
+    runner = lora_runner(base, tp, max_loras=1)
+    assert lora_call(runner, tp, "LOAD_LORA", slot=0, lora_uid="a", path=adapters["a"]).ok
+    stacks = runner.lora.device_tensors()
+    before = [t.clone() for t in stacks]
+    first = runner.execute(scenario.plans[0])
+    for level in (1, 2):
+        runner.device_sleep.sleep(level)
+        assert all(t.untyped_storage().nbytes() == 0 for t in stacks), level
+        for op, args in (
+            ("LOAD_LORA", {"lora_uid": "b", "path": adapters["b"]}),
+            ("UNLOAD_LORA", {}),
+        ):
+            result = lora_call(runner, tp, op, slot=0, **args)
+            assert not result.ok and "the weights are asleep" in lora_refusal(result), (op, level)
+        runner.device_sleep.wake_up(list(SleepTag))
+        assert all(torch.equal(a, b) for a, b in zip(before, stacks, strict=True)), level
+        assert runner.lora.slot_uids == ["a"]
+        if level == 1:  # the weights came back too (level 2 discards them until a load)
+            assert torch.equal(runner.execute(scenario.plans[0]), first)
+
+
 def test_lora_not_enabled_is_refused(case: dict[str, Any]) -> None:
     from rank_worker.model_runner import ModelRunner
     from rank_worker.runner_config import RunnerConfig

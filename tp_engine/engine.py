@@ -708,7 +708,9 @@ class LLMEngine:
         undone, and outputs already made are returned by the next call.
         """
         self.check_usable()
-        if self.lora is not None:
+        if self.lora is not None and self.scheduler.gate.admitting:
+            # Closed while paused or asleep: nothing waiting is admitted, and a sleeping rank
+            # refuses writes to its slots.
             self._prepare_adapter_slots()
         if self._held:
             self._release_held()

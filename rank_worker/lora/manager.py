@@ -104,6 +104,11 @@ class LoraManager:
         """Device bytes of every slot stack."""
         return sum(layer.nbytes for layer in self.layers.values())
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Every slot stack (A and B of each adapted layer): what sleep mode releases and
+        restores beside the weights (`rank_worker.device_sleep`)."""
+        return [t for layer in self.layers.values() for t in (layer.a, layer.b)]
+
     def bind(self, slots: torch.Tensor, any_adapter: bool = True) -> None:
         """The step's `[T]` per-token slots, read by every LoRA layer of its forward
         (`AdapterBatch.bind`)."""

@@ -9,6 +9,8 @@
 #   benchmarks/gpu/run.sh spec    # speculative decoding (ngram, draft model) vs none, 0.6B shape
 #   benchmarks/gpu/run.sh lora    # multi-LoRA: kernel and layer tests natively, the runner-level
 #                                 # benchmark (0, 1, 4, 16 adapters; LOAD_LORA), 0.6B shape
+#   benchmarks/gpu/run.sh pooling # embedding/reranker and YaRN tests natively, then
+#                                 # benchmarks/embeddings.py on the 0.6B shape (sequences/s)
 #   benchmarks/gpu/run.sh lease   # all of it by priority for a short lease, within $DEADLINE s
 #                                 # (default 520): the `gpu` tests in two concurrent groups, the
 #                                 # greedy checks, then benchmarks and profiles while time lasts
@@ -261,6 +263,21 @@ lora() {
     --out "$WORK/lora-runner.json"
 }
 
+pooling() {
+  # Issue 37: the pooling heads and YaRN on the device (their tests pick it up), then
+  # benchmarks/embeddings.py (the demo model without a GPU).
+  step pytest-pooling 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_pooling.py \
+    tests/test_yarn_e2e.py
+  local model="" sizes=()
+  if [ $GPU = 1 ]; then
+    model=$($PY -c 'from benchmarks.models import resolve_model; print(resolve_model("0.6B"))')
+    sizes=(--model "$model" --batch-sizes 1,16,64,256 --lengths 128,512,2048)
+  else
+    sizes=(--batch-sizes 1,8 --lengths 32 --repeats 1)
+  fi
+  step embeddings 300 $PY -m benchmarks.embeddings "${sizes[@]}" --out-dir "$WORK/embeddings"
+}
+
 tiles() {
   step decode-tiles 120 $PY benchmarks/gpu/decode_tiles.py --out "$WORK"
 }
@@ -312,6 +329,8 @@ print(r(sys.argv[1]))' "$model" &
   bench_one "$model" 0.6B-tp1-sync --no-async-scheduling "${tiny[@]}"
   attention
   [ $((DEADLINE - SECONDS)) -gt 90 ] && serving
+  [ $((DEADLINE - SECONDS)) -gt 120 ] && pooling
+  [ $((DEADLINE - SECONDS)) -gt 120 ] && lora
   pack
 }
 
@@ -326,6 +345,7 @@ for part in "$@"; do
     fp8) env_info; fp8 ;;
     spec) env_info; spec ;;
     lora) env_info; lora ;;
+    pooling) env_info; pooling ;;
     lease) lease ;;
     env_info|tiles|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile|structured|fp8) $part ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -91,7 +91,7 @@ class ModelSpec:
     # Matryoshka: `dimensions` may cut an embedding (config `is_matryoshka` or
     # `matryoshka_dimensions`, or the same through hf_overrides).
     is_matryoshka: bool = False
-    # embed: L2-normalise by default (a sentence-transformers Normalize module is listed).
+    # embed: L2-normalise by default (`_normalizes`).
     normalize: bool = False
 
     @property
@@ -136,7 +136,7 @@ class ModelSpec:
                 getattr(hf_config, "is_matryoshka", False)
                 or getattr(hf_config, "matryoshka_dimensions", None)
             ),
-            normalize=modules is not None and any(m in _ST_NORMALIZE_TYPES for m in modules),
+            normalize=_normalizes(modules),
         )
 
 
@@ -167,6 +167,13 @@ def _st_modules(model_dir: Path) -> list[str] | None:
     if not path.is_file():
         return None
     return [str(m.get("type", "")) for m in json.loads(path.read_text())]
+
+
+def _normalizes(modules: list[str] | None) -> bool:
+    """Whether embeddings are L2-normalised by default. vLLM's embed default is yes; a
+    sentence-transformers model says it through a Normalize module, and one without (its
+    vectors are used raw there) is served raw too."""
+    return modules is None or any(m in _ST_NORMALIZE_TYPES for m in modules)
 
 
 def _task(runner: str, convert: str, is_seq_cls: bool) -> Task:

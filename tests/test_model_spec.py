@@ -52,9 +52,11 @@ def with_st_modules(src: Path, dst: Path, pooling: dict) -> Path:
 def test_auto_detection_as_vllm(causal_dir, tmp_path):
     assert resolve(causal_dir).task == "generate"
     assert resolve(causal_dir).head == HeadSpec("lm")
-    # runner pooling on a causal LM converts it to an embedder (vLLM's default convert).
+    # runner pooling on a causal LM converts it to an embedder (vLLM's default convert); with
+    # no sentence-transformers files to say otherwise its embeddings are L2-normalised, as
+    # vLLM's embed default.
     spec = resolve(causal_dir, runner="pooling")
-    assert (spec.task, spec.head.kind, spec.normalize) == ("embed", "last_token", False)
+    assert (spec.task, spec.head.kind, spec.normalize) == ("embed", "last_token", True)
     # sentence-transformers files (6.x spelling, no Normalize module): an embedder, no L2.
     st = with_st_modules(causal_dir, tmp_path / "st", {"pooling_mode": "lasttoken"})
     assert (resolve(st).task, resolve(st).normalize) == ("embed", False)
@@ -108,7 +110,7 @@ def test_hf_overrides_reach_the_config(causal_dir):
 
 def test_pooling_params_defaults_and_refusals(causal_dir):
     embed = resolve(causal_dir, {"is_matryoshka": True}, runner="pooling")
-    assert PoolingParams().resolve(embed) == PoolingParams("embed", None, False, True)
+    assert PoolingParams().resolve(embed) == PoolingParams("embed", None, True, True)
     assert PoolingParams(dimensions=16).resolve(embed).dimensions == 16
     with pytest.raises(ValueError, match=r"dimensions in range \[1, 16\]"):
         PoolingParams(dimensions=17).resolve(embed)

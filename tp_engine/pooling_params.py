@@ -4,8 +4,8 @@ A pooling request computes its prompt and ends: no token is sampled. Its head's 
 prompt token's) becomes one result on rank 0 (`tp_engine.pooling.finish_pooled`):
 
     task "embed"      the hidden state, cut to `dimensions` (Matryoshka) and then
-                      L2-normalised when `normalize` (default: as the checkpoint's
-                      sentence-transformers modules say: a Normalize module -> True)
+                      L2-normalised when `normalize` (default: True, as vLLM's, unless
+                      sentence-transformers modules without a Normalize module say raw)
     task "classify"   class probabilities: sigmoid for one label, softmax over several
                       (`use_activation=False`: the raw logits)
     task "score"      "classify" of a one-label model (a reranker's relevance)

@@ -12,6 +12,7 @@ from tests.control_plane import (
     make_seq,
     next_token,
 )
+from tp_engine.pooling_params import PoolingParams
 from tp_engine.scheduler import RequestRejectedError
 from tp_engine.sequence import SequenceStatus
 
@@ -425,6 +426,19 @@ def test_a_prompt_only_sequence_computes_its_prompt_and_samples_nothing(async_sc
     assert steps == [([("a", 6)], [False], []), ([("a", 6)], [False], []), *last, *tail]
     assert seq.status == SequenceStatus.FINISHED_LENGTH_CAPPED and seq.output_token_ids == []
     assert seq.num_computed_tokens == 14 and sched.block_manager.usage == 0.0
+
+
+def test_a_pooling_sequence_ends_stopped():
+    """A pooling request is prompt-only too, but its prompt is all it asked for: it ends
+    "stop", as vLLM's pooling requests do (the server's Delta and /metrics label), not
+    "length" as a max_tokens=0 generation."""
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=6)
+    seq = make_seq("a", list(range(1, 15)), max_tokens=0)
+    seq.pooling_params = PoolingParams("embed")
+    sched.add(seq)
+    (done,) = Stepper(sched, async_scheduling=True).run_to_completion()
+    assert done is seq and seq.finish_reason == "stop" and seq.output_token_ids == []
+    assert sched.block_manager.usage == 0.0
 
 
 def test_a_prompt_only_sequence_needs_blocks_for_its_whole_prompt():

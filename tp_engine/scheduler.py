@@ -824,11 +824,19 @@ class Scheduler:
             self._commit_full_blocks(
                 ahead, np.minimum(b.num_computed[ahead], b.num_tokens[ahead]), before=None
             )
-        # A prompt-only sequence ends once its prompt is computed (none usually run).
+        # A prompt-only sequence ends once its prompt is computed (none usually run): "length"
+        # (max_tokens 0), or "stop" for a pooling request, whose prompt is all it asked for.
         if b.num_prompt_only:
             prompt_done = rows[b.prompt_only[rows] & (computed >= b.num_tokens[rows])]
             for row in prompt_done.tolist():
-                finished.append(self._end(b.seqs[row], SequenceStatus.FINISHED_LENGTH_CAPPED))
+                seq = b.seqs[row]
+                assert seq is not None
+                status = (
+                    SequenceStatus.FINISHED_LENGTH_CAPPED
+                    if seq.pooling_params is None
+                    else SequenceStatus.FINISHED_STOPPED
+                )
+                finished.append(self._end(seq, status))
         return UpdateResult(seqs, finished, num_appended)  # type: ignore[arg-type]
 
     def _commit_full_blocks(

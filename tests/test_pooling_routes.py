@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -246,3 +247,25 @@ def test_tasks_rank_0_announces():
     assert tasks("classify", HeadSpec("token_score", (1, 2))) == ["classify", "score"]
     # Scores need one number per pair: a several-label classifier only classifies.
     assert tasks("classify", HeadSpec("seq_cls", num_labels=3)) == ["classify"]
+
+
+def test_a_lora_adapters_name_is_refused_not_ignored(tokenizer):
+    """Adapters serve generation only (the engine refuses a pooling request with one): a
+    pooling route naming an adapter is a 400, not the base model's vectors under its name."""
+    engine = ScriptedEngine(hello("/m", ["embed", "score"]))
+    engine.hello = dataclasses.replace(
+        engine.hello, enable_lora=True, lora_modules=[["ad", 1, "/ad", "m"]]
+    )
+    client = TestClient(build_app(engine, tokenizer, pair_tokens=pair_tokens),  # type: ignore[arg-type]
+                        base_url="http://localhost")  # fmt: skip
+    for path, body in (
+        ("/v1/embeddings", {"input": "a"}),
+        ("/pooling", {"input": "a"}),
+        ("/score", {"queries": "a", "documents": ["b"]}),
+        ("/rerank", {"query": "a", "documents": ["b"]}),
+    ):
+        status, param, message = error_of(client.post(path, json={**body, "model": "ad"}))
+        assert (status, param) == (400, "model"), (path, message)
+        assert "LoRA adapters serve generation only" in message
+    assert engine.sent == []
+    assert client.post("/v1/embeddings", json={"input": "a", "model": "m"}).status_code == 200

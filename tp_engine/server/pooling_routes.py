@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from tp_engine.server.engine_client import EngineClient
-from tp_engine.server.http_errors import APIError
+from tp_engine.server.http_errors import APIError, bad_request
 from tp_engine.server.pooling_batch import PoolingBatch
 from tp_engine.server.pooling_inputs import (
     PoolingInputs,
@@ -192,7 +192,13 @@ class PoolingServing:
 
     async def _parse(self, request: Request, model: type) -> Any:
         req = await self.work.run(parse_body, model, await request.body())
-        self.serving.check_model(req.model)
+        if self.serving.check_model(req.model) is not None:
+            # Pooled on the base model, the answer would be passed off as the adapter's.
+            raise bad_request(
+                f"LoRA adapters serve generation only; {req.model!r} cannot pool (name the "
+                "base model)",
+                "model",
+            )
         return req
 
     async def _pooled(

@@ -150,11 +150,31 @@ def load_hf_config(model_dir: str | Path, hf_overrides: dict[str, Any] | None = 
     if not hf_overrides:
         return AutoConfig.from_pretrained(str(model_dir))
     config_dict, _ = PretrainedConfig.get_config_dict(str(model_dir))
-    config_dict = {**config_dict, **hf_overrides}
+    config_dict = {**config_dict, **_with_base_rope_theta(hf_overrides, config_dict)}
     model_type = config_dict.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{model_dir}: config.json has no known model_type ({model_type!r})")
     return CONFIG_MAPPING[model_type].from_dict(config_dict)
+
+
+def _with_base_rope_theta(overrides: dict[str, Any], config_dict: dict[str, Any]) -> dict[str, Any]:
+    """`overrides` with the checkpoint's rope_theta in a rope override that leaves it out.
+
+    The model card's YaRN override names the scaling only; the base frequency is the
+    pretrained model's. A legacy config.json keeps it at the top level, where transformers
+    finds it; a transformers 5 one keeps it inside `rope_parameters`, which the override
+    replaces: without this the theta would silently become transformers' default (10000
+    instead of Qwen3's 1e6), and every position would rotate wrongly."""
+    base = config_dict.get("rope_parameters")
+    theta = base.get("rope_theta") if isinstance(base, dict) else None
+    if theta is None:
+        return overrides
+    out = dict(overrides)
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = overrides.get(key)
+        if isinstance(rope, dict) and "rope_theta" not in rope:
+            out[key] = {**rope, "rope_theta": theta}
+    return out
 
 
 def _archs(hf_config: Any) -> list[str]:

@@ -108,6 +108,28 @@ def test_hf_overrides_reach_the_config(causal_dir):
     assert spec.is_matryoshka
 
 
+@pytest.mark.parametrize("layout", ["transformers-5", "legacy"])
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_a_yarn_override_keeps_the_checkpoints_rope_theta(tmp_path, layout, key):
+    """The model card's override names the scaling only (`rope_scaling`: type, factor,
+    original length); the base frequency stays the checkpoint's, whichever config.json layout
+    holds it (a transformers 5 re-save keeps it inside `rope_parameters`)."""
+    fields = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=32,
+                  hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, intermediate_size=32,
+                  max_position_embeddings=64)  # fmt: skip
+    if layout == "legacy":  # as Qwen publishes Qwen3
+        fields.update(rope_theta=1e6, rope_scaling=None, transformers_version="4.51.0")
+    else:
+        fields.update(rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
+                      transformers_version="5.24.0")  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    assert resolve(tmp_path).rope.theta == 1e6
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    spec = resolve(tmp_path, {key: yarn})
+    assert (spec.rope.rope_type, spec.rope.theta, spec.max_positions) == ("yarn", 1e6, 64)
+
+
 def test_pooling_params_defaults_and_refusals(causal_dir):
     embed = resolve(causal_dir, {"is_matryoshka": True}, runner="pooling")
     assert PoolingParams().resolve(embed) == PoolingParams("embed", None, True, True)

@@ -213,11 +213,24 @@ def _task(runner: str, convert: str, is_seq_cls: bool) -> Task:
     return convert  # type: ignore[return-value]
 
 
+# What a served sentence-transformers pipeline may hold (by class name, whatever the
+# version's module path): the body, its pooling and the L2 normalisation. Anything else (a
+# Dense projection, a LayerNorm) would change the vector, and is not computed here.
+_ST_SERVED_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
 def _check_last_token_pooling(model_dir: Path, modules: list[str] | None) -> None:
-    """Only last-token pooling is served (Qwen3-Embedding's); refuse another pooling mode
-    rather than return vectors the checkpoint's users would not get elsewhere."""
+    """Only last-token pooling is served (Qwen3-Embedding's), with nothing after it but the
+    normalisation; refuse another pooling mode or module rather than return vectors the
+    checkpoint's users would not get elsewhere."""
     if modules is None:
         return
+    for module in modules:
+        if module.rsplit(".", 1)[-1] not in _ST_SERVED_MODULES:
+            raise ValueError(
+                f"{model_dir / 'modules.json'}: sentence-transformers module {module!r} is not "
+                f"supported (only {', '.join(_ST_SERVED_MODULES)})"
+            )
     entries = json.loads((model_dir / "modules.json").read_text())
     for entry in entries:
         if entry.get("type") not in _ST_POOLING_TYPES:

@@ -84,6 +84,14 @@ def test_refusals(causal_dir, tmp_path):
     mean = with_st_modules(causal_dir, tmp_path / "mean", {"pooling_mode_mean_tokens": True})
     with pytest.raises(ValueError, match="pooling mode 'mean_tokens' is not supported"):
         resolve(mean)
+    # A module after the pooling that changes the vector (a Dense projection) is refused by
+    # name rather than skipped: its users get projected vectors elsewhere.
+    dense = with_st_modules(causal_dir, tmp_path / "dense", {"pooling_mode": "lasttoken"})
+    modules = json.loads((dense / "modules.json").read_text())
+    modules.append({"idx": 2, "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (dense / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match=r"module 'sentence_transformers\.models\.Dense' is not"):
+        resolve(dense)
     with pytest.raises(ValueError, match="'maybe' is not one token"):
         resolve(causal_dir, {"is_original_qwen3_reranker": True,
                              "classifier_from_token": ["no", "maybe"]}, runner="pooling",

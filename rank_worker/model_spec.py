@@ -91,6 +91,8 @@ class ModelSpec:
     # Matryoshka: `dimensions` may cut an embedding (config `is_matryoshka` or
     # `matryoshka_dimensions`, or the same through hf_overrides).
     is_matryoshka: bool = False
+    # The sizes it was trained to be cut to, when the config lists them: only those are served.
+    matryoshka_dimensions: tuple[int, ...] | None = None
     # embed: L2-normalise by default (`_normalizes`).
     normalize: bool = False
 
@@ -136,8 +138,14 @@ class ModelSpec:
                 getattr(hf_config, "is_matryoshka", False)
                 or getattr(hf_config, "matryoshka_dimensions", None)
             ),
+            matryoshka_dimensions=_matryoshka_dimensions(hf_config),
             normalize=_normalizes(modules),
         )
+
+
+def _matryoshka_dimensions(hf_config: Any) -> tuple[int, ...] | None:
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    return None if not dims else tuple(int(d) for d in dims)
 
 
 def load_hf_config(model_dir: str | Path, hf_overrides: dict[str, Any] | None = None) -> Any:

@@ -144,6 +144,11 @@ def test_pooling_params_defaults_and_refusals(causal_dir):
     assert PoolingParams(dimensions=16).resolve(embed).dimensions == 16
     with pytest.raises(ValueError, match=r"dimensions in range \[1, 16\]"):
         PoolingParams(dimensions=17).resolve(embed)
+    # A model trained on a list of sizes serves those only (vLLM's rule).
+    listed = resolve(causal_dir, {"matryoshka_dimensions": [4, 8]}, runner="pooling")
+    assert PoolingParams(dimensions=8).resolve(listed).dimensions == 8
+    with pytest.raises(ValueError, match=r"only supports \[4, 8\] matryoshka dimensions"):
+        PoolingParams(dimensions=6).resolve(listed)
     with pytest.raises(ValueError, match="Classify API is not supported"):
         PoolingParams(task="classify").resolve(embed)
     classify = resolve(causal_dir, {"architectures": ["Qwen3ForSequenceClassification"],

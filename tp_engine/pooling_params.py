@@ -91,6 +91,12 @@ class PoolingParams:
                 "config (is_matryoshka or matryoshka_dimensions), or through "
                 "hf_overrides={'is_matryoshka': true}"
             )
+        listed = spec.matryoshka_dimensions
+        if listed is not None and self.dimensions not in listed:
+            raise ValueError(
+                f"Model only supports {list(listed)} matryoshka dimensions (received "
+                f"dimensions={self.dimensions}); other sizes give poor embeddings"
+            )
         if not 1 <= self.dimensions <= spec.hidden_size:
             raise ValueError(
                 f"Model only supports dimensions in range [1, {spec.hidden_size}] "

@@ -177,3 +177,24 @@ def test_finish_pooled_applies_the_request_params():
     assert score.item() == 0.5  # one label: sigmoid
     raw = finish_pooled(row, PoolingParams("classify", None, None, False))
     assert raw.tolist() == [3, 4, 12]
+
+
+def test_a_result_is_recorded_only_for_a_sequence_still_running():
+    """Asynchronous scheduling applies a step after the next one was scheduled: a pooling
+    sequence preempted (or aborted) meanwhile gets no result from it, so that its output
+    carries one only when it ends with it (an aborted request's output has none)."""
+    import torch
+
+    from tp_engine.plan_builder import PooledRow
+    from tp_engine.pooling import record_pooled
+    from tp_engine.sampling_params import SamplingParams
+    from tp_engine.sequence import Sequence, SequenceStatus
+
+    seqs = [Sequence(name, [1, 2], SamplingParams(max_tokens=0), 0.0) for name in "abc"]
+    statuses = (SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED_ABORTED)
+    for seq, status in zip(seqs, statuses, strict=True):
+        seq.pooling_params = PoolingParams("embed", None, False, True)
+        seq.status = status
+    record_pooled(torch.eye(3), [PooledRow(seq, i) for i, seq in enumerate(seqs)])
+    assert seqs[0].pooled is not None and seqs[0].pooled.tolist() == [1, 0, 0]
+    assert seqs[1].pooled is None and seqs[2].pooled is None

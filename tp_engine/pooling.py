@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from tp_engine.plan_builder import PooledRow
 from tp_engine.pooling_params import PoolingParams
+from tp_engine.sequence import SequenceStatus
 
 
 def finish_pooled(row: torch.Tensor, params: PoolingParams) -> torch.Tensor:
@@ -31,8 +32,12 @@ def finish_pooled(row: torch.Tensor, params: PoolingParams) -> torch.Tensor:
 
 
 def record_pooled(rows: torch.Tensor, found: list[PooledRow]) -> None:
-    """`rows [P, width]` on the host, in the order of `found`: each sequence's result."""
+    """`rows [P, width]` on the host, in the order of `found`: each sequence's result. A
+    sequence preempted or aborted since the step was scheduled (asynchronous scheduling) gets
+    none: the scheduler discards the step's work for it, and its output must not carry one."""
     for pooled, row in zip(found, rows, strict=True):
+        if pooled.seq.status is not SequenceStatus.RUNNING:
+            continue
         params = pooled.seq.pooling_params
         assert params is not None
         pooled.seq.pooled = finish_pooled(row, params)

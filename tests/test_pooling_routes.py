@@ -113,6 +113,10 @@ def test_routes_follow_the_models_tasks(tokenizer):
     assert embed.get("/health_generate").status_code == 200
     assert engine.sent[-1] == ([0], {"task": "embed"})
 
+    # SGLang's /model_info tells a router whether the worker generates.
+    assert generate.get("/model_info").json()["is_generation"] is True
+    assert embed.get("/model_info").json()["is_generation"] is False
+
     classify, _ = app_for(tokenizer, ["classify", "score"])
     assert classify.post("/v1/embeddings", json={"input": "a"}).status_code == 404
     r = classify.post("/classify", json={"input": ["a", "bb cc"]})

@@ -67,7 +67,8 @@ def model_info(hello: Hello, facts: dict[str, Any]) -> dict[str, Any]:
         "model_path": hello.model_dir,
         "tokenizer_path": hello.model_dir,
         "served_model_name": hello.served_model_names[0],
-        "is_generation": True,
+        # False for a pooling model: a router must not send it completions.
+        "is_generation": "generate" in hello.supported_tasks,
         "max_model_len": hello.max_model_len,
         **facts,
     }

@@ -27,6 +27,7 @@ it reads. The head's token ids come from rank 0's tokenizer; the workers never l
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,22 +167,25 @@ def load_hf_config(model_dir: str | Path, hf_overrides: dict[str, Any] | None = 
 
 
 def _with_base_rope_theta(overrides: dict[str, Any], config_dict: dict[str, Any]) -> dict[str, Any]:
-    """`overrides` with the checkpoint's rope_theta in a rope override that leaves it out.
+    """A copy of `overrides` (transformers edits the dicts it is given in place) with the
+    rope_theta they mean put where transformers reads it.
 
-    The model card's YaRN override names the scaling only; the base frequency is the
-    pretrained model's. A legacy config.json keeps it at the top level, where transformers
-    finds it; a transformers 5 one keeps it inside `rope_parameters`, which the override
-    replaces: without this the theta would silently become transformers' default (10000
-    instead of Qwen3's 1e6), and every position would rotate wrongly."""
+    transformers 5 takes the base frequency from `rope_parameters` when there is one (a
+    transformers 5 config.json keeps it only there). So a rope override that names the
+    scaling only (the model card's YaRN override) would lose the checkpoint's theta (10000,
+    not Qwen3's 1e6), and a top-level `rope_theta` override would be ignored: silently wrong
+    positions either way. The theta is the override's own, else the checkpoint's."""
     base = config_dict.get("rope_parameters")
-    theta = base.get("rope_theta") if isinstance(base, dict) else None
-    if theta is None:
-        return overrides
-    out = dict(overrides)
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = overrides.get(key)
-        if isinstance(rope, dict) and "rope_theta" not in rope:
-            out[key] = {**rope, "rope_theta": theta}
+    base = base if isinstance(base, dict) else None
+    # A legacy config.json: transformers reads its top-level rope_theta itself.
+    theta = overrides.get("rope_theta", None if base is None else base.get("rope_theta"))
+    out = copy.deepcopy(overrides)
+    ropes = [k for k in ("rope_parameters", "rope_scaling") if isinstance(out.get(k), dict)]
+    if not ropes and "rope_theta" in overrides and base is not None:
+        out["rope_parameters"] = {**base, "rope_theta": theta}
+    for key in ropes:
+        if theta is not None and ("rope_theta" not in out[key] or "rope_theta" in overrides):
+            out[key]["rope_theta"] = theta
     return out
 
 

@@ -136,6 +136,11 @@ def test_a_yarn_override_keeps_the_checkpoints_rope_theta(tmp_path, layout, key)
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
     spec = resolve(tmp_path, {key: yarn})
     assert (spec.rope.rope_type, spec.rope.theta, spec.max_positions) == ("yarn", 1e6, 64)
+    # A rope_theta override is heard in either layout, with or without a scaling override.
+    assert resolve(tmp_path, {"rope_theta": 5e5}).rope.theta == 5e5
+    spec = resolve(tmp_path, {key: yarn, "rope_theta": 5e5})
+    assert (spec.rope.rope_type, spec.rope.theta) == ("yarn", 5e5)
+    assert "rope_theta" not in yarn  # the caller's overrides are left as given
 
 
 def test_pooling_params_defaults_and_refusals(causal_dir):

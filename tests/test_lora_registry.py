@@ -192,3 +192,19 @@ def test_prefix_cache_is_per_adapter_load(adapters):
     reloaded = reg.register(LoRARequest("a", 1, adapters[0].lora_path))
     assert cached_tokens(reloaded) == 0 and cached_tokens(reloaded) == 12
     assert np.all(sched.batch.adapter_slot == -1)
+
+
+def test_refused_load_ends_the_sequences_outside_the_queue_too(adapters):
+    """Held n > 1 siblings and requests whose grammar compiles are outside the queue when the
+    ranks refuse their adapter: they end with it, instead of reaching the queue later with an
+    adapter the registry forgot (a KeyError that stopped the engine)."""
+    sched = make_scheduler()
+    reg, loader = registry_for(sched)
+    bad = reg.register(adapters[0])
+    loader.refuse.add(adapters[0].lora_path)
+    first, sibling = make_seq("0_r", [1, 2]), make_seq("1_r", [1, 2])
+    bad.attach(first)
+    bad.attach(sibling)
+    sched.add(first)
+    assert reg.prepare_slots(sched.waiting, outside=[sibling]) == [first, sibling]
+    assert reg.by_load_id == {} and reg.list_loras() == []

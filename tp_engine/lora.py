@@ -214,10 +214,13 @@ class AdapterRegistry(RowFollower):
         adapter = self.by_load_id.get(seq.adapter_id)
         return adapter is not None and adapter.slot is not None
 
-    def prepare_slots(self, waiting: Iterable[Sequence]) -> list[Sequence]:
+    def prepare_slots(
+        self, waiting: Iterable[Sequence], outside: Iterable[Sequence] = ()
+    ) -> list[Sequence]:
         """Between steps: load the adapters the waiting sequences need, in queue order, while
-        slots can be had. Returns the waiting sequences whose adapter the ranks refused to load
-        (their caller ends them); that adapter is forgotten."""
+        slots can be had. Returns the sequences whose adapter the ranks refused to load, the
+        waiting ones and those `outside` the queue (held siblings, requests compiling their
+        grammar); their caller ends them all, since that adapter is forgotten."""
         waiting = list(waiting)
         wanted: set[int] = set()  # slots the queue so far needs kept
         failed: set[int] = set()
@@ -241,7 +244,7 @@ class AdapterRegistry(RowFollower):
             wanted.add(adapter.slot)
             if len(wanted) == self.max_loras:
                 break
-        return [seq for seq in waiting if seq.adapter_id in failed]
+        return [seq for seq in itertools.chain(waiting, outside) if seq.adapter_id in failed]
 
     def _free_slot(self, wanted: set[int]) -> int | None:
         """A free slot, else the least recently used one that nothing pins or wants."""

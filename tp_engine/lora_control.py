@@ -91,6 +91,9 @@ class LoRAHost(Protocol):
     lora: AdapterRegistry | None
     scheduler: Scheduler
 
+    def finish_request(self, seq_id: str, status: SequenceStatus) -> bool:
+        """End one sequence, in the queue or outside it (held, compiling)."""
+
 
 def registry(engine: LoRAHost, request: object) -> AdapterRegistry:
     if engine.lora is None:
@@ -147,14 +150,16 @@ def adapter_stats(engine: LoRAHost) -> dict[str, Any]:
 
 def prepare_slots(engine: LoRAHost, outside: Iterable[Sequence]) -> list[Sequence]:
     """Between steps: free the slots of removed adapters nobody uses (`outside`: sequences not
-    in the scheduler yet), load the adapters the waiting queue needs. Returns the waiting
-    sequences whose adapter the ranks refused, ended (aborted) here."""
+    in the scheduler yet), load the adapters the waiting queue needs. Returns the sequences
+    whose adapter the ranks refused (waiting, held or compiling), ended (aborted) here: none
+    is left running with an adapter the registry forgot."""
     reg, scheduler = engine.lora, engine.scheduler
     assert reg is not None
+    outside = list(outside)
     reg.release_removed(chain(scheduler.waiting, outside))
     if not scheduler.waiting:
         return []
-    failed = reg.prepare_slots(scheduler.waiting)
+    failed = reg.prepare_slots(scheduler.waiting, outside)
     for seq in failed:
-        scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
+        engine.finish_request(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
     return failed

@@ -208,3 +208,21 @@ def test_refused_load_ends_the_sequences_outside_the_queue_too(adapters):
     sched.add(first)
     assert reg.prepare_slots(sched.waiting, outside=[sibling]) == [first, sibling]
     assert reg.by_load_id == {} and reg.list_loras() == []
+
+
+def test_refused_reload_of_a_removed_adapter_keeps_its_id_successor(adapters):
+    """An adapter removed while a request still waits for it, its id registered again for
+    another adapter: when the ranks refuse to load the removed one (its files are gone), its
+    request ends and the new registration under that id stays served."""
+    sched = make_scheduler()
+    reg, loader = registry_for(sched)
+    old = reg.register(adapters[0])
+    seq = make_seq("s", [1, 2])
+    old.attach(seq)
+    sched.add(seq)
+    assert reg.remove(1)
+    new = reg.register(LoRARequest("a", 1, adapters[1].lora_path))
+    loader.refuse.add(adapters[0].lora_path)
+    assert reg.prepare_slots(sched.waiting) == [seq]
+    assert reg.list_loras() == [1] and reg.by_id[1] is new
+    assert old.load_id not in reg.by_load_id and new.load_id in reg.by_load_id

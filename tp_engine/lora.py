@@ -172,8 +172,7 @@ class AdapterRegistry(RowFollower):
         try:
             self._load(adapter, slot)
         except ValueError:
-            self.remove(adapter.request.lora_int_id)
-            self._forget(adapter)
+            self._drop_refused(adapter)
             raise
 
     def remove(self, lora_int_id: int) -> bool:
@@ -197,6 +196,13 @@ class AdapterRegistry(RowFollower):
         for adapter in removed:
             if adapter.load_id not in in_use:
                 self._forget(adapter)
+
+    def _drop_refused(self, adapter: Adapter) -> None:
+        """Forget an adapter the ranks refused to load. Its id is unregistered only while it
+        names this adapter: a removed adapter's id may name a newer registration by now."""
+        if self.by_id.get(adapter.request.lora_int_id) is adapter:
+            self.remove(adapter.request.lora_int_id)
+        self._forget(adapter)
 
     def _forget(self, adapter: Adapter) -> None:
         if adapter.slot is not None:
@@ -237,8 +243,7 @@ class AdapterRegistry(RowFollower):
                 except ValueError:
                     logger.exception("LoRA adapter %r failed to load", adapter.request.lora_name)
                     failed.add(adapter.load_id)
-                    self.remove(adapter.request.lora_int_id)
-                    self._forget(adapter)
+                    self._drop_refused(adapter)
                     continue
             assert adapter.slot is not None
             wanted.add(adapter.slot)

@@ -143,6 +143,33 @@ def test_limits_refused_with_vllm_messages() -> None:
     assert config(max_loras=3).resolved_max_cpu_loras == 3
 
 
+def test_unreadable_adapter_is_a_refusal(tmp_path: Path) -> None:
+    """A truncated weights file, a config without `r` or one that is no JSON object is an
+    adapter refused with a ValueError naming its path (the server's 400), not another
+    exception (a 500, or a raw error out of `LLM.generate`)."""
+    from safetensors.torch import save_file
+
+    from rank_worker.lora.peft_adapter import read_adapter_config
+
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    bad = {
+        "truncated": ('{"r": 4}', None),
+        "no_rank": ('{"lora_alpha": 8}', {key.format("A"): torch.zeros(4, 8)}),
+        "not_an_object": ("[4]", {key.format("A"): torch.zeros(4, 8)}),
+    }
+    for name, (config, weights) in bad.items():
+        path = tmp_path / name
+        path.mkdir()
+        (path / "adapter_config.json").write_text(config)
+        if weights is None:
+            (path / "adapter_model.safetensors").write_bytes(b"{")
+        else:
+            save_file(weights, path / "adapter_model.safetensors")
+        with pytest.raises(ValueError, match=f"^Invalid PEFT adapter at {path}: ") as err:
+            read_adapter_config(path, 16)
+        assert type(err.value) is ValueError, name
+
+
 def test_host_lru_evicts_and_reloads_from_disk(case: dict[str, Any]) -> None:
     """One slot and one host copy: loading b evicts a's host copy; a, loaded again, is read
     from disk and computes what PEFT does. Bad slots and arguments are refused."""

@@ -209,6 +209,7 @@ def test_adapter_the_ranks_refuse_ends_all_its_samples(case, tmp_path):
         tokens: dict[str, list[int]] = {}
         reasons: dict[str, str] = {}
         while engine.has_unfinished():
+            engine.stats()  # names the adapters of the waiting requests
             for out in engine.step().outputs:
                 tokens.setdefault(out.seq_id, []).extend(out.new_token_ids)
                 if out.finished:

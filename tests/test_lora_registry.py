@@ -13,6 +13,7 @@ import pytest
 from tests.control_plane import Stepper, expected_output, make_scheduler, make_seq
 from tp_engine.engine_states import Gate
 from tp_engine.lora import AdapterRegistry, LoRAAdapterNotFoundError, LoRARequest
+from tp_engine.sequence import SequenceStatus
 
 
 class FakeLoader:
@@ -196,8 +197,9 @@ def test_prefix_cache_is_per_adapter_load(adapters):
 
 def test_refused_load_ends_the_sequences_outside_the_queue_too(adapters):
     """Held n > 1 siblings and requests whose grammar compiles are outside the queue when the
-    ranks refuse their adapter: they end with it, instead of reaching the queue later with an
-    adapter the registry forgot (a KeyError that stopped the engine)."""
+    ranks refuse their adapter: they reach it later with an adapter the registry forgot, are
+    not admitted and end at the next `prepare_slots` (it raised KeyError, stopping the
+    engine)."""
     sched = make_scheduler()
     reg, loader = registry_for(sched)
     bad = reg.register(adapters[0])
@@ -206,8 +208,13 @@ def test_refused_load_ends_the_sequences_outside_the_queue_too(adapters):
     bad.attach(first)
     bad.attach(sibling)
     sched.add(first)
-    assert reg.prepare_slots(sched.waiting, outside=[sibling]) == [first, sibling]
+    assert reg.prepare_slots(sched.waiting) == [first]
     assert reg.by_load_id == {} and reg.list_loras() == []
+    sched.finish(first.seq_id, SequenceStatus.FINISHED_ABORTED)
+    sched.add(sibling)  # released: its first sample ended
+    assert not reg.admits(sibling)
+    assert reg.prepare_slots(sched.waiting) == [sibling]
+    assert len(loader.calls) == 0  # nothing asked of the ranks again
 
 
 def test_refused_reload_of_a_removed_adapter_keeps_its_id_successor(adapters):

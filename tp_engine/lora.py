@@ -220,20 +220,22 @@ class AdapterRegistry(RowFollower):
         adapter = self.by_load_id.get(seq.adapter_id)
         return adapter is not None and adapter.slot is not None
 
-    def prepare_slots(
-        self, waiting: Iterable[Sequence], outside: Iterable[Sequence] = ()
-    ) -> list[Sequence]:
+    def prepare_slots(self, waiting: Iterable[Sequence]) -> list[Sequence]:
         """Between steps: load the adapters the waiting sequences need, in queue order, while
-        slots can be had. Returns the sequences whose adapter the ranks refused to load, the
-        waiting ones and those `outside` the queue (held siblings, requests compiling their
-        grammar); their caller ends them all, since that adapter is forgotten."""
+        slots can be had. Returns the waiting sequences whose adapter the ranks refused to load
+        (their caller ends them); that adapter is forgotten. A sequence that was outside the
+        queue then (a held n > 1 sibling, a request compiling its grammar) finds its adapter
+        forgotten when it reaches the queue, and is returned then."""
         waiting = list(waiting)
         wanted: set[int] = set()  # slots the queue so far needs kept
         failed: set[int] = set()
         for seq in waiting:
             if seq.adapter_id is None or seq.adapter_id in failed:
                 continue
-            adapter = self.by_load_id[seq.adapter_id]
+            adapter = self.by_load_id.get(seq.adapter_id)
+            if adapter is None:  # refused while this sequence was outside the queue
+                failed.add(seq.adapter_id)
+                continue
             if adapter.slot is None:
                 slot = self._free_slot(wanted)
                 if slot is None:
@@ -249,7 +251,7 @@ class AdapterRegistry(RowFollower):
             wanted.add(adapter.slot)
             if len(wanted) == self.max_loras:
                 break
-        return [seq for seq in itertools.chain(waiting, outside) if seq.adapter_id in failed]
+        return [seq for seq in waiting if seq.adapter_id in failed]
 
     def _free_slot(self, wanted: set[int]) -> int | None:
         """A free slot, else the least recently used one that nothing pins or wants."""

@@ -91,9 +91,6 @@ class LoRAHost(Protocol):
     lora: AdapterRegistry | None
     scheduler: Scheduler
 
-    def finish_request(self, seq_id: str, status: SequenceStatus) -> bool:
-        """End one sequence, in the queue or outside it (held, compiling)."""
-
 
 def registry(engine: LoRAHost, request: object) -> AdapterRegistry:
     if engine.lora is None:
@@ -136,10 +133,11 @@ def adapter_stats(engine: LoRAHost) -> dict[str, Any]:
     if reg is None:
         return {}
     running = {a.request.lora_name for a in reg.by_load_id.values() if a.num_running}
+    # A waiting sequence whose adapter was refused meanwhile (ended next step) names none.
     waiting = {
-        reg.by_load_id[seq.adapter_id].request.lora_name
+        adapter.request.lora_name
         for seq in engine.scheduler.waiting
-        if seq.adapter_id is not None
+        if seq.adapter_id is not None and (adapter := reg.by_load_id.get(seq.adapter_id))
     }
     return {
         "max_lora": reg.max_loras,
@@ -150,16 +148,14 @@ def adapter_stats(engine: LoRAHost) -> dict[str, Any]:
 
 def prepare_slots(engine: LoRAHost, outside: Iterable[Sequence]) -> list[Sequence]:
     """Between steps: free the slots of removed adapters nobody uses (`outside`: sequences not
-    in the scheduler yet), load the adapters the waiting queue needs. Returns the sequences
-    whose adapter the ranks refused (waiting, held or compiling), ended (aborted) here: none
-    is left running with an adapter the registry forgot."""
+    in the scheduler yet), load the adapters the waiting queue needs. Returns the waiting
+    sequences whose adapter the ranks refused, ended (aborted) here."""
     reg, scheduler = engine.lora, engine.scheduler
     assert reg is not None
-    outside = list(outside)
     reg.release_removed(chain(scheduler.waiting, outside))
     if not scheduler.waiting:
         return []
-    failed = reg.prepare_slots(scheduler.waiting, outside)
+    failed = reg.prepare_slots(scheduler.waiting)
     for seq in failed:
-        engine.finish_request(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
+        scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
     return failed

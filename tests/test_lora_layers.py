@@ -28,6 +28,7 @@ import torch
 from rank_worker.tp import TPInfo
 from tests.lora_cases import (
     BASE_CHECKPOINT,
+    MAX_LORAS,
     REFUSALS,
     SLOTS,
     build_adapters,
@@ -280,6 +281,21 @@ def test_padded_decode_buffers_run_adapters(case: dict[str, Any]) -> None:
     assert runner.graph_runner.num_replays == 0  # the padded eager path, not a graph
     # The prefill's adapter tokens (a's at 8..12, ...) are gone past the decode's 4 rows.
     assert runner.lora.batch.token_slots[4:].eq(-1).all()
+
+
+def test_slot_past_the_stacks_is_refused(case: dict[str, Any]) -> None:
+    """A plan naming a slot the rank does not have fails its step on the rank, before any
+    input is written, instead of running the base model (masked path) or reading past the
+    slot stacks (kernels)."""
+    tp = TPInfo(0, 1)
+    runner = lora_runner(case["args"][0], tp, gpu_data_paths=True)
+    prefill = case["scenario"].plans[0]
+    slots = prefill.adapter_slots.copy()
+    slots[slots == slots.max()] = MAX_LORAS
+    with pytest.raises(
+        ValueError, match=f"adapter slot {MAX_LORAS}, but this rank has {MAX_LORAS} LoRA"
+    ):
+        runner.execute(dataclasses.replace(prefill, adapter_slots=slots))
 
 
 @pytest.mark.gpu

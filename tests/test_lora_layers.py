@@ -142,6 +142,25 @@ def test_limits_refused_with_vllm_messages() -> None:
     with pytest.raises(ValueError, match=r"^max_loras \(0\) must be >= 1$"):
         config(max_loras=0)
     assert config(max_loras=3).resolved_max_cpu_loras == 3
+    with pytest.raises(ValueError, match=r"^lora_dtype must be one of \['auto', 'float16', "):
+        config(lora_dtype="fp16")
+
+
+def test_lora_dtype_sets_the_slot_stacks(case: dict[str, Any]) -> None:
+    """`lora_dtype` bfloat16 on a float32 model: bfloat16 stacks whose terms still give PEFT's
+    logits within bfloat16's rounding of the adapter weights."""
+    tp = TPInfo(0, 1)
+    runner = lora_runner(case["args"][0], tp, lora_dtype="bfloat16")
+    assert {t.dtype for t in runner.lora.device_tensors()} == {torch.bfloat16}
+    for name, path in case["args"][1].items():
+        assert lora_call(runner, tp, "LOAD_LORA", slot=SLOTS[name], lora_uid=name, path=path).ok
+    plan, ref = case["scenario"].plans[0], case["reference"][0]
+    base = runner.execute(
+        dataclasses.replace(plan, adapter_slots=np.full_like(plan.adapter_slots, -1))
+    )
+    logits = runner.execute(plan)
+    err, effect = ((logits - ref).abs().max().item(), (base - ref).abs().max().item())
+    assert ATOL < err < effect / 10, (err, effect)  # rounded, but the adapters' terms
 
 
 def test_unreadable_adapter_is_a_refusal(tmp_path: Path) -> None:

@@ -233,3 +233,33 @@ def test_refused_reload_of_a_removed_adapter_keeps_its_id_successor(adapters):
     assert reg.prepare_slots(sched.waiting) == [seq]
     assert reg.list_loras() == [1] and reg.by_id[1] is new
     assert old.load_id not in reg.by_load_id and new.load_id in reg.by_load_id
+
+
+def test_preempted_adapter_requests_recompute_on_their_adapter(adapters):
+    """A pool too small for every sequence preempts some: they give their pins back, wait
+    (their adapter may lose its slot meanwhile) and recompute on their own adapter's slot;
+    every step's rows read their adapter's slot (`run` checks) and nothing stays pinned."""
+    sched = make_scheduler(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=32)
+    reg, _ = registry_for(sched, max_loras=2)
+    seqs = []
+    for i in range(6):  # base, b, c, base, a, b
+        seq = make_seq(f"s{i}", [i + 1, 2, 3, 4, 5, 6], max_tokens=12)
+        if i % 3:
+            reg.register(adapters[i % 4]).attach(seq)
+        sched.add(seq)
+        seqs.append(seq)
+    preempted = []
+    schedule = sched.schedule
+
+    def recording():
+        step = schedule()
+        preempted.extend(step.preempted)
+        return step
+
+    sched.schedule = recording
+    per_step = run(sched, reg)
+    assert any(seq.adapter_id is not None for seq in preempted)
+    assert max(len(s) for s in per_step) == 2
+    assert all(s.output_token_ids == expected_output(s.prompt_token_ids, 12, 64) for s in seqs)
+    assert all(a.num_running == 0 for a in reg.by_load_id.values())
+    assert sched.batch.num_adapter_rows == 0

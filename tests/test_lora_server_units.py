@@ -121,3 +121,26 @@ def test_runtime_routes_exist_only_when_the_env_allows(env, monkeypatch, tmp_pat
     http = TestClient(app, base_url="http://localhost")  # a Host the guard answers
     status = http.post("/v1/unload_lora_adapter", json={}).status_code
     assert status == (400 if env in ("true", "1") else 404)
+
+
+def test_pooling_routes_refuse_an_adapter_model(tmp_path):
+    """A pooling request whose `model` names a LoRA adapter is refused (rank 0 runs pooling on
+    the base model only), not answered with the base model's vectors under the adapter's name."""
+    from fastapi.testclient import TestClient
+
+    from tests.test_pooling_routes import SIZE, ScriptedEngine, pair_tokens
+    from tp_engine.checkpoints import build_tokenizer
+    from tp_engine.server.api_server import build_app
+
+    hello = Hello(
+        "/m", ["base"], 64, 640, {}, None, 1, supported_tasks=["embed", "score"],
+        pooled_size=SIZE, enable_lora=True, lora_modules=[["ad", 1, "/p/ad", None]],
+    )  # fmt: skip
+    engine = ScriptedEngine(hello)
+    app = build_app(engine, build_tokenizer(tmp_path), pair_tokens=pair_tokens)  # type: ignore[arg-type]
+    http = TestClient(app, base_url="http://localhost")
+    assert http.post("/v1/embeddings", json={"input": "a", "model": "base"}).status_code == 200
+    sent = len(engine.sent)
+    r = http.post("/v1/embeddings", json={"input": "a", "model": "ad"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert "LoRA adapter" in r.json()["error"]["message"] and len(engine.sent) == sent

@@ -192,7 +192,14 @@ class PoolingServing:
 
     async def _parse(self, request: Request, model: type) -> Any:
         req = await self.work.run(parse_body, model, await request.body())
-        self.serving.check_model(req.model)
+        if self.serving.check_model(req.model) is not None:
+            # Rank 0 pools with the base model only: the adapter's name would get its vectors.
+            raise APIError(
+                400,
+                f"`{req.model}` is a LoRA adapter: LoRA adapters serve generation only, "
+                "pooling runs on the base model",
+                param="model",
+            )
         return req
 
     async def _pooled(

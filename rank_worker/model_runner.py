@@ -402,11 +402,25 @@ class ModelRunner:
             )
 
     def _prepare(self, plan: StepPlan, last_sampled: torch.Tensor | None = None) -> StepInputs:
+        any_adapter = self._check_adapter_slots(plan)
         inputs = prepare_inputs(
             plan, self.block_tables, buffers=self.input_buffers, last_sampled=last_sampled
         )
+        return self._bind_adapters(inputs, any_adapter)
+
+    def _check_adapter_slots(self, plan: StepPlan) -> bool:
+        """Whether a sequence of `plan` runs an adapter. A slot this rank does not have is a
+        ValueError: the plan's decoder checks only the lower bound (-1), and the kernels would
+        read past the slot stacks (the masked torch path would silently run the base)."""
         slots = plan.adapter_slots
-        return self._bind_adapters(inputs, slots.size > 0 and int(slots.max()) >= 0)
+        top = int(slots.max()) if slots.size else -1
+        num_slots = 0 if self.lora is None else self.lora.max_loras
+        if top >= num_slots:
+            raise ValueError(
+                f"step {plan.step_id}: adapter slot {top}, but this rank has {num_slots} LoRA "
+                "slots (max_loras; 0: enable_lora is off)"
+            )
+        return top >= 0
 
     def _bind_adapters(self, inputs: StepInputs, any_adapter: bool) -> StepInputs:
         """Hand the step's per-token adapter slots to the LoRA layers (their fixed buffer);

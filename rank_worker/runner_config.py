@@ -82,7 +82,9 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         if self.enable_lora:
-            check_lora_limits(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+            check_lora_limits(
+                self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype
+            )
 
     @property
     def resolved_max_cpu_loras(self) -> int:

@@ -10,6 +10,7 @@ The adapters (`tests.lora_cases`) differ in rank, modules and scaling; their B i
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import pytest
@@ -181,6 +182,41 @@ def test_max_loras_bounds_each_step_and_host_lru_reloads(case):
         assert a_uid not in host  # evicted: reloaded from disk below
         [out] = generate(llm, [prompts[0]], [lora(case, "a")])
         assert out.outputs[0].token_ids == ref["a"][0]
+    finally:
+        llm.shutdown()
+
+
+def test_adapter_the_ranks_refuse_ends_all_its_samples(case, tmp_path):
+    """An adapter rank 0's config check passes but the ranks refuse (a tensor of the wrong
+    shape): every sample of its n > 1 request ends aborted, the held sibling too, and the
+    engine serves the other adapter's request beside it."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(case["adapters"]["a"], bad)
+    weights = load_file(bad / "adapter_model.safetensors")
+    key = next(k for k in weights if ".lora_A." in k)
+    weights[key] = torch.zeros(weights[key].shape[0], 8)
+    save_file(weights, bad / "adapter_model.safetensors")
+    llm = start_llm(case, 1, max_loras=1, async_scheduling=False)
+    try:
+        engine = llm.engine
+        params = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS)
+        engine.add_request(
+            "r", case["prompts"][0], params, lora_request=LoRARequest("x", 9, str(bad))
+        )
+        engine.add_request("g", case["prompts"][1], greedy(), lora_request=lora(case, "a"))
+        tokens: dict[str, list[int]] = {}
+        reasons: dict[str, str] = {}
+        while engine.has_unfinished():
+            engine.stats()  # names the adapters of the waiting requests
+            for out in engine.step().outputs:
+                tokens.setdefault(out.seq_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    reasons[out.seq_id] = out.finish_reason
+        assert reasons == {"0_r": "abort", "1_r": "abort", "g": "length"}
+        assert tokens["g"] == case["reference"]["a"][1]
+        assert engine.list_loras() == {1} and engine.stats().waiting_lora_adapters == []
     finally:
         llm.shutdown()
 

@@ -28,6 +28,7 @@ import torch
 from rank_worker.tp import TPInfo
 from tests.lora_cases import (
     BASE_CHECKPOINT,
+    MAX_LORAS,
     REFUSALS,
     SLOTS,
     build_adapters,
@@ -141,6 +142,52 @@ def test_limits_refused_with_vllm_messages() -> None:
     with pytest.raises(ValueError, match=r"^max_loras \(0\) must be >= 1$"):
         config(max_loras=0)
     assert config(max_loras=3).resolved_max_cpu_loras == 3
+    with pytest.raises(ValueError, match=r"^lora_dtype must be one of \['auto', 'float16', "):
+        config(lora_dtype="fp16")
+
+
+def test_lora_dtype_sets_the_slot_stacks(case: dict[str, Any]) -> None:
+    """`lora_dtype` bfloat16 on a float32 model: bfloat16 stacks whose terms still give PEFT's
+    logits within bfloat16's rounding of the adapter weights."""
+    tp = TPInfo(0, 1)
+    runner = lora_runner(case["args"][0], tp, lora_dtype="bfloat16")
+    assert {t.dtype for t in runner.lora.device_tensors()} == {torch.bfloat16}
+    for name, path in case["args"][1].items():
+        assert lora_call(runner, tp, "LOAD_LORA", slot=SLOTS[name], lora_uid=name, path=path).ok
+    plan, ref = case["scenario"].plans[0], case["reference"][0]
+    base = runner.execute(
+        dataclasses.replace(plan, adapter_slots=np.full_like(plan.adapter_slots, -1))
+    )
+    logits = runner.execute(plan)
+    err, effect = ((logits - ref).abs().max().item(), (base - ref).abs().max().item())
+    assert ATOL < err < effect / 10, (err, effect)  # rounded, but the adapters' terms
+
+
+def test_unreadable_adapter_is_a_refusal(tmp_path: Path) -> None:
+    """A truncated weights file, a config without `r` or one that is no JSON object is an
+    adapter refused with a ValueError naming its path (the server's 400), not another
+    exception (a 500, or a raw error out of `LLM.generate`)."""
+    from safetensors.torch import save_file
+
+    from rank_worker.lora.peft_adapter import read_adapter_config
+
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    bad = {
+        "truncated": ('{"r": 4}', None),
+        "no_rank": ('{"lora_alpha": 8}', {key.format("A"): torch.zeros(4, 8)}),
+        "not_an_object": ("[4]", {key.format("A"): torch.zeros(4, 8)}),
+    }
+    for name, (config, weights) in bad.items():
+        path = tmp_path / name
+        path.mkdir()
+        (path / "adapter_config.json").write_text(config)
+        if weights is None:
+            (path / "adapter_model.safetensors").write_bytes(b"{")
+        else:
+            save_file(weights, path / "adapter_model.safetensors")
+        with pytest.raises(ValueError, match=f"^Invalid PEFT adapter at {path}: ") as err:
+            read_adapter_config(path, 16)
+        assert type(err.value) is ValueError, name
 
 
 def test_host_lru_evicts_and_reloads_from_disk(case: dict[str, Any]) -> None:
@@ -253,6 +300,21 @@ def test_padded_decode_buffers_run_adapters(case: dict[str, Any]) -> None:
     assert runner.graph_runner.num_replays == 0  # the padded eager path, not a graph
     # The prefill's adapter tokens (a's at 8..12, ...) are gone past the decode's 4 rows.
     assert runner.lora.batch.token_slots[4:].eq(-1).all()
+
+
+def test_slot_past_the_stacks_is_refused(case: dict[str, Any]) -> None:
+    """A plan naming a slot the rank does not have fails its step on the rank, before any
+    input is written, instead of running the base model (masked path) or reading past the
+    slot stacks (kernels)."""
+    tp = TPInfo(0, 1)
+    runner = lora_runner(case["args"][0], tp, gpu_data_paths=True)
+    prefill = case["scenario"].plans[0]
+    slots = prefill.adapter_slots.copy()
+    slots[slots == slots.max()] = MAX_LORAS
+    with pytest.raises(
+        ValueError, match=f"adapter slot {MAX_LORAS}, but this rank has {MAX_LORAS} LoRA"
+    ):
+        runner.execute(dataclasses.replace(prefill, adapter_slots=slots))
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ import pytest
 from tests.control_plane import Stepper, expected_output, make_scheduler, make_seq
 from tp_engine.engine_states import Gate
 from tp_engine.lora import AdapterRegistry, LoRAAdapterNotFoundError, LoRARequest
+from tp_engine.sequence import SequenceStatus
 
 
 class FakeLoader:
@@ -192,3 +193,73 @@ def test_prefix_cache_is_per_adapter_load(adapters):
     reloaded = reg.register(LoRARequest("a", 1, adapters[0].lora_path))
     assert cached_tokens(reloaded) == 0 and cached_tokens(reloaded) == 12
     assert np.all(sched.batch.adapter_slot == -1)
+
+
+def test_refused_load_ends_the_sequences_outside_the_queue_too(adapters):
+    """Held n > 1 siblings and requests whose grammar compiles are outside the queue when the
+    ranks refuse their adapter: they reach it later with an adapter the registry forgot, are
+    not admitted and end at the next `prepare_slots` (it raised KeyError, stopping the
+    engine)."""
+    sched = make_scheduler()
+    reg, loader = registry_for(sched)
+    bad = reg.register(adapters[0])
+    loader.refuse.add(adapters[0].lora_path)
+    first, sibling = make_seq("0_r", [1, 2]), make_seq("1_r", [1, 2])
+    bad.attach(first)
+    bad.attach(sibling)
+    sched.add(first)
+    assert reg.prepare_slots(sched.waiting) == [first]
+    assert reg.by_load_id == {} and reg.list_loras() == []
+    sched.finish(first.seq_id, SequenceStatus.FINISHED_ABORTED)
+    sched.add(sibling)  # released: its first sample ended
+    assert not reg.admits(sibling)
+    assert reg.prepare_slots(sched.waiting) == [sibling]
+    assert len(loader.calls) == 0  # nothing asked of the ranks again
+
+
+def test_refused_reload_of_a_removed_adapter_keeps_its_id_successor(adapters):
+    """An adapter removed while a request still waits for it, its id registered again for
+    another adapter: when the ranks refuse to load the removed one (its files are gone), its
+    request ends and the new registration under that id stays served."""
+    sched = make_scheduler()
+    reg, loader = registry_for(sched)
+    old = reg.register(adapters[0])
+    seq = make_seq("s", [1, 2])
+    old.attach(seq)
+    sched.add(seq)
+    assert reg.remove(1)
+    new = reg.register(LoRARequest("a", 1, adapters[1].lora_path))
+    loader.refuse.add(adapters[0].lora_path)
+    assert reg.prepare_slots(sched.waiting) == [seq]
+    assert reg.list_loras() == [1] and reg.by_id[1] is new
+    assert old.load_id not in reg.by_load_id and new.load_id in reg.by_load_id
+
+
+def test_preempted_adapter_requests_recompute_on_their_adapter(adapters):
+    """A pool too small for every sequence preempts some: they give their pins back, wait
+    (their adapter may lose its slot meanwhile) and recompute on their own adapter's slot;
+    every step's rows read their adapter's slot (`run` checks) and nothing stays pinned."""
+    sched = make_scheduler(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=32)
+    reg, _ = registry_for(sched, max_loras=2)
+    seqs = []
+    for i in range(6):  # base, b, c, base, a, b
+        seq = make_seq(f"s{i}", [i + 1, 2, 3, 4, 5, 6], max_tokens=12)
+        if i % 3:
+            reg.register(adapters[i % 4]).attach(seq)
+        sched.add(seq)
+        seqs.append(seq)
+    preempted = []
+    schedule = sched.schedule
+
+    def recording():
+        step = schedule()
+        preempted.extend(step.preempted)
+        return step
+
+    sched.schedule = recording
+    per_step = run(sched, reg)
+    assert any(seq.adapter_id is not None for seq in preempted)
+    assert max(len(s) for s in per_step) == 2
+    assert all(s.output_token_ids == expected_output(s.prompt_token_ids, 12, 64) for s in seqs)
+    assert all(a.num_running == 0 for a in reg.by_load_id.values())
+    assert sched.batch.num_adapter_rows == 0

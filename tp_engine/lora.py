@@ -172,8 +172,7 @@ class AdapterRegistry(RowFollower):
         try:
             self._load(adapter, slot)
         except ValueError:
-            self.remove(adapter.request.lora_int_id)
-            self._forget(adapter)
+            self._drop_refused(adapter)
             raise
 
     def remove(self, lora_int_id: int) -> bool:
@@ -198,6 +197,13 @@ class AdapterRegistry(RowFollower):
             if adapter.load_id not in in_use:
                 self._forget(adapter)
 
+    def _drop_refused(self, adapter: Adapter) -> None:
+        """Forget an adapter the ranks refused to load. Its id is unregistered only while it
+        names this adapter: a removed adapter's id may name a newer registration by now."""
+        if self.by_id.get(adapter.request.lora_int_id) is adapter:
+            self.remove(adapter.request.lora_int_id)
+        self._forget(adapter)
+
     def _forget(self, adapter: Adapter) -> None:
         if adapter.slot is not None:
             self.loader.unload_slot(adapter.slot, adapter.load_id)
@@ -217,14 +223,19 @@ class AdapterRegistry(RowFollower):
     def prepare_slots(self, waiting: Iterable[Sequence]) -> list[Sequence]:
         """Between steps: load the adapters the waiting sequences need, in queue order, while
         slots can be had. Returns the waiting sequences whose adapter the ranks refused to load
-        (their caller ends them); that adapter is forgotten."""
+        (their caller ends them); that adapter is forgotten. A sequence that was outside the
+        queue then (a held n > 1 sibling, a request compiling its grammar) finds its adapter
+        forgotten when it reaches the queue, and is returned then."""
         waiting = list(waiting)
         wanted: set[int] = set()  # slots the queue so far needs kept
         failed: set[int] = set()
         for seq in waiting:
             if seq.adapter_id is None or seq.adapter_id in failed:
                 continue
-            adapter = self.by_load_id[seq.adapter_id]
+            adapter = self.by_load_id.get(seq.adapter_id)
+            if adapter is None:  # refused while this sequence was outside the queue
+                failed.add(seq.adapter_id)
+                continue
             if adapter.slot is None:
                 slot = self._free_slot(wanted)
                 if slot is None:
@@ -234,8 +245,7 @@ class AdapterRegistry(RowFollower):
                 except ValueError:
                     logger.exception("LoRA adapter %r failed to load", adapter.request.lora_name)
                     failed.add(adapter.load_id)
-                    self.remove(adapter.request.lora_int_id)
-                    self._forget(adapter)
+                    self._drop_refused(adapter)
                     continue
             assert adapter.slot is not None
             wanted.add(adapter.slot)

@@ -133,10 +133,11 @@ def adapter_stats(engine: LoRAHost) -> dict[str, Any]:
     if reg is None:
         return {}
     running = {a.request.lora_name for a in reg.by_load_id.values() if a.num_running}
+    # A waiting sequence whose adapter was refused meanwhile (ended next step) names none.
     waiting = {
-        reg.by_load_id[seq.adapter_id].request.lora_name
+        adapter.request.lora_name
         for seq in engine.scheduler.waiting
-        if seq.adapter_id is not None
+        if seq.adapter_id is not None and (adapter := reg.by_load_id.get(seq.adapter_id))
     }
     return {
         "max_lora": reg.max_loras,

@@ -59,12 +59,9 @@ class StagedLoad:
 
 
 def lora_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """`RunnerConfig.lora_dtype` -> torch dtype ("auto": the model's)."""
-    if name == "auto":
-        return model_dtype
-    if name not in ("float16", "bfloat16", "float32"):
-        raise ValueError(f"lora_dtype must be auto, float16, bfloat16 or float32, got {name!r}")
-    return getattr(torch, name)
+    """`RunnerConfig.lora_dtype` (one of `LORA_DTYPES`: checked there) -> torch dtype ("auto":
+    the model's)."""
+    return model_dtype if name == "auto" else getattr(torch, name)
 
 
 class LoraManager:

@@ -32,6 +32,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The HF projections an adapter may target, in the order of our packed layers' parts.
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The slot stacks' dtypes (`--lora-dtype`; "auto": the model's).
+LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 # vLLM's `MaxLoRARanks`.
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # `base_model.model.` + the base model's module name (`prefix.proj`) + the LoRA matrix.
@@ -53,8 +55,13 @@ class LoRAAdapterNotFoundError(ValueError):
     """No adapter (config and safetensors weights) at the path."""
 
 
-def check_lora_limits(max_loras: int, max_lora_rank: int, max_cpu_loras: int | None) -> None:
-    """The engine's LoRA limits, with vLLM's messages (`LoRAConfig`)."""
+def check_lora_limits(
+    max_loras: int, max_lora_rank: int, max_cpu_loras: int | None, lora_dtype: str = "auto"
+) -> None:
+    """The engine's LoRA limits, with vLLM's messages (`LoRAConfig`), and the slot stacks'
+    dtype name, checked here so that a typo fails before any rank loads the checkpoint."""
+    if lora_dtype not in LORA_DTYPES:
+        raise ValueError(f"lora_dtype must be one of {list(LORA_DTYPES)}, got {lora_dtype!r}")
     if max_loras < 1:
         raise ValueError(f"max_loras ({max_loras}) must be >= 1")
     if max_lora_rank not in MAX_LORA_RANKS:
@@ -112,7 +119,11 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> LoraConfig:
     config_file, weights_file = Path(path) / CONFIG_FILE, Path(path) / WEIGHTS_FILE
     if not config_file.is_file() or not weights_file.is_file():
         raise LoRAAdapterNotFoundError(f"No adapter found for {path}")
-    raw = json.loads(config_file.read_text())
+    try:
+        raw = json.loads(config_file.read_text())
+        r, keys = int(raw["r"]), _tensor_names(weights_file)
+    except Exception as exc:  # a half-written file, a config without `r`, a JSON list...
+        raise ValueError(f"Invalid PEFT adapter at {path}: {type(exc).__name__}: {exc}") from exc
     if raw.get("modules_to_save"):
         raise ValueError("vLLM only supports modules_to_save being None.")
     if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
@@ -121,12 +132,12 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> LoraConfig:
         raise ValueError("vLLM does not yet support DoRA.")
     config = LoraConfig(
         path=path,
-        r=int(raw["r"]),
+        r=r,
         lora_alpha=float(raw.get("lora_alpha", 8)),
         use_rslora=bool(raw.get("use_rslora", False)),
         rank_pattern=dict(raw.get("rank_pattern") or {}),
         alpha_pattern=dict(raw.get("alpha_pattern") or {}),
-        modules=_adapted_modules(path, weights_file),
+        modules=_adapted_modules(path, keys),
     )
     if config.max_rank > max_lora_rank:
         raise ValueError(
@@ -135,13 +146,17 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> LoraConfig:
     return config
 
 
-def _adapted_modules(path: str, weights_file: Path) -> tuple[str, ...]:
-    """The modules the weights file adapts, from its tensor names (vLLM decides by the keys,
-    not by `target_modules`, which may be a regex or "all-linear")."""
+def _tensor_names(weights_file: Path) -> list[str]:
+    """The tensor names in a safetensors file's header (no tensor is read)."""
     from safetensors import safe_open
 
     with safe_open(str(weights_file), framework="pt") as f:
-        keys = list(f.keys())
+        return list(f.keys())
+
+
+def _adapted_modules(path: str, keys: list[str]) -> tuple[str, ...]:
+    """The modules the weights file adapts, from its tensor names `keys` (vLLM decides by the
+    keys, not by `target_modules`, which may be a regex or "all-linear")."""
     modules, unexpected = set(), set()
     for key in keys:
         if key.endswith(".bias"):

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from rank_worker.lora.peft_adapter import MAX_LORA_RANKS
+from rank_worker.lora.peft_adapter import LORA_DTYPES, MAX_LORA_RANKS
 from tp_engine.config import (
     ATTENTION_BACKENDS,
     CONVERTS,
@@ -252,8 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="adapters kept in host memory (default: --max-loras)",
     )  # fmt: skip
     lora.add_argument(
-        "--lora-dtype", default="auto", help="adapter weights' dtype (auto: the model's)"
-    )
+        "--lora-dtype", default="auto", choices=LORA_DTYPES,
+        help="adapter weights' dtype (auto: the model's)",
+    )  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     limits = p.add_argument_group(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import jsonschema
@@ -461,3 +462,32 @@ def test_the_constraint_applies_after_the_thinking(scripted, thinking):
     else:
         assert text in ("yes", "no")
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_a_compilation_that_finished_late_is_a_timeout_whenever_the_engine_looks():
+    """The verdict compares when the compilation finished with the deadline: an engine that
+    looks only after a late finish (a long step, a compile thread holding the GIL) still
+    answers the timeout, and one that finished in time is served however late it is seen."""
+    from concurrent.futures import Future
+
+    from tp_engine.structured_outputs import _stamp_finish, compile_verdict
+
+    def compiled(result=None, error=None, late: bool = False) -> tuple[Future, float]:
+        future: Future = Future()
+        future.add_done_callback(_stamp_finish)
+        deadline = time.monotonic() + (-0.001 if late else 60.0)
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+        return future, deadline
+
+    assert compile_verdict(*compiled("g"), 0.3) == (True, None)
+    settled, why = compile_verdict(*compiled("g", late=True), 0.3)
+    assert settled and "did not compile within 0.3 s" in why
+    settled, why = compile_verdict(*compiled(error=ValueError("bad")), 0.3)
+    assert settled and why == "its output constraint failed to compile: bad"
+    pending: Future = Future()
+    assert compile_verdict(pending, time.monotonic() + 60.0, 0.3) == (False, None)
+    settled, why = compile_verdict(pending, time.monotonic() - 1.0, 0.3)
+    assert settled and "did not compile within" in why

@@ -104,7 +104,7 @@ from tp_engine.sleep import EngineSleep
 from tp_engine.speculative import NgramProposer, SpecDecodeStats, accept_drafts
 from tp_engine.speculative.draft_model import DraftModelProposer
 from tp_engine.step_timeline import StepTimeline, gpu_phase_or_null, phase_or_null
-from tp_engine.structured_outputs import GrammarCompiler, GrammarState
+from tp_engine.structured_outputs import GrammarCompiler, GrammarState, compile_verdict
 from tp_engine.thinking import (
     ThinkTokens,
     needs_think_tokens,
@@ -636,17 +636,11 @@ class LLMEngine:
             wait_for_futures([f for f, _ in self._compiling.values()], timeout=0.05,
                              return_when="FIRST_COMPLETED")  # fmt: skip
         failed = []
-        now = time.monotonic()
         for first_id, (future, seqs) in list(self._compiling.items()):
-            if future.done():
-                error = future.exception()
-                why = None if error is None else f"its output constraint failed to compile: {error}"
-            elif now > self._compile_deadlines[first_id]:
-                why = (
-                    "its output constraint did not compile within "
-                    f"{self.config.structured_outputs_timeout_s:g} s (structured outputs timeout)"
-                )
-            else:
+            settled, why = compile_verdict(
+                future, self._compile_deadlines[first_id], self.config.structured_outputs_timeout_s
+            )
+            if not settled:
                 continue
             del self._compiling[first_id]
             del self._compile_deadlines[first_id]

@@ -45,6 +45,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -176,6 +177,33 @@ def _parse_error(kind: str, text: str) -> str | None:
     return None
 
 
+def _stamp_finish(future: Future) -> None:
+    """Record when a compilation finished (`compile_verdict` compares that, not the moment the
+    engine looked, with a request's deadline)."""
+    future.finished_at = time.monotonic()  # type: ignore[attr-defined]
+
+
+def compile_verdict(future: Future, deadline: float, timeout_s: float) -> tuple[bool, str | None]:
+    """(settled, why) of a request's compilation: settled once it finished or its deadline
+    passed; `why` says what ended the request (None: compiled in time). A compilation that
+    finished after the deadline counts as late even if the engine looks only then (a busy
+    step, or a compile thread holding the GIL, must not turn a timeout into a success)."""
+    now = time.monotonic()
+    if future.done():
+        finished_at = getattr(future, "finished_at", now)  # the stamp follows done() closely
+        if finished_at <= deadline:
+            error = future.exception()
+            return (
+                True,
+                None if error is None else f"its output constraint failed to compile: {error}",
+            )
+    elif now <= deadline:
+        return False, None
+    return True, (
+        f"its output constraint did not compile within {timeout_s:g} s (structured outputs timeout)"
+    )
+
+
 class GrammarCompiler:
     """Compiles constraints for one engine's tokenizer, off the step path, cached by text."""
 
@@ -208,6 +236,7 @@ class GrammarCompiler:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="tpe-grammar")
         future = self._executor.submit(self._compile, *key)
+        future.add_done_callback(_stamp_finish)
         self._cache[key] = future
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

@@ -121,3 +121,36 @@ def test_runtime_routes_exist_only_when_the_env_allows(env, monkeypatch, tmp_pat
     http = TestClient(app, base_url="http://localhost")  # a Host the guard answers
     status = http.post("/v1/unload_lora_adapter", json={}).status_code
     assert status == (400 if env in ("true", "1") else 404)
+
+
+def test_an_unload_rank_0_fails_keeps_the_name_served(monkeypatch, tmp_path):
+    """The unload route forgets the name at once; when rank 0 fails the unload (here a 503)
+    the adapter is still served there, so the name comes back. Rank 0's own 404 (it had the
+    adapter no more) leaves it forgotten."""
+    from fastapi.testclient import TestClient
+
+    from tp_engine.checkpoints import build_tokenizer
+    from tp_engine.server.api_server import build_app
+    from tp_engine.server.messages import ControlReply
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+
+    class Client:
+        hello = Hello("/m", ["base"], 64, 640, {}, None, 1, enable_lora=True,
+                      lora_modules=[["a", 1, "/a", None], ["b", 2, "/b", None]])  # fmt: skip
+        status = 503
+
+        async def control(self, op: str, args: dict) -> ControlReply:
+            return ControlReply(0, self.status, "no", {})
+
+    client = Client()
+    http = TestClient(build_app(client, build_tokenizer(tmp_path)), base_url="http://localhost")  # type: ignore[arg-type]
+
+    def served() -> set[str]:
+        return {card["id"] for card in http.get("/v1/models").json()["data"]}
+
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 503
+    assert served() == {"base", "a", "b"}
+    client.status = 404
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 404
+    assert served() == {"base", "a"}

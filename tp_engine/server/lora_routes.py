@@ -7,8 +7,9 @@
                                  '<name>' removed successfully."
 
 A load is checked on rank 0 and, where a device slot can be had, loaded on every rank before
-the name is served (`LLMEngine.add_lora`); an unload makes the name unknown at once, and rank 0
-lets the requests already using the adapter finish before it gives the slot back. A lock per
+the name is served (`LLMEngine.add_lora`); an unload makes the name unknown at once (known
+again if rank 0 fails it), and rank 0 lets the requests already using the adapter finish
+before it gives the slot back. A lock per
 name makes a load and an unload of one name one after the other. Refusals carry vLLM's
 messages; the engine serves on.
 """
@@ -94,6 +95,8 @@ def build_lora_router(client: EngineClient, models: ServedModels) -> APIRouter:
                 "unload_lora_adapter", {"lora_int_id": adapter.lora_int_id}
             )
             if reply.status != 200:
+                if reply.status != 404:  # rank 0 still serves it (a 404: it had it no more)
+                    models.adapters[name] = adapter
                 raise _refused(reply.status, reply.message)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 

@@ -169,6 +169,21 @@ REFUSALS = [
     ("/score", {"queries": ["a", "b"], "documents": ["a", "b", "c"]}, "documents"),
     ("/score", {"queries": "a", "documents": []}, "documents"),
     ("/score", {"text_1": "a"}, "queries"),
+    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ("/pooling", {"input": "a", "truncate_prompt_tokens": MAX_LEN + 1}, "truncate_prompt_tokens"),
+    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
+    ("/classify", {"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (
+        "/score",
+        {"queries": "a", "documents": ["b"], "truncate_prompt_tokens": MAX_LEN + 1},
+        "truncate_prompt_tokens",
+    ),
+    (
+        "/v2/rerank",
+        {"query": "q", "documents": ["a"], "truncate_prompt_tokens": -3},
+        "truncate_prompt_tokens",
+    ),
 ]
 
 
@@ -176,7 +191,9 @@ REFUSALS = [
 def test_wrong_fields_are_400s_naming_them(tokenizer, tasks):
     client, engine = app_for(tokenizer, tasks)
     for path, body, param in REFUSALS:
-        if path == "/v1/embeddings" and "embed" not in tasks:
+        if (path == "/v1/embeddings" and "embed" not in tasks) or (
+            path == "/classify" and "classify" not in tasks
+        ):
             continue
         status, named, message = error_of(client.post(path, json=body))
         assert (status, named) == (400, param), (path, body, message)
@@ -191,6 +208,39 @@ def test_wrong_fields_are_400s_naming_them(tokenizer, tasks):
     assert error_of(client.post("/score", json={"queries": "a", "documents": ["b"]})) == (
         400, None, "the engine says no",
     )  # fmt: skip
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tokenizer):
+    """vLLM's `truncate_prompt_tokens`: each prompt's last k tokens reach rank 0, so an input
+    too long for max_model_len is served; -1 stands for max_model_len."""
+    long_text = " ".join(f"w{i}" for i in range(MAX_LEN + 5))
+    long_ids = tokenizer(long_text)["input_ids"]
+    assert len(long_ids) > MAX_LEN
+    client, engine = app_for(tokenizer, ["embed", "score"])
+    for path in ("/v1/embeddings", "/pooling"):
+        r = client.post(path, json={"input": [long_text, "a"], "truncate_prompt_tokens": 5})
+        assert r.status_code == 200, r.text
+        assert [ids for ids, _ in engine.sent[-2:]] == [long_ids[-5:], tokenizer("a")["input_ids"]]
+        assert r.json()["usage"]["prompt_tokens"] == 5 + len(tokenizer("a")["input_ids"])
+    client.post("/v1/embeddings", json={"input": [long_ids], "truncate_prompt_tokens": -1})
+    assert engine.sent[-1][0] == long_ids[-MAX_LEN:]
+    client.post(
+        "/score", json={"queries": "q", "documents": [long_text], "truncate_prompt_tokens": 3}
+    )
+    assert engine.sent[-1][0] == long_ids[-3:]
+
+    cross, engine = app_for(tokenizer, ["classify", "score"])
+    assert (
+        cross.post("/classify", json={"input": long_text, "truncate_prompt_tokens": 4}).status_code
+        == 200
+    )
+    assert engine.sent[-1][0] == long_ids[-4:]
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank", "/score"):
+        body = {"query": "q", "documents": [long_text], "truncate_prompt_tokens": 6}
+        if path == "/score":
+            body = {"queries": "q", "documents": [long_text], "truncate_prompt_tokens": 6}
+        assert cross.post(path, json=body).status_code == 200, path
+        assert engine.sent[-1][0] == pair_tokens(tokenizer, "q", long_text, None)[-6:], path
 
 
 def test_dimensions_need_a_matryoshka_model(tokenizer):

@@ -8,7 +8,11 @@
     /v2/rerank
 
 Only the types are checked here; what a value means (empty input, `dimensions` out of range,
-`top_n` below 0) is `pooling_inputs`' business, so that each refusal names its field.
+`top_n` below 0, `truncate_prompt_tokens` beyond max_model_len) is `pooling_inputs`' business,
+so that each refusal names its field.
+
+`truncate_prompt_tokens` (every route, vLLM's): keep the last k tokens of each prompt before the
+length check; -1 means max_model_len.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class EmbeddingRequest(_Strict):
     # vLLM's extra: whether the tokenizer adds its special tokens (Qwen3-Embedding's appends
     # the <|endoftext|> it pools at). Token-id input is used as given.
     add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
 
 class ClassifyRequest(_Strict):
@@ -39,6 +44,7 @@ class ClassifyRequest(_Strict):
     input: PoolingInput
     user: str | None = None
     add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
 
 class ScoreRequest(_Strict):
@@ -55,6 +61,7 @@ class ScoreRequest(_Strict):
     # Fills the reranker's prompt template (the model card's default task otherwise).
     instruction: str | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 class RerankRequest(_Strict):
@@ -67,6 +74,7 @@ class RerankRequest(_Strict):
     # Jina's default; Cohere's clients send false to get indices and scores only.
     return_documents: bool = True
     user: str | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 ENCODING_FORMATS: tuple[str, ...] = ("float", "base64")

@@ -91,7 +91,10 @@ class PoolingServing:
 
     async def classify(self, request: Request) -> Response:
         req = await self._parse(request, ClassifyRequest)
-        prompts = await self.work.run(self.inputs.prompts, req.input, req.add_special_tokens)
+        keep_last = self.inputs.truncation(req.truncate_prompt_tokens)
+        prompts = await self.work.run(
+            self.inputs.prompts, req.input, req.add_special_tokens, keep_last
+        )
         request_id = new_request_id("classify")
         probs = await self._pooled(request, request_id, prompts, {"task": "classify"})
         return await self._answer(
@@ -105,7 +108,7 @@ class PoolingServing:
         queries, documents = score_pairs(req)
         request_id = new_request_id("score")
         scores, num_tokens = await self._scores(
-            request, request_id, queries, documents, req.instruction
+            request, request_id, queries, documents, req.instruction, req.truncate_prompt_tokens
         )
         return await self._answer(
             lambda: list_body(request_id, self.model_name, score_data(scores), num_tokens)
@@ -120,7 +123,12 @@ class PoolingServing:
         request_id = new_request_id("rerank")
         queries = [req.query] * len(req.documents)
         scores, num_tokens = await self._scores(
-            request, request_id, queries, req.documents, req.instruction
+            request,
+            request_id,
+            queries,
+            req.documents,
+            req.instruction,
+            req.truncate_prompt_tokens,
         )
         return await self._answer(
             lambda: rerank_body(
@@ -151,7 +159,10 @@ class PoolingServing:
         req = await self._parse(request, EmbeddingRequest)
         params = self.inputs.embed_fields(req.dimensions, req.encoding_format)
         params["task"] = task
-        prompts = await self.work.run(self.inputs.prompts, req.input, req.add_special_tokens)
+        keep_last = self.inputs.truncation(req.truncate_prompt_tokens)
+        prompts = await self.work.run(
+            self.inputs.prompts, req.input, req.add_special_tokens, keep_last
+        )
         request_id = new_request_id(prefix)
         vectors = await self._pooled(request, request_id, prompts, params)
 
@@ -168,27 +179,26 @@ class PoolingServing:
         queries: list[str],
         documents: list[str],
         instruction: str | None,
+        truncate_prompt_tokens: int | None,
     ) -> tuple[list[float], int]:
         """The score of each (query, document) pair and the prompt tokens it took."""
+        keep_last = self.inputs.truncation(truncate_prompt_tokens)
         if "embed" in self.tasks:
             # Each distinct text embedded once (a query repeated for every document is one).
             texts = list(dict.fromkeys([*queries, *documents]))
-            prompts = await self.work.run(self._embedding_prompts, texts)
+            prompts = await self.work.run(self.inputs.text_prompts, texts, keep_last)
             vectors = await self._pooled(request, request_id, prompts, {"task": "embed"})
             by_text = dict(zip(texts, vectors, strict=True))
             scores = [
                 cosine(by_text[q], by_text[d]) for q, d in zip(queries, documents, strict=True)
             ]
         else:
-            prompts = await self.work.run(self.inputs.pair_prompts, queries, documents, instruction)
+            prompts = await self.work.run(
+                self.inputs.pair_prompts, queries, documents, instruction, keep_last
+            )
             vectors = await self._pooled(request, request_id, prompts, {"task": "score"})
             scores = [float(v[0]) for v in vectors]
         return scores, _num_tokens(prompts)
-
-    def _embedding_prompts(self, texts: list[str]) -> list[list[int]]:
-        prompts = self.inputs.tokenize(texts, True, "documents")
-        self.inputs.check_lengths(prompts, "documents")
-        return prompts
 
     async def _parse(self, request: Request, model: type) -> Any:
         req = await self.work.run(parse_body, model, await request.body())

@@ -36,6 +36,16 @@ def score_of(ids: list[int]) -> float:
     return float(np.float32(1 - 1 / (1 + len(ids))))
 
 
+def raw_if_asked(pooled: np.ndarray, pooling_params: dict[str, Any]) -> np.ndarray:
+    """What rank 0 answers without its last step: an embedding not normalised (norm 3 here),
+    scores without the activation (1 less here)."""
+    if pooling_params.get("normalize") is False:
+        pooled = pooled * 3
+    if pooling_params.get("use_activation") is False:
+        pooled = pooled - 1
+    return pooled
+
+
 class ScriptedEngine:
     """What `EngineClient` offers the routes, with rank 0 scripted."""
 
@@ -56,6 +66,7 @@ class ScriptedEngine:
             pooled = embedding_of(ids, pooling_params.get("dimensions"))
         else:
             pooled = np.array([score_of(ids)], np.float32)
+        pooled = raw_if_asked(pooled, pooling_params)
         queue.put_nowait((request_id, ACCEPTED))
         delta = Delta(request_id, 0, [], "stop", None, 0, 0.0, None, None, pooled.tobytes())
         queue.put_nowait((request_id, delta))
@@ -184,6 +195,15 @@ REFUSALS = [
         {"query": "q", "documents": ["a"], "truncate_prompt_tokens": -3},
         "truncate_prompt_tokens",
     ),
+    ("/v1/embeddings", {"input": "a", "normalize": "no"}, "normalize"),
+    ("/classify", {"input": "a", "use_activation": "no"}, "use_activation"),
+    ("/classify", {"input": "a", "use_activation": True, "activation": False}, "activation"),
+    ("/score", {"queries": "a", "documents": ["b"], "activation": 0}, "activation"),
+    (
+        "/rerank",
+        {"query": "q", "documents": ["a"], "use_activation": None, "activation": 1},
+        "activation",
+    ),
 ]
 
 
@@ -241,6 +261,43 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tokenizer):
             body = {"queries": "q", "documents": [long_text], "truncate_prompt_tokens": 6}
         assert cross.post(path, json=body).status_code == 200, path
         assert engine.sent[-1][0] == pair_tokens(tokenizer, "q", long_text, None)[-6:], path
+
+
+def test_normalize_and_use_activation_reach_rank_0(tokenizer):
+    """vLLM's `normalize` and `use_activation` (or its older name `activation`) travel as the
+    `PoolingParams` fields; unset, rank 0 applies the model's default."""
+    ids = tokenizer("a b")["input_ids"]
+    client, engine = app_for(tokenizer, ["embed", "score"])
+    for path, key in (("/v1/embeddings", "embedding"), ("/pooling", "data")):
+        for normalize, norm in ((False, 3.0), (True, 1.0)):
+            r = client.post(path, json={"input": "a b", "normalize": normalize})
+            assert np.linalg.norm(r.json()["data"][0][key]) == pytest.approx(norm, rel=1e-5)
+            assert engine.sent[-1] == (
+                ids,
+                {"task": "embed", "dimensions": None, "normalize": normalize},
+            )
+    client.post("/v1/embeddings", json={"input": "a b"})
+    assert "normalize" not in engine.sent[-1][1]
+    client.post("/score", json={"queries": "a", "documents": ["b"], "use_activation": False})
+    assert engine.sent[-1][1] == {"task": "embed"}  # a cosine has no activation
+
+    cross, engine = app_for(tokenizer, ["classify", "score"])
+    for name in ("use_activation", "activation"):
+        r = cross.post("/classify", json={"input": "a b", name: False}).json()
+        assert engine.sent[-1] == (ids, {"task": "classify", "use_activation": False})
+        assert r["data"][0]["probs"] == [pytest.approx(score_of(ids) - 1)]
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r = cross.post(path, json={"query": "q", "documents": ["d"], name: False}).json()
+            assert engine.sent[-1][1] == {"task": "score", "use_activation": False}, path
+            prompt = pair_tokens(tokenizer, "q", "d", None)
+            assert r["results"][0]["relevance_score"] == pytest.approx(score_of(prompt) - 1)
+        r = cross.post("/score", json={"queries": "q", "documents": ["d"], name: True}).json()
+        assert engine.sent[-1][1] == {"task": "score", "use_activation": True}
+        assert r["data"][0]["score"] == pytest.approx(score_of(prompt))
+    cross.post("/classify", json={"input": "a b", "use_activation": False, "activation": False})
+    assert engine.sent[-1][1] == {"task": "classify", "use_activation": False}
+    cross.post("/classify", json={"input": "a b"})
+    assert engine.sent[-1][1] == {"task": "classify"}
 
 
 def test_dimensions_need_a_matryoshka_model(tokenizer):

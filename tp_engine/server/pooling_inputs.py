@@ -3,8 +3,8 @@ pool (`request_work`), so that a refusal is a 400 naming its field before rank 0
 
     input (text, texts, token ids)  → prompts: token id lists, each within max_model_len
     truncate_prompt_tokens          → each prompt cut to its last k tokens before that check
-    dimensions, encoding_format     → `PoolingParams` fields (a Matryoshka cut only where the
-                                      model was trained for it)
+    dimensions, encoding_format,    → `PoolingParams` fields (a Matryoshka cut only where the
+    normalize, use_activation         model was trained for it)
     queries × documents             → pairs: one query against every document, or pairwise;
                                       a cross-encoder reads each pair as one prompt, filled
                                       into the reranker's template with the instruction
@@ -16,7 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from tp_engine.server.http_errors import bad_request
-from tp_engine.server.pooling_protocol import ENCODING_FORMATS, PoolingInput, ScoreRequest
+from tp_engine.server.pooling_protocol import (
+    ENCODING_FORMATS,
+    ActivationChoice,
+    PoolingInput,
+    ScoreRequest,
+)
 from tp_engine.server.prompts import PromptBuilder
 
 # A reranker's prompt of one (query, document, instruction) as token ids, made with the given
@@ -104,8 +109,11 @@ class PoolingInputs:
 
     # -- parameters --------------------------------------------------------------------------------
 
-    def embed_fields(self, dimensions: int | None, encoding_format: str) -> dict[str, Any]:
-        """The `PoolingParams` fields of an embedding request."""
+    def embed_fields(
+        self, dimensions: int | None, encoding_format: str, normalize: bool | None
+    ) -> dict[str, Any]:
+        """The `PoolingParams` fields of an embedding request (`normalize` only when set, so
+        that the model's own default holds otherwise)."""
         if encoding_format not in ENCODING_FORMATS:
             raise bad_request(
                 f"encoding_format must be one of {list(ENCODING_FORMATS)}, got {encoding_format!r}",
@@ -113,7 +121,10 @@ class PoolingInputs:
             )
         if dimensions is not None:
             self.check_dimensions(dimensions)
-        return {"task": "embed", "dimensions": dimensions}
+        fields: dict[str, Any] = {"task": "embed", "dimensions": dimensions}
+        if normalize is not None:
+            fields["normalize"] = normalize
+        return fields
 
     def check_dimensions(self, dimensions: int) -> None:
         """vLLM's wording: a cut is only meaningful for a Matryoshka-trained model."""
@@ -190,6 +201,18 @@ def score_pairs(req: ScoreRequest) -> tuple[list[str], list[str]]:
             doc_field,
         )
     return queries, documents
+
+
+def activation_fields(req: ActivationChoice) -> dict[str, Any]:
+    """The `PoolingParams.use_activation` a request asks for, under either of vLLM's names
+    (none when unset: the model's default, probabilities)."""
+    if None not in (req.use_activation, req.activation) and req.use_activation != req.activation:
+        raise bad_request(
+            "use_activation and activation (its older name) disagree; give one of them",
+            "activation",
+        )
+    value = req.activation if req.use_activation is None else req.use_activation
+    return {} if value is None else {"use_activation": value}
 
 
 def check_documents(documents: list[str], param: str = "documents") -> None:

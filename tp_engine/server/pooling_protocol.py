@@ -12,7 +12,9 @@ Only the types are checked here; what a value means (empty input, `dimensions` o
 so that each refusal names its field.
 
 `truncate_prompt_tokens` (every route, vLLM's): keep the last k tokens of each prompt before the
-length check; -1 means max_model_len.
+length check; -1 means max_model_len. `normalize` (embeddings) and `use_activation` (class
+probabilities and a cross-encoder's scores; vLLM's older name `activation` too) go to rank 0 as
+the `PoolingParams` fields of those names; unset: the model's default.
 """
 
 from __future__ import annotations
@@ -37,9 +39,17 @@ class EmbeddingRequest(_Strict):
     # the <|endoftext|> it pools at). Token-id input is used as given.
     add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
 
 
-class ClassifyRequest(_Strict):
+class ActivationChoice(_Strict):
+    """False: the raw logits instead of the sigmoid / softmax."""
+
+    use_activation: bool | None = None
+    activation: bool | None = None  # vLLM's older name of use_activation
+
+
+class ClassifyRequest(ActivationChoice):
     model: str | None = None
     input: PoolingInput
     user: str | None = None
@@ -47,7 +57,7 @@ class ClassifyRequest(_Strict):
     truncate_prompt_tokens: int | None = None
 
 
-class ScoreRequest(_Strict):
+class ScoreRequest(ActivationChoice):
     """Scores of pairs: one query against one or more documents, or queries and documents
     pairwise (equal numbers)."""
 
@@ -64,7 +74,7 @@ class ScoreRequest(_Strict):
     truncate_prompt_tokens: int | None = None
 
 
-class RerankRequest(_Strict):
+class RerankRequest(ActivationChoice):
     model: str | None = None
     query: str
     documents: list[str]

@@ -32,6 +32,7 @@ from tp_engine.server.http_errors import APIError, bad_request
 from tp_engine.server.pooling_batch import PoolingBatch
 from tp_engine.server.pooling_inputs import (
     PoolingInputs,
+    activation_fields,
     check_documents,
     check_top_n,
     score_pairs,
@@ -96,7 +97,8 @@ class PoolingServing:
             self.inputs.prompts, req.input, req.add_special_tokens, keep_last
         )
         request_id = new_request_id("classify")
-        probs = await self._pooled(request, request_id, prompts, {"task": "classify"})
+        params = {"task": "classify", **activation_fields(req)}
+        probs = await self._pooled(request, request_id, prompts, params)
         return await self._answer(
             lambda: list_body(
                 request_id, self.model_name, classify_data(probs), _num_tokens(prompts)
@@ -108,7 +110,13 @@ class PoolingServing:
         queries, documents = score_pairs(req)
         request_id = new_request_id("score")
         scores, num_tokens = await self._scores(
-            request, request_id, queries, documents, req.instruction, req.truncate_prompt_tokens
+            request,
+            request_id,
+            queries,
+            documents,
+            req.instruction,
+            req.truncate_prompt_tokens,
+            activation_fields(req),
         )
         return await self._answer(
             lambda: list_body(request_id, self.model_name, score_data(scores), num_tokens)
@@ -129,6 +137,7 @@ class PoolingServing:
             req.documents,
             req.instruction,
             req.truncate_prompt_tokens,
+            activation_fields(req),
         )
         return await self._answer(
             lambda: rerank_body(
@@ -157,7 +166,7 @@ class PoolingServing:
         self, request: Request, prefix: str, task: str, object_name: str
     ) -> Response:
         req = await self._parse(request, EmbeddingRequest)
-        params = self.inputs.embed_fields(req.dimensions, req.encoding_format)
+        params = self.inputs.embed_fields(req.dimensions, req.encoding_format, req.normalize)
         params["task"] = task
         keep_last = self.inputs.truncation(req.truncate_prompt_tokens)
         prompts = await self.work.run(
@@ -180,8 +189,10 @@ class PoolingServing:
         documents: list[str],
         instruction: str | None,
         truncate_prompt_tokens: int | None,
+        activation: dict[str, Any],
     ) -> tuple[list[float], int]:
-        """The score of each (query, document) pair and the prompt tokens it took."""
+        """The score of each (query, document) pair and the prompt tokens it took. `activation`
+        is a cross-encoder's (`activation_fields`); an embedding model's cosine has none."""
         keep_last = self.inputs.truncation(truncate_prompt_tokens)
         if "embed" in self.tasks:
             # Each distinct text embedded once (a query repeated for every document is one).
@@ -196,7 +207,8 @@ class PoolingServing:
             prompts = await self.work.run(
                 self.inputs.pair_prompts, queries, documents, instruction, keep_last
             )
-            vectors = await self._pooled(request, request_id, prompts, {"task": "score"})
+            params = {"task": "score", **activation}
+            vectors = await self._pooled(request, request_id, prompts, params)
             scores = [float(v[0]) for v in vectors]
         return scores, _num_tokens(prompts)
 

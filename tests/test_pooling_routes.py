@@ -32,6 +32,11 @@ def embedding_of(ids: list[int], dimensions: int | None = None) -> np.ndarray:
     return v / np.linalg.norm(v)
 
 
+def class_of(ids: list[int], engine: ScriptedEngine) -> int:
+    """The class a scripted classifier picks: one by prompt length."""
+    return len(ids) % len(engine.hello.class_labels)
+
+
 def score_of(ids: list[int]) -> float:
     return float(np.float32(1 - 1 / (1 + len(ids))))
 
@@ -64,6 +69,8 @@ class ScriptedEngine:
             return
         if pooling_params["task"] == "embed":
             pooled = embedding_of(ids, pooling_params.get("dimensions"))
+        elif pooling_params["task"] == "classify" and self.hello.class_labels:
+            pooled = np.eye(len(self.hello.class_labels), dtype=np.float32)[class_of(ids, self)]
         else:
             pooled = np.array([score_of(ids)], np.float32)
         pooled = raw_if_asked(pooled, pooling_params)
@@ -78,10 +85,13 @@ class ScriptedEngine:
         pass
 
 
-def hello(model_dir: str, tasks: list[str], matryoshka: bool = True) -> Hello:
+def hello(
+    model_dir: str, tasks: list[str], matryoshka: bool = True, labels: list[str] | None = None
+) -> Hello:
     return Hello(
         model_dir, ["m"], MAX_LEN, VOCAB, {}, None, 1,
         supported_tasks=tasks, pooled_size=SIZE, is_matryoshka=matryoshka,
+        class_labels=labels or [],
     )  # fmt: skip
 
 
@@ -97,8 +107,10 @@ def tokenizer(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def app_for(tokenizer, tasks: list[str], matryoshka: bool = True) -> tuple[TestClient, Any]:
-    engine = ScriptedEngine(hello("/m", tasks, matryoshka))
+def app_for(
+    tokenizer, tasks: list[str], matryoshka: bool = True, labels: list[str] | None = None
+) -> tuple[TestClient, Any]:
+    engine = ScriptedEngine(hello("/m", tasks, matryoshka, labels))
     app = build_app(engine, tokenizer, pair_tokens=pair_tokens)  # type: ignore[arg-type]
     return TestClient(app, base_url="http://localhost"), engine
 
@@ -132,6 +144,19 @@ def test_routes_follow_the_models_tasks(tokenizer):
     assert classify.post("/v1/embeddings", json={"input": "a"}).status_code == 404
     r = classify.post("/classify", json={"input": ["a", "bb cc"]})
     assert [d["num_classes"] for d in r.json()["data"]] == [1, 1]
+    assert [d["label"] for d in r.json()["data"]] == ["LABEL_0", "LABEL_0"]  # vLLM's default
+
+
+def test_classify_labels_come_from_the_checkpoint(tokenizer):
+    """The checkpoint's id2label (carried in Hello) names the most likely class."""
+    labels = ["negative", "neutral", "positive"]
+    client, engine = app_for(tokenizer, ["classify"], labels=labels)
+    texts = ["a", "a b", "a b c", "a b c d"]
+    data = client.post("/classify", json={"input": texts}).json()["data"]
+    picked = [class_of(ids, engine) for ids, _ in engine.sent]
+    assert len(set(picked)) == 3  # every class once at least
+    assert [d["label"] for d in data] == [labels[i] for i in picked]
+    assert [d["num_classes"] for d in data] == [3] * 4
 
 
 def test_embeddings_as_floats_and_base64(tokenizer):

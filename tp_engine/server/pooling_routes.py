@@ -69,12 +69,14 @@ class PoolingServing:
         work: RequestWork,
         inputs: PoolingInputs,
         tasks: list[str],
+        class_labels: list[str],
     ) -> None:
         self.client = client
         self.serving = serving
         self.work = work
         self.inputs = inputs
         self.tasks = frozenset(tasks)
+        self.class_labels = class_labels
         self.model_name = serving.model_name
 
     @property
@@ -101,7 +103,10 @@ class PoolingServing:
         probs = await self._pooled(request, request_id, prompts, params)
         return await self._answer(
             lambda: list_body(
-                request_id, self.model_name, classify_data(probs), _num_tokens(prompts)
+                request_id,
+                self.model_name,
+                classify_data(probs, self.class_labels),
+                _num_tokens(prompts),
             )
         )
 

@@ -96,6 +96,8 @@ class ModelSpec:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # embed: L2-normalise by default (`_normalizes`).
     normalize: bool = False
+    # classify: the name of each class, by head row (`_class_labels`); empty: vLLM's LABEL_<i>.
+    class_labels: tuple[str, ...] = ()
 
     @property
     def runner(self) -> str:
@@ -141,6 +143,7 @@ class ModelSpec:
             ),
             matryoshka_dimensions=_matryoshka_dimensions(hf_config),
             normalize=_normalizes(modules),
+            class_labels=_class_labels(hf_config, head) if task == "classify" else (),
         )
 
 
@@ -260,6 +263,16 @@ def _check_last_token_pooling(model_dir: Path, modules: list[str] | None) -> Non
             raise ValueError(
                 f"{config_path}: pooling mode {mode!r} is not supported (only 'lasttoken')"
             )
+
+
+def _class_labels(hf_config: Any, head: HeadSpec) -> tuple[str, ...]:
+    """A classifier's `id2label`, one name per number its head scores; none where the count
+    differs (transformers gives a config without labels two LABEL_<i>, where a reranker's
+    head scores one number)."""
+    id2label = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
+    if sorted(id2label) != list(range(head.num_scores)):
+        return ()
+    return tuple(id2label[i] for i in range(head.num_scores))
 
 
 def _head(task: Task, hf_config: Any, token_id: Any) -> HeadSpec:

@@ -69,11 +69,18 @@ def test_auto_detection_as_vllm(causal_dir, tmp_path):
     spec = resolve(causal_dir, reranker)
     assert spec.task == "classify" and spec.head == HeadSpec("token_score", (5, 9))
     assert spec.head.num_scores == 1
+    assert spec.class_labels == ()  # one score, not classes: /classify says LABEL_0
     # A converted seq-cls checkpoint: its score matrix, as many rows as labels.
     spec = resolve(causal_dir, {"architectures": ["Qwen3ForSequenceClassification"],
                                 "num_labels": 3})  # fmt: skip
     assert spec.head == HeadSpec("seq_cls", num_labels=3)
     assert HeadSpec.from_dict(spec.head.to_dict()) == spec.head  # what the ranks receive
+    # Its class names, by row, from id2label (transformers' LABEL_<i> when the config has none).
+    assert spec.class_labels == ("LABEL_0", "LABEL_1", "LABEL_2")
+    spec = resolve(causal_dir, {"architectures": ["Qwen3ForSequenceClassification"],
+                                "id2label": {"1": "positive", "0": "negative"}})  # fmt: skip
+    assert (spec.head.num_labels, spec.class_labels) == (2, ("negative", "positive"))
+    assert resolve(causal_dir, {"id2label": {"0": "x"}}).class_labels == ()  # generates
 
 
 def test_refusals(causal_dir, tmp_path):

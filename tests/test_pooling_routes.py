@@ -32,8 +32,23 @@ def embedding_of(ids: list[int], dimensions: int | None = None) -> np.ndarray:
     return v / np.linalg.norm(v)
 
 
+def class_of(ids: list[int], engine: ScriptedEngine) -> int:
+    """The class a scripted classifier picks: one by prompt length."""
+    return len(ids) % len(engine.hello.class_labels)
+
+
 def score_of(ids: list[int]) -> float:
     return float(np.float32(1 - 1 / (1 + len(ids))))
+
+
+def raw_if_asked(pooled: np.ndarray, pooling_params: dict[str, Any]) -> np.ndarray:
+    """What rank 0 answers without its last step: an embedding not normalised (norm 3 here),
+    scores without the activation (1 less here)."""
+    if pooling_params.get("normalize") is False:
+        pooled = pooled * 3
+    if pooling_params.get("use_activation") is False:
+        pooled = pooled - 1
+    return pooled
 
 
 class ScriptedEngine:
@@ -54,8 +69,11 @@ class ScriptedEngine:
             return
         if pooling_params["task"] == "embed":
             pooled = embedding_of(ids, pooling_params.get("dimensions"))
+        elif pooling_params["task"] == "classify" and self.hello.class_labels:
+            pooled = np.eye(len(self.hello.class_labels), dtype=np.float32)[class_of(ids, self)]
         else:
             pooled = np.array([score_of(ids)], np.float32)
+        pooled = raw_if_asked(pooled, pooling_params)
         queue.put_nowait((request_id, ACCEPTED))
         delta = Delta(request_id, 0, [], "stop", None, 0, 0.0, None, None, pooled.tobytes())
         queue.put_nowait((request_id, delta))
@@ -67,10 +85,13 @@ class ScriptedEngine:
         pass
 
 
-def hello(model_dir: str, tasks: list[str], matryoshka: bool = True) -> Hello:
+def hello(
+    model_dir: str, tasks: list[str], matryoshka: bool = True, labels: list[str] | None = None
+) -> Hello:
     return Hello(
         model_dir, ["m"], MAX_LEN, VOCAB, {}, None, 1,
         supported_tasks=tasks, pooled_size=SIZE, is_matryoshka=matryoshka,
+        class_labels=labels or [],
     )  # fmt: skip
 
 
@@ -86,8 +107,10 @@ def tokenizer(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def app_for(tokenizer, tasks: list[str], matryoshka: bool = True) -> tuple[TestClient, Any]:
-    engine = ScriptedEngine(hello("/m", tasks, matryoshka))
+def app_for(
+    tokenizer, tasks: list[str], matryoshka: bool = True, labels: list[str] | None = None
+) -> tuple[TestClient, Any]:
+    engine = ScriptedEngine(hello("/m", tasks, matryoshka, labels))
     app = build_app(engine, tokenizer, pair_tokens=pair_tokens)  # type: ignore[arg-type]
     return TestClient(app, base_url="http://localhost"), engine
 
@@ -121,6 +144,19 @@ def test_routes_follow_the_models_tasks(tokenizer):
     assert classify.post("/v1/embeddings", json={"input": "a"}).status_code == 404
     r = classify.post("/classify", json={"input": ["a", "bb cc"]})
     assert [d["num_classes"] for d in r.json()["data"]] == [1, 1]
+    assert [d["label"] for d in r.json()["data"]] == ["LABEL_0", "LABEL_0"]  # vLLM's default
+
+
+def test_classify_labels_come_from_the_checkpoint(tokenizer):
+    """The checkpoint's id2label (carried in Hello) names the most likely class."""
+    labels = ["negative", "neutral", "positive"]
+    client, engine = app_for(tokenizer, ["classify"], labels=labels)
+    texts = ["a", "a b", "a b c", "a b c d"]
+    data = client.post("/classify", json={"input": texts}).json()["data"]
+    picked = [class_of(ids, engine) for ids, _ in engine.sent]
+    assert len(set(picked)) == 3  # every class once at least
+    assert [d["label"] for d in data] == [labels[i] for i in picked]
+    assert [d["num_classes"] for d in data] == [3] * 4
 
 
 def test_embeddings_as_floats_and_base64(tokenizer):
@@ -169,6 +205,30 @@ REFUSALS = [
     ("/score", {"queries": ["a", "b"], "documents": ["a", "b", "c"]}, "documents"),
     ("/score", {"queries": "a", "documents": []}, "documents"),
     ("/score", {"text_1": "a"}, "queries"),
+    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ("/pooling", {"input": "a", "truncate_prompt_tokens": MAX_LEN + 1}, "truncate_prompt_tokens"),
+    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
+    ("/classify", {"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (
+        "/score",
+        {"queries": "a", "documents": ["b"], "truncate_prompt_tokens": MAX_LEN + 1},
+        "truncate_prompt_tokens",
+    ),
+    (
+        "/v2/rerank",
+        {"query": "q", "documents": ["a"], "truncate_prompt_tokens": -3},
+        "truncate_prompt_tokens",
+    ),
+    ("/v1/embeddings", {"input": "a", "normalize": "no"}, "normalize"),
+    ("/classify", {"input": "a", "use_activation": "no"}, "use_activation"),
+    ("/classify", {"input": "a", "use_activation": True, "activation": False}, "activation"),
+    ("/score", {"queries": "a", "documents": ["b"], "activation": 0}, "activation"),
+    (
+        "/rerank",
+        {"query": "q", "documents": ["a"], "use_activation": None, "activation": 1},
+        "activation",
+    ),
 ]
 
 
@@ -176,7 +236,9 @@ REFUSALS = [
 def test_wrong_fields_are_400s_naming_them(tokenizer, tasks):
     client, engine = app_for(tokenizer, tasks)
     for path, body, param in REFUSALS:
-        if path == "/v1/embeddings" and "embed" not in tasks:
+        if (path == "/v1/embeddings" and "embed" not in tasks) or (
+            path == "/classify" and "classify" not in tasks
+        ):
             continue
         status, named, message = error_of(client.post(path, json=body))
         assert (status, named) == (400, param), (path, body, message)
@@ -191,6 +253,76 @@ def test_wrong_fields_are_400s_naming_them(tokenizer, tasks):
     assert error_of(client.post("/score", json={"queries": "a", "documents": ["b"]})) == (
         400, None, "the engine says no",
     )  # fmt: skip
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tokenizer):
+    """vLLM's `truncate_prompt_tokens`: each prompt's last k tokens reach rank 0, so an input
+    too long for max_model_len is served; -1 stands for max_model_len."""
+    long_text = " ".join(f"w{i}" for i in range(MAX_LEN + 5))
+    long_ids = tokenizer(long_text)["input_ids"]
+    assert len(long_ids) > MAX_LEN
+    client, engine = app_for(tokenizer, ["embed", "score"])
+    for path in ("/v1/embeddings", "/pooling"):
+        r = client.post(path, json={"input": [long_text, "a"], "truncate_prompt_tokens": 5})
+        assert r.status_code == 200, r.text
+        assert [ids for ids, _ in engine.sent[-2:]] == [long_ids[-5:], tokenizer("a")["input_ids"]]
+        assert r.json()["usage"]["prompt_tokens"] == 5 + len(tokenizer("a")["input_ids"])
+    client.post("/v1/embeddings", json={"input": [long_ids], "truncate_prompt_tokens": -1})
+    assert engine.sent[-1][0] == long_ids[-MAX_LEN:]
+    client.post(
+        "/score", json={"queries": "q", "documents": [long_text], "truncate_prompt_tokens": 3}
+    )
+    assert engine.sent[-1][0] == long_ids[-3:]
+
+    cross, engine = app_for(tokenizer, ["classify", "score"])
+    assert (
+        cross.post("/classify", json={"input": long_text, "truncate_prompt_tokens": 4}).status_code
+        == 200
+    )
+    assert engine.sent[-1][0] == long_ids[-4:]
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank", "/score"):
+        body = {"query": "q", "documents": [long_text], "truncate_prompt_tokens": 6}
+        if path == "/score":
+            body = {"queries": "q", "documents": [long_text], "truncate_prompt_tokens": 6}
+        assert cross.post(path, json=body).status_code == 200, path
+        assert engine.sent[-1][0] == pair_tokens(tokenizer, "q", long_text, None)[-6:], path
+
+
+def test_normalize_and_use_activation_reach_rank_0(tokenizer):
+    """vLLM's `normalize` and `use_activation` (or its older name `activation`) travel as the
+    `PoolingParams` fields; unset, rank 0 applies the model's default."""
+    ids = tokenizer("a b")["input_ids"]
+    client, engine = app_for(tokenizer, ["embed", "score"])
+    for path, key in (("/v1/embeddings", "embedding"), ("/pooling", "data")):
+        for normalize, norm in ((False, 3.0), (True, 1.0)):
+            r = client.post(path, json={"input": "a b", "normalize": normalize})
+            assert np.linalg.norm(r.json()["data"][0][key]) == pytest.approx(norm, rel=1e-5)
+            assert engine.sent[-1] == (
+                ids,
+                {"task": "embed", "dimensions": None, "normalize": normalize},
+            )
+    client.post("/v1/embeddings", json={"input": "a b"})
+    assert "normalize" not in engine.sent[-1][1]
+    client.post("/score", json={"queries": "a", "documents": ["b"], "use_activation": False})
+    assert engine.sent[-1][1] == {"task": "embed"}  # a cosine has no activation
+
+    cross, engine = app_for(tokenizer, ["classify", "score"])
+    for name in ("use_activation", "activation"):
+        r = cross.post("/classify", json={"input": "a b", name: False}).json()
+        assert engine.sent[-1] == (ids, {"task": "classify", "use_activation": False})
+        assert r["data"][0]["probs"] == [pytest.approx(score_of(ids) - 1)]
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r = cross.post(path, json={"query": "q", "documents": ["d"], name: False}).json()
+            assert engine.sent[-1][1] == {"task": "score", "use_activation": False}, path
+            prompt = pair_tokens(tokenizer, "q", "d", None)
+            assert r["results"][0]["relevance_score"] == pytest.approx(score_of(prompt) - 1)
+        r = cross.post("/score", json={"queries": "q", "documents": ["d"], name: True}).json()
+        assert engine.sent[-1][1] == {"task": "score", "use_activation": True}
+        assert r["data"][0]["score"] == pytest.approx(score_of(prompt))
+    cross.post("/classify", json={"input": "a b", "use_activation": False, "activation": False})
+    assert engine.sent[-1][1] == {"task": "classify", "use_activation": False}
+    cross.post("/classify", json={"input": "a b"})
+    assert engine.sent[-1][1] == {"task": "classify"}
 
 
 def test_dimensions_need_a_matryoshka_model(tokenizer):

@@ -103,7 +103,9 @@ def build_app(
     app.add_middleware(RequestGuard, limits=limits, api_key=hello.api_key)
     generates = "generate" in hello.supported_tasks
     inputs = PoolingInputs(builder, hello.pooled_size, hello.is_matryoshka, pair_tokens)
-    pooling = PoolingServing(client, serving, work, inputs, hello.supported_tasks)
+    pooling = PoolingServing(
+        client, serving, work, inputs, hello.supported_tasks, hello.class_labels
+    )
     probe = None if generates else pooling.probe
     app.include_router(build_router(client, serving, probe))  # what sglang-router probes
     if hello.enable_weight_updates or hello.enable_sleep_mode:

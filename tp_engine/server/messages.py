@@ -94,6 +94,9 @@ class Hello:
     pooled_size: int = 0
     # Whether `dimensions` may cut embeddings (Matryoshka training); a 400 otherwise.
     is_matryoshka: bool = False
+    # A classifier's class names by index (the checkpoint's id2label): /classify's `label`.
+    # Empty: vLLM's default names, LABEL_<i>.
+    class_labels: list[str] = field(default_factory=list)
     # --enable-lora: the adapters loaded at start-up (--lora-modules), each
     # [name, lora_int_id, path, base_model_name]; the API process serves them by name.
     enable_lora: bool = False

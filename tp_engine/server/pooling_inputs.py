@@ -2,8 +2,9 @@
 pool (`request_work`), so that a refusal is a 400 naming its field before rank 0 sees anything.
 
     input (text, texts, token ids)  → prompts: token id lists, each within max_model_len
-    dimensions, encoding_format     → `PoolingParams` fields (a Matryoshka cut only where the
-                                      model was trained for it)
+    truncate_prompt_tokens          → each prompt cut to its last k tokens before that check
+    dimensions, encoding_format,    → `PoolingParams` fields (a Matryoshka cut only where the
+    normalize, use_activation         model was trained for it)
     queries × documents             → pairs: one query against every document, or pairwise;
                                       a cross-encoder reads each pair as one prompt, filled
                                       into the reranker's template with the instruction
@@ -15,7 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from tp_engine.server.http_errors import bad_request
-from tp_engine.server.pooling_protocol import ENCODING_FORMATS, PoolingInput, ScoreRequest
+from tp_engine.server.pooling_protocol import (
+    ENCODING_FORMATS,
+    ActivationChoice,
+    PoolingInput,
+    ScoreRequest,
+)
 from tp_engine.server.prompts import PromptBuilder
 
 # A reranker's prompt of one (query, document, instruction) as token ids, made with the given
@@ -39,9 +45,12 @@ class PoolingInputs:
 
     # -- prompts -----------------------------------------------------------------------------------
 
-    def prompts(self, value: PoolingInput, add_special_tokens: bool) -> list[list[int]]:
+    def prompts(
+        self, value: PoolingInput, add_special_tokens: bool, keep_last: int | None = None
+    ) -> list[list[int]]:
         """`input` as token id lists: texts tokenized (with the special tokens the tokenizer
-        adds, unless told not to), token ids used as given."""
+        adds, unless told not to), token ids used as given; each cut to its last `keep_last`
+        tokens (`truncation`) when set."""
         if isinstance(value, str):
             value = [value]
         if not value or any(len(item) == 0 for item in value if not isinstance(item, int)):
@@ -52,6 +61,7 @@ class PoolingInputs:
             prompts = [self.builder.check_token_ids(ids, "input") for ids in value]  # type: ignore[arg-type]
         else:
             prompts = self.tokenize(value, add_special_tokens, "input")  # type: ignore[arg-type]
+        prompts = truncated(prompts, keep_last)
         self.check_lengths(prompts, "input")
         return prompts
 
@@ -76,10 +86,34 @@ class PoolingInputs:
                 param,
             )
 
+    def truncation(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many last tokens of each prompt vLLM's `truncate_prompt_tokens` keeps (None: all
+        of them). -1 stands for max_model_len; more than max_model_len could never fit."""
+        if truncate_prompt_tokens is None:
+            return None
+        limit = self.builder.max_model_len
+        if truncate_prompt_tokens == -1:
+            return limit
+        if truncate_prompt_tokens < 1:
+            raise bad_request(
+                f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}",
+                "truncate_prompt_tokens",
+            )
+        if truncate_prompt_tokens > limit:
+            raise bad_request(
+                f"truncate_prompt_tokens ({truncate_prompt_tokens}) is greater than "
+                f"max_model_len ({limit}); ask for a smaller truncation",
+                "truncate_prompt_tokens",
+            )
+        return truncate_prompt_tokens
+
     # -- parameters --------------------------------------------------------------------------------
 
-    def embed_fields(self, dimensions: int | None, encoding_format: str) -> dict[str, Any]:
-        """The `PoolingParams` fields of an embedding request."""
+    def embed_fields(
+        self, dimensions: int | None, encoding_format: str, normalize: bool | None
+    ) -> dict[str, Any]:
+        """The `PoolingParams` fields of an embedding request (`normalize` only when set, so
+        that the model's own default holds otherwise)."""
         if encoding_format not in ENCODING_FORMATS:
             raise bad_request(
                 f"encoding_format must be one of {list(ENCODING_FORMATS)}, got {encoding_format!r}",
@@ -87,7 +121,10 @@ class PoolingInputs:
             )
         if dimensions is not None:
             self.check_dimensions(dimensions)
-        return {"task": "embed", "dimensions": dimensions}
+        fields: dict[str, Any] = {"task": "embed", "dimensions": dimensions}
+        if normalize is not None:
+            fields["normalize"] = normalize
+        return fields
 
     def check_dimensions(self, dimensions: int) -> None:
         """vLLM's wording: a cut is only meaningful for a Matryoshka-trained model."""
@@ -108,10 +145,14 @@ class PoolingInputs:
     # -- pairs -------------------------------------------------------------------------------------
 
     def pair_prompts(
-        self, queries: list[str], documents: list[str], instruction: str | None
+        self,
+        queries: list[str],
+        documents: list[str],
+        instruction: str | None,
+        keep_last: int | None = None,
     ) -> list[list[int]]:
         """Each (query, document) pair as one cross-encoder prompt, in the reranker's template
-        (which holds every special token it needs: nothing is added)."""
+        (which holds every special token it needs: nothing is added), cut as `prompts` cuts."""
         if self.pair_tokens is None:
             raise bad_request("this model cannot score pairs of texts")
         for text in (*dict.fromkeys(queries), *documents, instruction or ""):
@@ -120,8 +161,22 @@ class PoolingInputs:
             self.pair_tokens(self.tokenizer, q, d, instruction)
             for q, d in zip(queries, documents, strict=True)
         ]
+        prompts = truncated(prompts, keep_last)
         self.check_lengths(prompts, "documents")
         return prompts
+
+    def text_prompts(self, texts: list[str], keep_last: int | None = None) -> list[list[int]]:
+        """Texts an embedding model scores against each other, one prompt each."""
+        prompts = truncated(self.tokenize(texts, True, "documents"), keep_last)
+        self.check_lengths(prompts, "documents")
+        return prompts
+
+
+def truncated(prompts: list[list[int]], keep_last: int | None) -> list[list[int]]:
+    """vLLM truncates on the left: the end of a prompt is what a last-token pooler reads."""
+    if keep_last is None:
+        return prompts
+    return [p[-keep_last:] for p in prompts]
 
 
 def score_pairs(req: ScoreRequest) -> tuple[list[str], list[str]]:
@@ -146,6 +201,18 @@ def score_pairs(req: ScoreRequest) -> tuple[list[str], list[str]]:
             doc_field,
         )
     return queries, documents
+
+
+def activation_fields(req: ActivationChoice) -> dict[str, Any]:
+    """The `PoolingParams.use_activation` a request asks for, under either of vLLM's names
+    (none when unset: the model's default, probabilities)."""
+    if None not in (req.use_activation, req.activation) and req.use_activation != req.activation:
+        raise bad_request(
+            "use_activation and activation (its older name) disagree; give one of them",
+            "activation",
+        )
+    value = req.activation if req.use_activation is None else req.use_activation
+    return {} if value is None else {"use_activation": value}
 
 
 def check_documents(documents: list[str], param: str = "documents") -> None:

@@ -8,7 +8,13 @@
     /v2/rerank
 
 Only the types are checked here; what a value means (empty input, `dimensions` out of range,
-`top_n` below 0) is `pooling_inputs`' business, so that each refusal names its field.
+`top_n` below 0, `truncate_prompt_tokens` beyond max_model_len) is `pooling_inputs`' business,
+so that each refusal names its field.
+
+`truncate_prompt_tokens` (every route, vLLM's): keep the last k tokens of each prompt before the
+length check; -1 means max_model_len. `normalize` (embeddings) and `use_activation` (class
+probabilities and a cross-encoder's scores; vLLM's older name `activation` too) go to rank 0 as
+the `PoolingParams` fields of those names; unset: the model's default.
 """
 
 from __future__ import annotations
@@ -32,16 +38,26 @@ class EmbeddingRequest(_Strict):
     # vLLM's extra: whether the tokenizer adds its special tokens (Qwen3-Embedding's appends
     # the <|endoftext|> it pools at). Token-id input is used as given.
     add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
 
 
-class ClassifyRequest(_Strict):
+class ActivationChoice(_Strict):
+    """False: the raw logits instead of the sigmoid / softmax."""
+
+    use_activation: bool | None = None
+    activation: bool | None = None  # vLLM's older name of use_activation
+
+
+class ClassifyRequest(ActivationChoice):
     model: str | None = None
     input: PoolingInput
     user: str | None = None
     add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
 
-class ScoreRequest(_Strict):
+class ScoreRequest(ActivationChoice):
     """Scores of pairs: one query against one or more documents, or queries and documents
     pairwise (equal numbers)."""
 
@@ -55,9 +71,10 @@ class ScoreRequest(_Strict):
     # Fills the reranker's prompt template (the model card's default task otherwise).
     instruction: str | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = None
 
 
-class RerankRequest(_Strict):
+class RerankRequest(ActivationChoice):
     model: str | None = None
     query: str
     documents: list[str]
@@ -67,6 +84,7 @@ class RerankRequest(_Strict):
     # Jina's default; Cohere's clients send false to get indices and scores only.
     return_documents: bool = True
     user: str | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 ENCODING_FORMATS: tuple[str, ...] = ("float", "base64")

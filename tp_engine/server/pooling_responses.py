@@ -52,18 +52,22 @@ def embedding_data(
     ]
 
 
-def classify_data(probs: list[np.ndarray]) -> list[dict[str, Any]]:
-    """One item per input: its class probabilities and the most likely label (the config's
-    labels are not known here: vLLM's default names, LABEL_<i>)."""
+def classify_data(probs: list[np.ndarray], labels: list[str]) -> list[dict[str, Any]]:
+    """One item per input: its class probabilities and the most likely class's name (the
+    checkpoint's `labels`; vLLM's default names, LABEL_<i>, where it has none)."""
     return [
         {
             "index": i,
-            "label": f"LABEL_{int(np.argmax(p))}",
+            "label": _label(int(np.argmax(p)), labels),
             "probs": p.tolist(),
             "num_classes": len(p),
         }
         for i, p in enumerate(probs)
     ]
+
+
+def _label(index: int, labels: list[str]) -> str:
+    return labels[index] if labels else f"LABEL_{index}"
 
 
 def score_data(scores: list[float]) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from tp_engine.server.http_errors import APIError, bad_request
 from tp_engine.server.pooling_batch import PoolingBatch
 from tp_engine.server.pooling_inputs import (
     PoolingInputs,
+    activation_fields,
     check_documents,
     check_top_n,
     score_pairs,
@@ -68,12 +69,14 @@ class PoolingServing:
         work: RequestWork,
         inputs: PoolingInputs,
         tasks: list[str],
+        class_labels: list[str],
     ) -> None:
         self.client = client
         self.serving = serving
         self.work = work
         self.inputs = inputs
         self.tasks = frozenset(tasks)
+        self.class_labels = class_labels
         self.model_name = serving.model_name
 
     @property
@@ -91,12 +94,19 @@ class PoolingServing:
 
     async def classify(self, request: Request) -> Response:
         req = await self._parse(request, ClassifyRequest)
-        prompts = await self.work.run(self.inputs.prompts, req.input, req.add_special_tokens)
+        keep_last = self.inputs.truncation(req.truncate_prompt_tokens)
+        prompts = await self.work.run(
+            self.inputs.prompts, req.input, req.add_special_tokens, keep_last
+        )
         request_id = new_request_id("classify")
-        probs = await self._pooled(request, request_id, prompts, {"task": "classify"})
+        params = {"task": "classify", **activation_fields(req)}
+        probs = await self._pooled(request, request_id, prompts, params)
         return await self._answer(
             lambda: list_body(
-                request_id, self.model_name, classify_data(probs), _num_tokens(prompts)
+                request_id,
+                self.model_name,
+                classify_data(probs, self.class_labels),
+                _num_tokens(prompts),
             )
         )
 
@@ -105,7 +115,13 @@ class PoolingServing:
         queries, documents = score_pairs(req)
         request_id = new_request_id("score")
         scores, num_tokens = await self._scores(
-            request, request_id, queries, documents, req.instruction
+            request,
+            request_id,
+            queries,
+            documents,
+            req.instruction,
+            req.truncate_prompt_tokens,
+            activation_fields(req),
         )
         return await self._answer(
             lambda: list_body(request_id, self.model_name, score_data(scores), num_tokens)
@@ -120,7 +136,13 @@ class PoolingServing:
         request_id = new_request_id("rerank")
         queries = [req.query] * len(req.documents)
         scores, num_tokens = await self._scores(
-            request, request_id, queries, req.documents, req.instruction
+            request,
+            request_id,
+            queries,
+            req.documents,
+            req.instruction,
+            req.truncate_prompt_tokens,
+            activation_fields(req),
         )
         return await self._answer(
             lambda: rerank_body(
@@ -149,9 +171,12 @@ class PoolingServing:
         self, request: Request, prefix: str, task: str, object_name: str
     ) -> Response:
         req = await self._parse(request, EmbeddingRequest)
-        params = self.inputs.embed_fields(req.dimensions, req.encoding_format)
+        params = self.inputs.embed_fields(req.dimensions, req.encoding_format, req.normalize)
         params["task"] = task
-        prompts = await self.work.run(self.inputs.prompts, req.input, req.add_special_tokens)
+        keep_last = self.inputs.truncation(req.truncate_prompt_tokens)
+        prompts = await self.work.run(
+            self.inputs.prompts, req.input, req.add_special_tokens, keep_last
+        )
         request_id = new_request_id(prefix)
         vectors = await self._pooled(request, request_id, prompts, params)
 
@@ -168,27 +193,29 @@ class PoolingServing:
         queries: list[str],
         documents: list[str],
         instruction: str | None,
+        truncate_prompt_tokens: int | None,
+        activation: dict[str, Any],
     ) -> tuple[list[float], int]:
-        """The score of each (query, document) pair and the prompt tokens it took."""
+        """The score of each (query, document) pair and the prompt tokens it took. `activation`
+        is a cross-encoder's (`activation_fields`); an embedding model's cosine has none."""
+        keep_last = self.inputs.truncation(truncate_prompt_tokens)
         if "embed" in self.tasks:
             # Each distinct text embedded once (a query repeated for every document is one).
             texts = list(dict.fromkeys([*queries, *documents]))
-            prompts = await self.work.run(self._embedding_prompts, texts)
+            prompts = await self.work.run(self.inputs.text_prompts, texts, keep_last)
             vectors = await self._pooled(request, request_id, prompts, {"task": "embed"})
             by_text = dict(zip(texts, vectors, strict=True))
             scores = [
                 cosine(by_text[q], by_text[d]) for q, d in zip(queries, documents, strict=True)
             ]
         else:
-            prompts = await self.work.run(self.inputs.pair_prompts, queries, documents, instruction)
-            vectors = await self._pooled(request, request_id, prompts, {"task": "score"})
+            prompts = await self.work.run(
+                self.inputs.pair_prompts, queries, documents, instruction, keep_last
+            )
+            params = {"task": "score", **activation}
+            vectors = await self._pooled(request, request_id, prompts, params)
             scores = [float(v[0]) for v in vectors]
         return scores, _num_tokens(prompts)
-
-    def _embedding_prompts(self, texts: list[str]) -> list[list[int]]:
-        prompts = self.inputs.tokenize(texts, True, "documents")
-        self.inputs.check_lengths(prompts, "documents")
-        return prompts
 
     async def _parse(self, request: Request, model: type) -> Any:
         req = await self.work.run(parse_body, model, await request.body())

@@ -201,6 +201,7 @@ class Rank0Server:
                 supported_tasks=supported_tasks(engine.model_spec),
                 pooled_size=engine.model_spec.hidden_size,
                 is_matryoshka=engine.model_spec.is_matryoshka,
+                class_labels=list(engine.model_spec.class_labels),
                 enable_lora=engine.lora is not None,
                 lora_modules=[
                     [m.lora_name, m.lora_int_id, m.lora_path, m.base_model_name]

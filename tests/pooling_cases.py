@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -169,3 +170,12 @@ def reranker_reference(model_dir: Path, pairs: list[tuple[str, str]], instructio
             pair = torch.stack([logits[no], logits[yes]])
             scores.append(torch.log_softmax(pair, dim=0)[1].exp().item())
     return scores
+
+
+def sentence_transformers_vectors(
+    st: Any, queries: list[str], documents: list[str], **kw: Any
+) -> torch.Tensor:
+    """The reference: sentence-transformers' `encode` of `queries` under the model's query
+    prompt, then of `documents` (`kw`: e.g. `truncate_dim`, `normalize_embeddings`)."""
+    found = st.encode(queries, prompt_name="query", convert_to_tensor=True, **kw)
+    return torch.cat([found, st.encode(documents, convert_to_tensor=True, **kw)])

@@ -21,6 +21,7 @@ from tests.pooling_cases import (
     build_reranker_checkpoint,
     convert_reranker_to_seq_cls,
     reranker_reference,
+    sentence_transformers_vectors,
 )
 from tp_engine import LLM, LoRARequest, SamplingParams
 from tp_engine.pooling_params import PoolingParams
@@ -53,8 +54,7 @@ def embed_case(tmp_path_factory):
     st = SentenceTransformer(str(path), device="cpu")
 
     def encode(**kw) -> torch.Tensor:
-        queries = st.encode(QUERIES, prompt_name="query", convert_to_tensor=True, **kw)
-        return torch.cat([queries, st.encode(DOCUMENTS, convert_to_tensor=True, **kw)])
+        return sentence_transformers_vectors(st, QUERIES, DOCUMENTS, **kw)
 
     return dict(
         path=path,

@@ -21,6 +21,7 @@ from tests.pooling_cases import (
     RERANKER_OVERRIDES,
     build_embedding_checkpoint,
     build_reranker_checkpoint,
+    sentence_transformers_vectors,
 )
 from tests.server_harness import serving
 
@@ -54,8 +55,7 @@ def embed_case(tmp_path_factory):
     st = SentenceTransformer(str(path), device="cpu")
 
     def encode(**kw) -> torch.Tensor:
-        queries = st.encode(QUERIES, prompt_name="query", convert_to_tensor=True, **kw)
-        return torch.cat([queries, st.encode(DOCUMENTS, convert_to_tensor=True, **kw)])
+        return sentence_transformers_vectors(st, QUERIES, DOCUMENTS, **kw)
 
     texts = [EMBED_QUERY_PROMPT + q for q in QUERIES] + DOCUMENTS
     return dict(

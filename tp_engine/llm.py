@@ -42,6 +42,7 @@ from tp_engine.llm_pooling import PoolingMethods
 from tp_engine.lora import LoRARequest
 from tp_engine.metrics_reader import Metric, engine_metrics
 from tp_engine.outputs import CompletionOutput, RequestOutput, SequenceOutput, logprob_dicts
+from tp_engine.per_prompt import per_prompt
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.sequence import SequenceStatus, TokenLogprobs
@@ -127,8 +128,11 @@ class LLM(PoolingMethods):
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = _as_params_list(sampling_params, len(prompt_list))
-        loras = _as_lora_list(lora_request, len(prompt_list))
+        n = len(prompt_list)
+        params_list = per_prompt(
+            sampling_params, SamplingParams, n, "sampling params", SamplingParams()
+        )
+        loras = per_prompt(lora_request, LoRARequest, n, "LoRA requests")
         requests = [
             (self._prompt_ids(p), _prompt_text(p), sp)
             for p, sp in zip(prompt_list, params_list, strict=True)
@@ -540,30 +544,6 @@ def _prompt_text(prompt: PromptType) -> str | None:
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
         return prompt["prompt"]
     return None
-
-
-def _as_params_list(
-    params: SamplingParams | SequenceOf[SamplingParams] | None, n: int
-) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"{len(params)} sampling params for {n} prompts")
-    return params
-
-
-def _as_lora_list(
-    lora: LoRARequest | SequenceOf[LoRARequest | None] | None, n: int
-) -> list[LoRARequest | None]:
-    if lora is None or isinstance(lora, LoRARequest):
-        return [lora] * n
-    lora = list(lora)
-    if len(lora) != n:
-        raise ValueError(f"{len(lora)} LoRA requests for {n} prompts")
-    return lora
 
 
 class _Sample:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.nn.functional as F
 
+from tp_engine.per_prompt import per_prompt
 from tp_engine.pooling_outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -68,7 +69,9 @@ class PoolingMethods:
         """Pool every prompt (the model's task unless the params name one); results in the
         order of `prompts`."""
         ids = self._prompt_id_lists(prompts)
-        params = _params_list(pooling_params, len(ids))
+        params = per_prompt(
+            pooling_params, PoolingParams, len(ids), "pooling params", PoolingParams()
+        )
         results = self._run_pooling(ids, params, use_tqdm)
         return [
             PoolingRequestOutput(request_id, PoolingOutput(data), token_ids)
@@ -142,19 +145,6 @@ class PoolingMethods:
 def _viewed(out: PoolingRequestOutput[PoolingOutput], view: T) -> PoolingRequestOutput[T]:
     """`out` with its result shown as a task's output type."""
     return PoolingRequestOutput(out.request_id, view, out.prompt_token_ids, out.finished)
-
-
-def _params_list(
-    params: PoolingParams | SequenceOf[PoolingParams] | None, n: int
-) -> list[PoolingParams]:
-    if params is None:
-        return [PoolingParams()] * n
-    if isinstance(params, PoolingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"{len(params)} pooling params for {n} prompts")
-    return params
 
 
 def _with_task(

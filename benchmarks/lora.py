@@ -71,7 +71,7 @@ def main() -> None:
     from benchmarks.models import QWEN3_PRESETS
     from benchmarks.results import environment, write_json
     from tp_engine import LLM, LoRARequest
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="0.6B", choices=sorted(QWEN3_PRESETS))

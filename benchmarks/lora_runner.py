@@ -100,7 +100,7 @@ def main() -> None:
     from rank_worker.runner_config import RunnerConfig
     from rank_worker.tp import TPInfo
     from shm_ipc import ControlCall
-    from tp_engine.checkpoints import build_random_qwen3, cache_dir, cached_random_qwen3
+    from tp_engine.testing import build_random_qwen3, cache_dir, cached_random_qwen3
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="0.6B", choices=sorted(QWEN3_PRESETS))

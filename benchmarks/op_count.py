@@ -220,7 +220,7 @@ def count_decode_step(
 
 def small_model_dir(root: str | Path | None = None) -> Path:
     """A small random Qwen3 (`SMALL_QWEN3`) written under `root` (a temporary dir if None)."""
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     root = Path(root or tempfile.mkdtemp(prefix="op-count-"))
     return build_random_qwen3(root / "small-qwen3", **SMALL_QWEN3)

@@ -7,7 +7,7 @@
 # times, every sequence generating --max-output-len tokens) on the demo model, at 1, 4 and 32
 # sequences ($NUM_SEQS), greedy and at temperature 0.8, three ways: no speculation, n-gram
 # lookup (k = 4), and a draft model (k = 4) made of the demo model's first layer
-# (`tp_engine.checkpoints.truncate_layers`). Writes one result JSON and raw log per run,
+# (`tp_engine.testing.truncate_layers`). Writes one result JSON and raw log per run,
 # COMMANDS (every command as run) and summary.json / summary.md (output tokens per second,
 # mean acceptance length, speed-up against no speculation). Extra bench.py arguments go in
 # $BENCH_ARGS; $MODEL picks another checkpoint (its first layer is then the draft).
@@ -18,10 +18,10 @@ PY=${PYTHON:-python}
 mkdir -p "$OUT"
 : > "$OUT/COMMANDS"
 NUM_KV_BLOCKS=${NUM_KV_BLOCKS-1024}  # set it empty to size the pool from memory (GPU)
-[ -n "${MODEL:-}" ] || MODEL=$("$PY" -c 'from tp_engine.checkpoints import demo_checkpoint_dir as d; print(d())')
+[ -n "${MODEL:-}" ] || MODEL=$("$PY" -c 'from tp_engine.testing import demo_checkpoint_dir as d; print(d())')
 DRAFT=$(mktemp -d)/draft
 trap 'rm -rf "$(dirname "$DRAFT")"' EXIT
-"$PY" -c "import sys; from tp_engine.checkpoints import truncate_layers as t; t(sys.argv[1], sys.argv[2], 1)" "$MODEL" "$DRAFT"
+"$PY" -c "import sys; from tp_engine.testing import truncate_layers as t; t(sys.argv[1], sys.argv[2], 1)" "$MODEL" "$DRAFT"
 
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 DRAFTCFG="{\"method\": \"draft_model\", \"model\": \"$DRAFT\", \"num_speculative_tokens\": 4}"

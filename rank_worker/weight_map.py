@@ -32,7 +32,7 @@ shard geometry is written once, in the layers, and validation cannot drift from 
 
 FP8 models: a weight whose checkpoint name has a `weight_scale_inv` partner is quantized. An
 update may send it already in fp8 together with its scale, or in any other float dtype; then it
-is block-quantized here exactly as `tp_engine.checkpoints.quantize_checkpoint_fp8` makes an FP8
+is block-quantized here exactly as `tp_engine.testing.quantize_checkpoint_fp8` makes an FP8
 checkpoint (`kernels.fp8_gemm.quantize_block_fp8` of the full tensor), so the result equals a
 fresh load of that checkpoint bit for bit. Every rule that decides whether a batch is valid
 reads names and full shapes only, never which parameters this rank holds, so every rank of a

@@ -53,7 +53,7 @@ class Fp8Checkpoints:
 
 
 def build_fp8_checkpoints(root: Path, moe: bool) -> Fp8Checkpoints:
-    from tp_engine.checkpoints import (
+    from tp_engine.testing import (
         build_random_qwen3,
         build_random_qwen3_moe,
         dequantize_checkpoint_fp8,

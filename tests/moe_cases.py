@@ -46,7 +46,7 @@ MIN_ROUTER_MARGIN = 1e-3
 
 
 def build_moe_checkpoints(root: Path) -> dict[str, Path]:
-    from tp_engine.checkpoints import build_random_qwen3_moe
+    from tp_engine.testing import build_random_qwen3_moe
 
     return {
         name: build_random_qwen3_moe(root / name, max_position_embeddings=MAX_MODEL_LEN, **kwargs)

@@ -40,7 +40,7 @@ _SMALL = dict(
 
 def build_embedding_checkpoint(out_dir: Path, *, seed: int = 11) -> Path:
     """A random Qwen3-Embedding in the published layout (module docstring)."""
-    from tp_engine.checkpoints import _rewrite_checkpoint, build_random_qwen3
+    from tp_engine.testing import build_random_qwen3, rewrite_checkpoint
 
     src = build_random_qwen3(out_dir.with_name(out_dir.name + "-src"), seed=seed,
                              tie_word_embeddings=True, **_SMALL)  # fmt: skip
@@ -48,7 +48,7 @@ def build_embedding_checkpoint(out_dir: Path, *, seed: int = 11) -> Path:
     def flat(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         return {} if name == "lm_head.weight" else {name.removeprefix("model."): t}
 
-    out = _rewrite_checkpoint(src, out_dir, flat, lambda config: None)
+    out = rewrite_checkpoint(src, out_dir, flat, lambda config: None)
     _append_endoftext(out)
     _write_sentence_transformers_files(out, hidden_size=_SMALL["hidden_size"])
     return out
@@ -107,7 +107,7 @@ def build_reranker_checkpoint(out_dir: Path, *, tied: bool, seed: int = 21) -> P
     (added after the test vocabulary, inside the padded embedding)."""
     from transformers import AutoTokenizer
 
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     out = build_random_qwen3(out_dir, seed=seed, tie_word_embeddings=tied, vocab_size=648,
                              **_SMALL)  # fmt: skip
@@ -122,7 +122,7 @@ def convert_reranker_to_seq_cls(src: Path, out_dir: Path) -> Path:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from tp_engine.checkpoints import _rewrite_checkpoint
+    from tp_engine.testing import rewrite_checkpoint
 
     tok = AutoTokenizer.from_pretrained(src)
     no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
@@ -144,7 +144,7 @@ def convert_reranker_to_seq_cls(src: Path, out_dir: Path) -> Path:
         config["id2label"] = {"0": "LABEL_0"}
         config["label2id"] = {"LABEL_0": 0}
 
-    return _rewrite_checkpoint(src, out_dir, convert, edit)
+    return rewrite_checkpoint(src, out_dir, convert, edit)
 
 
 def reranker_reference(model_dir: Path, pairs: list[tuple[str, str]], instruction=None):

@@ -358,7 +358,7 @@ def test_real_flash_attn_matches_torch_gpu(case_name, dtype):
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> str:
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     return str(
         build_random_qwen3(

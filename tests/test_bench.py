@@ -362,7 +362,7 @@ def test_serving_benchmark_needs_a_tokenizer_that_covers_the_vocabulary(bench_en
     """The same tiny model under Qwen3's 151,936 rows, with Qwen3's tokenizer (151,669 tokens)
     and with the 640-token test one: the first streams a chunk per token and gets TPOT and
     ITL; under the second almost every sampled id has no text, and they are refused."""
-    from tp_engine.checkpoints import QWEN3_VOCAB_ROWS, build_random_qwen3
+    from tp_engine.testing import QWEN3_VOCAB_ROWS, build_random_qwen3
 
     shape = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                  intermediate_size=64, vocab_size=QWEN3_VOCAB_ROWS, max_position_embeddings=256)  # fmt: skip

@@ -427,7 +427,7 @@ def test_tools_need_a_tool_parser(tokenizer):
 
 
 def test_parsers_need_their_tokens(tmp_path):
-    from tp_engine.checkpoints import build_tokenizer as plain_tokenizer
+    from tp_engine.testing import build_tokenizer as plain_tokenizer
 
     plain = plain_tokenizer(tmp_path)
     with pytest.raises(

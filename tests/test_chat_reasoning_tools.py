@@ -537,7 +537,7 @@ def test_unknown_parser_names_stop_start_up(tmp_path):
 
 
 def test_a_tokenizer_without_think_tokens_stops_start_up(tmp_path):
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     plain = build_random_qwen3(
         tmp_path / "plain", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,

@@ -208,7 +208,7 @@ def test_ranks_sharing_a_gpu_split_its_kv_memory(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     return build_random_qwen3(
         tmp_path_factory.mktemp("g"), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,

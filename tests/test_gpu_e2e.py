@@ -86,7 +86,7 @@ def build_bf16_model(path: Path) -> str:
     margins greedy decoding needs and a bf16 resolution finer than LOGPROB_SLACK."""
     if os.environ.get("QWEN3_TEST_CHECKPOINT"):
         return os.environ["QWEN3_TEST_CHECKPOINT"]
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     return str(
         build_random_qwen3(

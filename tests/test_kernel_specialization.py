@@ -92,7 +92,7 @@ def test_decode_and_prefill_kernels_have_one_binary_per_geometry():
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> str:
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     return str(
         build_random_qwen3(

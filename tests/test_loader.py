@@ -13,7 +13,7 @@ from rank_worker.loader import WeightLoadError, load_weights, safetensors_files
 from rank_worker.model_runner import load_hf_config
 from rank_worker.qwen3 import Qwen3ForCausalLM
 from rank_worker.tp import TPInfo
-from tp_engine.checkpoints import build_random_qwen3
+from tp_engine.testing import build_random_qwen3
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
             intermediate_size=64, max_position_embeddings=64)  # fmt: skip

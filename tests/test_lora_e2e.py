@@ -42,7 +42,7 @@ MIXED = [(None, 9), ("a", 6), ("b", 13), ("c", 5), ("c", 17), (None, 3), ("a", 1
 def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from peft import PeftModel
 
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     root = tmp_path_factory.mktemp("lora_e2e")
     base = build_random_qwen3(

@@ -50,7 +50,7 @@ ATOL = 1e-4
 def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     root = tmp_path_factory.mktemp("lora")
     base = build_random_qwen3(

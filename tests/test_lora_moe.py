@@ -59,7 +59,7 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from tests.lora_cases import load_base
-    from tp_engine.checkpoints import build_random_qwen3_moe
+    from tp_engine.testing import build_random_qwen3_moe
 
     root = tmp_path_factory.mktemp("lora_moe")
     base = build_random_qwen3_moe(

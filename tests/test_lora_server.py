@@ -32,7 +32,7 @@ def case(tmp_path_factory) -> dict[str, Any]:
 
     from tests.lora_cases import load_base
     from tests.moe_cases import hf_greedy
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     root = tmp_path_factory.mktemp("lora_server")
     base = build_random_qwen3(

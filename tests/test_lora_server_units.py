@@ -106,8 +106,8 @@ def test_lora_control_ops_answer_vllm_statuses():
 def test_runtime_routes_exist_only_when_the_env_allows(env, monkeypatch, tmp_path):
     from fastapi.testclient import TestClient
 
-    from tp_engine.checkpoints import build_tokenizer
     from tp_engine.server.api_server import build_app
+    from tp_engine.testing import build_tokenizer
 
     if env is None:
         monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
@@ -129,9 +129,9 @@ def test_an_unload_rank_0_fails_keeps_the_name_served(monkeypatch, tmp_path):
     adapter no more) leaves it forgotten."""
     from fastapi.testclient import TestClient
 
-    from tp_engine.checkpoints import build_tokenizer
     from tp_engine.server.api_server import build_app
     from tp_engine.server.messages import ControlReply
+    from tp_engine.testing import build_tokenizer
 
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
 

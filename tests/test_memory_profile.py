@@ -30,7 +30,7 @@ USER_TENSORS = 50 << 20  # alive in the process before the engine
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     return str(
         build_random_qwen3(
@@ -93,7 +93,7 @@ def test_a_draft_models_cache_shares_the_measured_pool(checkpoint, tmp_path):
     """Speculative decoding with a draft model: a block of the pool holds both models' K/V, so
     the GPU sizing divides the budget (and the warm-up's scratch) by both caches' bytes, and
     both caches get the same block count."""
-    from tp_engine.checkpoints import truncate_layers
+    from tp_engine.testing import truncate_layers
 
     draft = str(truncate_layers(checkpoint, tmp_path / "draft", 1))
     config = RunnerConfig(

@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.limits import ModelShape, Peaks, offline_limit
 from benchmarks.models import QWEN3_MOE_PRESETS, QWEN3_PRESETS, preset_name
-from tp_engine.checkpoints import build_random_qwen3_moe
+from tp_engine.testing import build_random_qwen3_moe
 
 TINY = dict(hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,

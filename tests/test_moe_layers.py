@@ -15,7 +15,7 @@ from rank_worker.layers.moe import ExpertPlacement, TopKRouter
 from rank_worker.loader import WeightLoadError, load_weights
 from rank_worker.model_runner import load_hf_config
 from rank_worker.tp import TPInfo
-from tp_engine.checkpoints import build_random_qwen3_moe
+from tp_engine.testing import build_random_qwen3_moe
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
             num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -285,7 +285,7 @@ def test_kv_cache_of_the_30b_a3b_shape(tp_size: int, local_kv_heads: int):
 
 def test_a_dense_model_ignores_expert_parallelism(tmp_path: Path):
     from rank_worker.qwen3 import Qwen3ForCausalLM
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     dense = build_random_qwen3(
         tmp_path, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,

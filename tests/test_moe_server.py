@@ -22,7 +22,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from tp_engine.checkpoints import build_random_qwen3_moe
+    from tp_engine.testing import build_random_qwen3_moe
 
     shape = dict(MOE_CHECKPOINTS["moe_e8k3_mixed"], max_position_embeddings=256)
     return build_random_qwen3_moe(tmp_path_factory.mktemp("moe"), **shape)

@@ -24,7 +24,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     return build_random_qwen3(
         tmp_path_factory.mktemp("ckpt") / "pause",

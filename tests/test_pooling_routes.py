@@ -102,7 +102,7 @@ def pair_tokens(tokenizer, query: str, document: str, instruction: str | None) -
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from tp_engine.checkpoints import build_tokenizer
+    from tp_engine.testing import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("tok"))
 

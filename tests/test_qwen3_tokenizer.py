@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tp_engine.checkpoints import (
+from tp_engine.testing import (
     QWEN3_ADDED_TOKENS,
     QWEN3_TOKENIZER_SIZE,
     QWEN3_VOCAB_ROWS,

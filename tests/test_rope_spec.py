@@ -57,7 +57,7 @@ def test_table_equals_transformers_rotary_at_every_position() -> None:
 
 
 def test_every_config_spelling_gives_the_same_spec(tmp_path) -> None:
-    from tp_engine.checkpoints import build_random_qwen3, with_rope_scaling
+    from tp_engine.testing import build_random_qwen3, with_rope_scaling
 
     base = build_random_qwen3(
         tmp_path / "base", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
@@ -123,7 +123,7 @@ def test_ranks_refuse_a_max_model_len_past_their_table(tmp_path) -> None:
     from rank_worker.model_runner import ModelRunner
     from rank_worker.runner_config import RunnerConfig
     from rank_worker.tp import TPInfo
-    from tp_engine.checkpoints import build_random_qwen3, with_rope_scaling
+    from tp_engine.testing import build_random_qwen3, with_rope_scaling
 
     base = build_random_qwen3(
         tmp_path / "base", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,

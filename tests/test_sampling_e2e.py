@@ -28,7 +28,7 @@ GEN_DEFAULTS = {"temperature": 0.8, "top_k": 1, "max_new_tokens": 5}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     out = build_random_qwen3(
         tmp_path_factory.mktemp("ckpt") / CKPT,

@@ -44,7 +44,7 @@ def run(llm: LLM, order: list[int], filler: bool) -> dict[int, list]:
 
 
 def test_seeded_requests_match_across_tp_sizes(tmp_path):
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     model = build_random_qwen3(
         tmp_path / CKPT, max_position_embeddings=MAX_MODEL_LEN, **CHECKPOINTS[CKPT]

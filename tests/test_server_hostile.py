@@ -42,7 +42,7 @@ PROMPT_S = 5.0
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     os.environ.setdefault("TP_ENGINE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    from tp_engine.checkpoints import demo_checkpoint_dir
+    from tp_engine.testing import demo_checkpoint_dir
 
     log = tmp_path_factory.mktemp("log") / "server.log"
     yield from serving(
@@ -242,7 +242,7 @@ def open_server(tmp_path_factory) -> Iterator[Server]:
     """0.0.0.0 without a key, a tiny model with Qwen3's 151,669-token tokenizer (its first
     grammar compilation reads the whole vocabulary: about a second), and a time limit a third
     of that."""
-    from tp_engine.checkpoints import QWEN3_VOCAB_ROWS, build_random_qwen3
+    from tp_engine.testing import QWEN3_VOCAB_ROWS, build_random_qwen3
 
     model = build_random_qwen3(
         tmp_path_factory.mktemp("qwen3-tok"), hidden_size=32, num_layers=1, num_heads=2,

@@ -36,7 +36,7 @@ from tp_engine.server.protocol import ChatCompletionRequest, CompletionRequest, 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from tp_engine.checkpoints import build_tokenizer
+    from tp_engine.testing import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("tok"))
 

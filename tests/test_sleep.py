@@ -44,7 +44,7 @@ LATE = [4, 8, 15, 16, 23]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     return str(
         build_random_qwen3(

@@ -12,7 +12,7 @@ import pytest
 from tests.test_speculative import CKPT, check_matches_hf, hf_greedy_reference
 from tests.tp_cases import MAX_MODEL_LEN, build_checkpoints
 from tp_engine import LLM
-from tp_engine.checkpoints import build_random_qwen3, truncate_layers
+from tp_engine.testing import build_random_qwen3, truncate_layers
 
 pytestmark = pytest.mark.slow
 

@@ -92,7 +92,7 @@ def test_structured_outputs_are_those_without_speculation(tmp_path):
     from tests.test_structured_outputs import MAX_MODEL_LEN as LONG
     from tests.test_structured_outputs import prompts, requests
     from tests.tp_cases import CHECKPOINTS
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     model = build_random_qwen3(tmp_path / CKPT, max_position_embeddings=LONG, **CHECKPOINTS[CKPT])
     reqs = [r for r in requests() if r[1].n == 1]

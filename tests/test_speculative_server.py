@@ -13,7 +13,7 @@ import pytest
 from tests.server_harness import REPO_ROOT, serving
 from tests.tp_cases import CHECKPOINTS
 from tp_engine import LLM, SamplingParams
-from tp_engine.checkpoints import build_random_qwen3
+from tp_engine.testing import build_random_qwen3
 
 pytestmark = pytest.mark.slow
 

@@ -243,7 +243,7 @@ def test_matcher_phases_around_thinking(think_tokenizer):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     name = "tied_kv2_oddvocab"
     return build_random_qwen3(

@@ -22,7 +22,7 @@ PROMPT = [5, 9, 11, 300]
 
 
 def test_a_trainer_killed_mid_broadcast_leaves_the_engine_refusing_until_a_full_load(tmp_path):
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     shape = {k: v for k, v in CHECKPOINTS["tied_kv2_oddvocab"].items() if k != "seed"}
     a = build_random_qwen3(tmp_path / "a", max_position_embeddings=MAX_MODEL_LEN, seed=1, **shape)

@@ -24,7 +24,7 @@ from rank_worker.loader import load_weights, safetensors_files
 from rank_worker.model_runner import load_hf_config
 from rank_worker.tp import TPInfo
 from rank_worker.weight_map import WeightMap
-from tp_engine.checkpoints import build_random_qwen3, build_random_qwen3_moe
+from tp_engine.testing import build_random_qwen3, build_random_qwen3_moe
 
 DENSE = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=8,
              intermediate_size=64, max_position_embeddings=64)  # fmt: skip
@@ -286,7 +286,7 @@ FP8_RANKS = [(0, 1, False), (1, 2, False), (1, 2, True)]
 def fp8_moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from tests.fp8_cases import MAX_MODEL_LEN
     from tests.fp8_cases import MOE as FP8_MOE
-    from tp_engine.checkpoints import quantize_checkpoint_fp8
+    from tp_engine.testing import quantize_checkpoint_fp8
 
     root = tmp_path_factory.mktemp("fp8")
     shape = dict(FP8_MOE, max_position_embeddings=MAX_MODEL_LEN, dtype="bfloat16")

@@ -56,7 +56,7 @@ def _shape(kind: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    from tp_engine.checkpoints import build_random_qwen3, build_random_qwen3_moe
+    from tp_engine.testing import build_random_qwen3, build_random_qwen3_moe
 
     root = tmp_path_factory.mktemp("wu")
     out = {}

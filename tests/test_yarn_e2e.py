@@ -48,7 +48,7 @@ def load_hf(model_dir: Path):
 def cases(tmp_path_factory) -> dict[str, dict]:
     """Per model kind: the YaRN checkpoint, prompts, transformers' greedy continuations and its
     log-softmax over prompt + continuation, with and without YaRN."""
-    from tp_engine.checkpoints import build_random_qwen3, build_random_qwen3_moe, with_rope_scaling
+    from tp_engine.testing import build_random_qwen3, build_random_qwen3_moe, with_rope_scaling
 
     root = tmp_path_factory.mktemp("yarn")
     bases = {

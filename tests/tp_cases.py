@@ -48,7 +48,7 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
 
 
 def build_checkpoints(root: Path) -> dict[str, Path]:
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     return {
         name: build_random_qwen3(root / name, max_position_embeddings=MAX_MODEL_LEN, **kwargs)
@@ -69,7 +69,7 @@ def build_padded_checkpoint(out_dir: Path) -> Path:
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    from tp_engine.checkpoints import build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     path = build_random_qwen3(
         out_dir, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -1140,6 +1140,6 @@ def check_draft_model(draft_dir: str, vocab_size: int, tokenizer: Any) -> None:
 
 
 def _demo_model_dir() -> Path:
-    from tp_engine.checkpoints import demo_checkpoint_dir
+    from tp_engine.demo import demo_checkpoint_dir
 
     return demo_checkpoint_dir()

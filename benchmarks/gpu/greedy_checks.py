@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from benchmarks.results import environment  # noqa: E402
 from tp_engine import LLM, SamplingParams  # noqa: E402
-from tp_engine.checkpoints import build_random_qwen3  # noqa: E402
+from tp_engine.testing import build_random_qwen3  # noqa: E402
 
 # Nats between transformers' best token and the engine's choice that still count as a near-tie.
 NEAR_TIE_NATS = 0.3

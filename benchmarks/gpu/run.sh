@@ -220,12 +220,12 @@ fp8() {
     src="$TP_ENGINE_CACHE/tiny-hd128"
     fp8dir="$TP_ENGINE_CACHE/tiny-hd128-fp8"
     [ -f "$src/config.json" ] || step ckpt-tiny 120 $PY -c '
-import sys; from tp_engine.checkpoints import build_random_qwen3
+import sys; from tp_engine.testing import build_random_qwen3
 build_random_qwen3(sys.argv[1], hidden_size=256, num_layers=2, num_heads=2, num_kv_heads=1,
                    head_dim=128, intermediate_size=256, max_position_embeddings=4096)' "$src"
   fi
   [ -f "$fp8dir/config.json" ] || step ckpt-fp8 300 $PY -c \
-    'import sys; from tp_engine.checkpoints import quantize_checkpoint_fp8 as q; q(*sys.argv[1:])' \
+    'import sys; from tp_engine.testing import quantize_checkpoint_fp8 as q; q(*sys.argv[1:])' \
     "$src" "$fp8dir"
   local extra=()
   [ $GPU = 1 ] || extra=(--num-seqs 8 --min-input-len 16 --max-input-len 64 --min-output-len 8

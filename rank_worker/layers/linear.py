@@ -21,7 +21,7 @@ partial term before its all-reduce.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +95,98 @@ class _Linear(nn.Module):
         self._matmul = lambda x: fp8_linear(x, self.weight, self.weight_scale_inv)
 
 
-class ColumnParallelLinear(_Linear):
+class OutputPart(NamedTuple):
+    """Where one checkpoint tensor's output rows sit in this rank's shard of a column-parallel
+    layer: rows `[first_row, first_row + rows)` of the `full_rows` checkpoint tensor, at
+    `[offset, offset + rows)` of the rank's local weight (and output)."""
+
+    full_rows: int
+    first_row: int
+    rows: int
+    offset: int
+
+
+class ColumnParallelBase(_Linear):
+    """A column-parallel weight packed from one or more checkpoint tensors (`parts`, keyed by
+    the loader's `shard_id`; the single part of a plain layer is keyed None), each cut by output
+    rows on its own and laid side by side in the local weight in key order.
+
+    Loading, the FP8 scales' rows and the LoRA stacks all cut by `parts`, so the three agree by
+    construction. Forward: no collective; the output is this rank's `[num_tokens, sum(rows)]`.
+    """
+
+    def _init_parts(
+        self,
+        input_size: int,
+        parts: dict[Any, OutputPart],
+        tp: TPInfo,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quant: Fp8BlockQuant | None,
+    ) -> None:
+        self.tp = tp
+        self.input_size = input_size
+        self.parts = parts
+        total = sum(part.rows for part in parts.values())
+        if quant is not None:
+            # A plain layer's last shard may end inside a block at the end of the weight; a
+            # packed part must be whole blocks (a partial last block of one part would share
+            # scale rows with the next part).
+            packed = len(parts) > 1
+            self._scale_rows = {
+                key: block_slice(
+                    part.first_row, part.rows, None if packed else part.full_rows,
+                    f"{type(self).__name__} {'output' if key is None else key}",
+                )
+                for key, part in parts.items()
+            }  # fmt: skip
+        self._make_weight(
+            total, input_size, quant, dtype=dtype, device=device,
+            load_weight=self._load_part, load_scale=self._load_scale_part,
+        )  # fmt: skip
+        self.bias = (
+            make_param((total,), dtype=dtype, device=device, weight_loader=self._load_part)
+            if bias
+            else None
+        )
+
+    @property
+    def shard_ids(self) -> tuple[Any, ...]:
+        """The parts a checkpoint must provide for each parameter."""
+        return tuple(self.parts)
+
+    def _part(self, shard_id: Any) -> OutputPart:
+        if self.shard_ids == (None,):
+            reject_shard_id(shard_id, type(self).__name__)
+        elif shard_id not in self.parts:
+            raise ValueError(
+                f"{type(self).__name__}: shard_id must be one of {self.shard_ids}, got {shard_id!r}"
+            )
+        return self.parts[shard_id]
+
+    def _load_part(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
+        part = self._part(shard_id)
+        what = type(self).__name__ if shard_id is None else f"{type(self).__name__} {shard_id}"
+        check_shape(full, (part.full_rows, *param.shape[1:]), what)
+        shard = full.narrow(0, part.first_row, part.rows)
+        param.data.narrow(0, part.offset, part.rows).copy_(shard)
+
+    def _load_scale_part(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any) -> None:
+        part = self._part(shard_id)
+        check_shape(full, scale_shape(part.full_rows, self.input_size), "weight_scale_inv")
+        first, count = self._scale_rows[shard_id]
+        offset = part.offset // self.quant.block
+        param.data.narrow(0, offset, count).copy_(full.narrow(0, first, count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x)  # [num_tokens, sum of the parts' rows]
+        y = self._adapt(x, y)
+        return y if self.bias is None else y + self.bias
+
+
+class ColumnParallelLinear(ColumnParallelBase):
     """`y = x @ W.T (+ b)` with W split along its output rows.
 
     Split: rank r holds rows `[r * out/size, (r+1) * out/size)` of W `[out, in]` (and of b).
@@ -114,45 +205,16 @@ class ColumnParallelLinear(_Linear):
         quant: Fp8BlockQuant | None = None,
     ) -> None:
         super().__init__()
-        self.tp = tp
-        self.input_size = input_size
         self.output_size = output_size
         self.local_output_size = _divide(output_size, tp.size, "output size")
-        if quant is not None:
-            self._scale_rows = block_slice(
-                tp.rank * self.local_output_size, self.local_output_size, output_size,
-                "ColumnParallelLinear output",
-            )  # fmt: skip
-        self._make_weight(
-            self.local_output_size, input_size, quant, dtype=dtype, device=device,
-            load_weight=self._load_rows, load_scale=self._load_scale_rows,
-        )  # fmt: skip
-        self.bias = (
-            make_param(
-                (self.local_output_size,), dtype=dtype, device=device, weight_loader=self._load_rows
-            )
-            if bias
-            else None
+        rows = self.local_output_size
+        part = OutputPart(output_size, tp.rank * rows, rows, 0)
+        self._init_parts(
+            input_size, {None: part}, tp, bias=bias, dtype=dtype, device=device, quant=quant
         )
 
-    def _load_rows(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
-        reject_shard_id(shard_id, type(self).__name__)
-        check_shape(full, (self.output_size, *param.shape[1:]), type(self).__name__)
-        start = self.tp.rank * self.local_output_size
-        param.data.copy_(full.narrow(0, start, self.local_output_size))
 
-    def _load_scale_rows(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any) -> None:
-        reject_shard_id(shard_id, type(self).__name__)
-        check_shape(full, scale_shape(self.output_size, self.input_size), "weight_scale_inv")
-        param.data.copy_(full.narrow(0, *self._scale_rows))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x)  # [num_tokens, out/size]
-        y = self._adapt(x, y)
-        return y if self.bias is None else y + self.bias
-
-
-class MergedColumnParallelLinear(_Linear):
+class MergedColumnParallelLinear(ColumnParallelBase):
     """Several column-parallel projections of the same input fused into one matmul.
 
     Used for the MLP's gate and up projections. Split: each part i (`output_sizes[i]` rows) is
@@ -173,63 +235,17 @@ class MergedColumnParallelLinear(_Linear):
         quant: Fp8BlockQuant | None = None,
     ) -> None:
         super().__init__()
-        self.tp = tp
-        self.input_size = input_size
         self.output_sizes = list(output_sizes)
-        self.local_sizes = [_divide(n, tp.size, "merged output size") for n in output_sizes]
-        self.local_offsets = [sum(self.local_sizes[:i]) for i in range(len(output_sizes))]
-        total = sum(self.local_sizes)
-        if quant is not None:
-            # Parts sit side by side in one weight, so each must be whole blocks (a partial
-            # last block of one part would share scale rows with the next part).
-            self._scale_rows = [
-                block_slice(tp.rank * n, n, None, f"MergedColumnParallelLinear part {i}")
-                for i, n in enumerate(self.local_sizes)
-            ]  # fmt: skip
-        self._make_weight(
-            total, input_size, quant, dtype=dtype, device=device,
-            load_weight=self._load_part, load_scale=self._load_scale_part,
-        )  # fmt: skip
-        self.bias = (
-            make_param((total,), dtype=dtype, device=device, weight_loader=self._load_part)
-            if bias
-            else None
-        )
-
-    @property
-    def shard_ids(self) -> tuple[int, ...]:
-        """The parts a checkpoint must provide for each parameter."""
-        return tuple(range(len(self.output_sizes)))
-
-    def _load_part(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id not in self.shard_ids:
-            raise ValueError(
-                f"MergedColumnParallelLinear: shard_id must be one of {self.shard_ids}"
-            )
-        check_shape(full, (self.output_sizes[shard_id], *param.shape[1:]), "merged column part")
-        n = self.local_sizes[shard_id]
-        shard = full.narrow(0, self.tp.rank * n, n)
-        param.data.narrow(0, self.local_offsets[shard_id], n).copy_(shard)
-
-    def _load_scale_part(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any) -> None:
-        if shard_id not in self.shard_ids:
-            raise ValueError(
-                f"MergedColumnParallelLinear: shard_id must be one of {self.shard_ids}"
-            )
-        check_shape(
-            full, scale_shape(self.output_sizes[shard_id], self.input_size), "weight_scale_inv"
-        )
-        first, count = self._scale_rows[shard_id]
-        offset = self.local_offsets[shard_id] // self.quant.block
-        param.data.narrow(0, offset, count).copy_(full.narrow(0, first, count))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x)  # [num_tokens, sum(output_sizes)/size]
-        y = self._adapt(x, y)
-        return y if self.bias is None else y + self.bias
+        parts: dict[Any, OutputPart] = {}
+        offset = 0
+        for i, full in enumerate(output_sizes):
+            rows = _divide(full, tp.size, "merged output size")
+            parts[i] = OutputPart(full, tp.rank * rows, rows, offset)
+            offset += rows
+        self._init_parts(input_size, parts, tp, bias=bias, dtype=dtype, device=device, quant=quant)
 
 
-class QKVParallelLinear(_Linear):
+class QKVParallelLinear(ColumnParallelBase):
     """The fused q/k/v projection, split by attention heads.
 
     Split: query heads are divided evenly (rank r holds heads `[r*h/size, (r+1)*h/size)`). KV
@@ -239,10 +255,9 @@ class QKVParallelLinear(_Linear):
     unsplit model (query head j uses KV head `j // (num_heads / num_kv_heads)`).
     Local weight rows: `[q heads; k heads; v heads]` of this rank, each `head_dim` rows per head.
     Forward: no collective; output `[num_tokens, (q_local + 2*kv_local) * head_dim]`.
-    `weight_loader(param, full, shard_id)` with shard_id "q", "k" or "v".
+    `weight_loader(param, full, shard_id)` with shard_id "q", "k" or "v". With FP8, each part
+    must be whole 128-row blocks; with head_dim 128, as in every Qwen3, a head is a block.
     """
-
-    shard_ids = ("q", "k", "v")
 
     def __init__(
         self,
@@ -258,7 +273,6 @@ class QKVParallelLinear(_Linear):
         quant: Fp8BlockQuant | None = None,
     ) -> None:
         super().__init__()
-        self.tp = tp
         self.hidden_size = hidden_size
         self.head_dim = head_dim
         self.num_heads = num_heads
@@ -272,70 +286,13 @@ class QKVParallelLinear(_Linear):
             self.kv_head_start = tp.rank * self.num_local_kv_heads
         self.q_size = self.num_local_heads * head_dim
         self.kv_size = self.num_local_kv_heads * head_dim
-        total = self.q_size + 2 * self.kv_size
-        if quant is not None:
-            # Whole blocks per part (see MergedColumnParallelLinear); with head_dim 128, as in
-            # every Qwen3, a head is a block.
-            q_rows = num_heads * head_dim
-            kv_rows = num_kv_heads * head_dim
-            self._scale_rows = {
-                "q": block_slice(tp.rank * self.q_size, self.q_size, None, "q_proj"),
-                "k": block_slice(self.kv_head_start * head_dim, self.kv_size, None, "k_proj"),
-                "v": block_slice(self.kv_head_start * head_dim, self.kv_size, None, "v_proj"),
-            }
-            self._scale_offsets = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}
-            self._scale_full_rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
-        self._make_weight(
-            total, hidden_size, quant, dtype=dtype, device=device,
-            load_weight=self._load_part, load_scale=self._load_scale_part,
-        )  # fmt: skip
-        self.bias = (
-            make_param((total,), dtype=dtype, device=device, weight_loader=self._load_part)
-            if bias
-            else None
-        )
-
-    def _load_part(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id == "q":
-            full_rows, first_head, n_heads, offset = (
-                self.num_heads * self.head_dim,
-                self.tp.rank * self.num_local_heads,
-                self.num_local_heads,
-                0,
-            )
-        elif shard_id in ("k", "v"):
-            full_rows, first_head, n_heads = (
-                self.num_kv_heads * self.head_dim,
-                self.kv_head_start,
-                self.num_local_kv_heads,
-            )
-            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-        else:
-            raise ValueError(
-                f"QKVParallelLinear: shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
-            )
-        check_shape(full, (full_rows, *param.shape[1:]), f"{shard_id}_proj")
-        rows = n_heads * self.head_dim
-        shard = full.narrow(0, first_head * self.head_dim, rows)
-        param.data.narrow(0, offset, rows).copy_(shard)
-
-    def _load_scale_part(self, param: nn.Parameter, full: torch.Tensor, shard_id: Any) -> None:
-        if shard_id not in self.shard_ids:
-            raise ValueError(
-                f"QKVParallelLinear: shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
-            )
-        check_shape(
-            full, scale_shape(self._scale_full_rows[shard_id], self.hidden_size),
-            f"{shard_id}_proj weight_scale_inv",
-        )  # fmt: skip
-        first, count = self._scale_rows[shard_id]
-        offset = self._scale_offsets[shard_id] // self.quant.block
-        param.data.narrow(0, offset, count).copy_(full.narrow(0, first, count))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x)  # [num_tokens, q_size + 2 * kv_size]
-        y = self._adapt(x, y)
-        return y if self.bias is None else y + self.bias
+        kv_full, kv_first = num_kv_heads * head_dim, self.kv_head_start * head_dim
+        parts = {
+            "q": OutputPart(num_heads * head_dim, tp.rank * self.q_size, self.q_size, 0),
+            "k": OutputPart(kv_full, kv_first, self.kv_size, self.q_size),
+            "v": OutputPart(kv_full, kv_first, self.kv_size, self.q_size + self.kv_size),
+        }
+        self._init_parts(hidden_size, parts, tp, bias=bias, dtype=dtype, device=device, quant=quant)
 
 
 def local_kv_heads(num_kv_heads: int, tp: TPInfo) -> int:

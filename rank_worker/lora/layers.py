@@ -32,11 +32,7 @@ from kernels.lora import (
     lora_shrink_ref,
 )
 from kernels.lora_grouped import lora_expand_grouped, lora_shrink_grouped, lora_token_groups
-from rank_worker.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from rank_worker.layers.linear import ColumnParallelBase, RowParallelLinear
 
 
 class OutputPart(NamedTuple):
@@ -50,23 +46,11 @@ class OutputPart(NamedTuple):
 
 
 def output_parts(layer: torch.nn.Module, projs: tuple[str, ...]) -> list[OutputPart]:
-    """This rank's rows of each HF projection packed in `layer` (in `projs` order), the same
-    cut as the layer's weight loader makes."""
-    if isinstance(layer, QKVParallelLinear):
-        hd = layer.head_dim
-        kv_first, kv_full = layer.kv_head_start * hd, layer.num_kv_heads * hd
-        q_full = layer.num_heads * hd
+    """This rank's rows of each HF projection packed in `layer` (in `projs` order): the layer's
+    own parts, the cut its weight loader makes."""
+    if isinstance(layer, ColumnParallelBase):
         return [
-            OutputPart(projs[0], q_full, layer.tp.rank * layer.q_size, layer.q_size, 0),
-            OutputPart(projs[1], kv_full, kv_first, layer.kv_size, layer.q_size),
-            OutputPart(projs[2], kv_full, kv_first, layer.kv_size, layer.q_size + layer.kv_size),
-        ]
-    if isinstance(layer, MergedColumnParallelLinear):
-        return [
-            OutputPart(proj, full, layer.tp.rank * rows, rows, offset)
-            for proj, full, rows, offset in zip(
-                projs, layer.output_sizes, layer.local_sizes, layer.local_offsets, strict=True
-            )
+            OutputPart(proj, *part) for proj, part in zip(projs, layer.parts.values(), strict=True)
         ]
     if isinstance(layer, RowParallelLinear):
         return [OutputPart(projs[0], layer.output_size, 0, layer.output_size, 0)]
@@ -150,8 +134,7 @@ class LinearLoRA:
             self.in_first = layer.tp.rank * layer.local_input_size
             in_local, self.in_full = layer.local_input_size, layer.input_size
         else:
-            # QKVParallelLinear names its input hidden_size.
-            in_local = self.in_full = getattr(layer, "input_size", None) or layer.hidden_size
+            in_local = self.in_full = layer.input_size
             self.in_first = 0
         out_local = sum(part.rows for part in self.parts)
         self.batch = batch

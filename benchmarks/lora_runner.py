@@ -64,7 +64,6 @@ def write_random_adapter(out: Path, hf_config: Any, rank: int, seed: int) -> Pat
 def step_plan(num_seqs: int, new_tokens: int, context: int, block_size: int, slots: list[int]):
     """A RUN plan of `num_seqs` sequences, each computing `new_tokens` at the end of
     `context` tokens, in rows 0.. with blocks of their own; `slots` per sequence."""
-    import dataclasses
 
     from rank_worker.model_runner import synthetic_plan
 
@@ -74,7 +73,7 @@ def step_plan(num_seqs: int, new_tokens: int, context: int, block_size: int, slo
         for i in range(num_seqs)
     ]
     plan = synthetic_plan(seqs)
-    return dataclasses.replace(plan, adapter_slots=np.array(slots, dtype=np.int32))
+    return plan.with_sections(adapter_slots=np.array(slots, dtype=np.int32))
 
 
 def _time_steps(runner: Any, plan: Any, repeats: int) -> float:

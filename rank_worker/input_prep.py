@@ -336,12 +336,13 @@ def write_adapter_slots(
 ) -> None:
     """`out[T]` = each token's adapter slot: its sequence's (the plan's `adapter_slots`), or
     -1 everywhere when the plan has none (every sequence on the base model)."""
-    if plan.adapter_slots.size == 0:
+    slots = plan.section("adapter_slots")  # [B] or [0]
+    if slots.size == 0:
         out.fill(-1)
     elif decode_only:
-        out[...] = plan.adapter_slots
+        out[...] = slots
     else:
-        out[...] = np.repeat(plan.adapter_slots, q_lens)
+        out[...] = np.repeat(slots, q_lens)
 
 
 def prepare_inputs(

@@ -412,7 +412,7 @@ class ModelRunner:
         """Whether a sequence of `plan` runs an adapter. A slot this rank does not have is a
         ValueError: the plan's decoder checks only the lower bound (-1), and the kernels would
         read past the slot stacks (the masked torch path would silently run the base)."""
-        slots = plan.adapter_slots
+        slots = plan.section("adapter_slots")
         top = int(slots.max()) if slots.size else -1
         num_slots = 0 if self.lora is None else self.lora.max_loras
         if top >= num_slots:

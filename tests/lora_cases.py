@@ -15,7 +15,6 @@ modules, one rsLoRA, one with per-module rank and alpha, one on some layers only
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -205,7 +204,7 @@ def make_lora_scenario(
 
     def with_slots(plan: StepPlan, names: list[str]) -> StepPlan:
         ids = [slots[a] if (a := sequences[n][0]) else -1 for n in names]
-        return dataclasses.replace(plan, adapter_slots=np.array(ids, dtype=np.int32))
+        return plan.with_sections(adapter_slots=np.array(ids, dtype=np.int32))
 
     plans, expected = [], []
     for step_id, work in enumerate(steps):

@@ -165,7 +165,7 @@ def test_max_loras_bounds_each_step_and_host_lru_reloads(case):
         per_step: list[set[int]] = []
 
         def recording(plan, *args):
-            slots = plan.adapter_slots
+            slots = plan.section("adapter_slots")
             per_step.append(set(slots[slots >= 0].tolist()))
             return run_plan(plan, *args)
 

@@ -17,7 +17,6 @@ without LoRA for a step without adapters.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +155,7 @@ def test_lora_dtype_sets_the_slot_stacks(case: dict[str, Any]) -> None:
         assert lora_call(runner, tp, "LOAD_LORA", slot=SLOTS[name], lora_uid=name, path=path).ok
     plan, ref = case["scenario"].plans[0], case["reference"][0]
     base = runner.execute(
-        dataclasses.replace(plan, adapter_slots=np.full_like(plan.adapter_slots, -1))
+        plan.with_sections(adapter_slots=np.full_like(plan.section("adapter_slots"), -1))
     )
     logits = runner.execute(plan)
     err, effect = ((logits - ref).abs().max().item(), (base - ref).abs().max().item())
@@ -309,12 +308,12 @@ def test_slot_past_the_stacks_is_refused(case: dict[str, Any]) -> None:
     tp = TPInfo(0, 1)
     runner = lora_runner(case["args"][0], tp, gpu_data_paths=True)
     prefill = case["scenario"].plans[0]
-    slots = prefill.adapter_slots.copy()
+    slots = prefill.section("adapter_slots").copy()
     slots[slots == slots.max()] = MAX_LORAS
     with pytest.raises(
         ValueError, match=f"adapter slot {MAX_LORAS}, but this rank has {MAX_LORAS} LoRA"
     ):
-        runner.execute(dataclasses.replace(prefill, adapter_slots=slots))
+        runner.execute(prefill.with_sections(adapter_slots=slots))
 
 
 @pytest.mark.gpu
@@ -338,7 +337,7 @@ def test_decode_graph_replays_adapters_gpu(case: dict[str, Any]) -> None:
     assert (graphs.num_replays, graphs.num_base_replays) == (1, 0)
     # The decode again with every sequence on the base model: the graph without LoRA. Row 1
     # is the base sequence, whose whole history is the base model's.
-    base_only = dataclasses.replace(decode, adapter_slots=np.full(4, -1, dtype=np.int32))
+    base_only = decode.with_sections(adapter_slots=np.full(4, -1, dtype=np.int32))
     logits = runner.execute(base_only).cpu()
     assert (graphs.num_replays, graphs.num_base_replays) == (2, 1)
     assert (logits[1] - case["reference"][1][1]).abs().max().item() <= 5e-2

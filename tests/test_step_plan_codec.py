@@ -22,6 +22,7 @@ from shm_ipc.step_plan import (
     ARRAY_FIELDS,
     HEADER_SIZE,
     MAGIC,
+    SECTIONS,
     VERSION,
     Command,
     PlanDecodeError,
@@ -30,7 +31,7 @@ from shm_ipc.step_plan import (
 
 FIELDS = ARRAY_FIELDS
 _HEADER = struct.Struct("<4sHHQIIIIII")
-_HEADER_NAMES = ("magic", "version", "command", "step_id", "t", "b", "n_logits", "e", "n", "r")
+_HEADER_NAMES = ("magic", "version", "command", "step_id", "t", "b", "n_logits", "e", "n", "s")
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -61,6 +62,7 @@ def plans(draw: st.DrawFn) -> StepPlan:
         edit_starts=draw(int32_arrays(num_edits)),
         edit_offsets=np.concatenate([[0], np.cumsum(edit_sizes)]).astype(np.int32),
         edit_blocks=draw(int32_arrays(sum(edit_sizes))),
+    ).with_sections(
         adapter_slots=draw(
             st.sampled_from([0, num_seqs]).flatmap(
                 lambda n: hnp.arrays(np.int32, n, elements=st.integers(-1, I32_MAX))
@@ -75,6 +77,11 @@ def assert_same_plan(a: StepPlan, b: StepPlan) -> None:
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype == np.int32, name
         assert x.shape == y.shape, name
+        np.testing.assert_array_equal(x, y, err_msg=name)
+    assert a.sections.keys() == b.sections.keys()
+    for name in SECTIONS:
+        x, y = a.section(name), b.section(name)
+        assert x.dtype == y.dtype == np.int32, name
         np.testing.assert_array_equal(x, y, err_msg=name)
 
 
@@ -103,7 +110,7 @@ def assert_faithful(data: bytes, plan: StepPlan) -> None:
 def test_wire_order_is_the_field_order() -> None:
     # `decode` passes the arrays to the constructor positionally, in wire order.
     names = [f.name for f in dataclasses.fields(StepPlan)]
-    assert names == ["step_id", "command", *ARRAY_FIELDS]
+    assert names == ["step_id", "command", *ARRAY_FIELDS, "sections"]
 
 
 @given(plans())
@@ -250,7 +257,8 @@ def _sample_plan(logits_indices: list[int] | None = None, **arrays: np.ndarray) 
         ({"n_logits": 3}, "bytes"),
         ({"e": 2}, "bytes"),
         ({"n": 3}, "bytes"),
-        ({"r": 1}, "adapter slots"),  # neither 0 nor one per sequence
+        ({"s": 1}, "bytes"),  # a section table the plan does not have
+        ({"s": 2}, "sections"),  # more sections than this build knows
     ],
 )
 def test_bad_header_field_rejected(fields: dict, match: str) -> None:
@@ -259,13 +267,46 @@ def test_bad_header_field_rejected(fields: dict, match: str) -> None:
 
 
 def test_adapter_slots_roundtrip_and_below_base_rejected() -> None:
-    plan = _sample_plan(adapter_slots=np.array([2, -1], np.int32))
+    plan = _sample_plan().with_sections(adapter_slots=np.array([2, -1], np.int32))
     assert_same_plan(plan, StepPlan.decode(plan.encode()))
-    assert _sample_plan().encoded_size() + 8 == plan.encoded_size()  # base plans carry nothing
+    # Base plans carry nothing: the section (a table entry and B values) only when present.
+    assert _sample_plan().encoded_size() + 4 * (2 + 2) == plan.encoded_size()
+    assert plan.with_sections(adapter_slots=np.empty(0, np.int32)).sections == {}
     with pytest.raises(PlanDecodeError, match="below -1"):
-        StepPlan.decode(_sample_plan(adapter_slots=np.array([0, -2], np.int32)).encode())
+        StepPlan.decode(
+            _sample_plan().with_sections(adapter_slots=np.array([0, -2], np.int32)).encode()
+        )
     with pytest.raises(ValueError, match="adapter_slots"):
-        _sample_plan(adapter_slots=np.array([0], np.int32)).validate()
+        _sample_plan().with_sections(adapter_slots=np.array([0], np.int32)).validate()
+
+
+def _with_section_table(plan: StepPlan, table: list[int], payload: list[int]) -> bytes:
+    """`plan`'s bytes with a hand-made section table and payload in place of its own."""
+    counts = len(table) // 2
+    core = _header_with(plan, s=counts)[: plan.encoded_size()]
+    return core + np.array(table + payload, np.int32).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("table", "payload", "match"),
+    [
+        ([99, 2], [0, 1], "unknown section id 99"),
+        ([1, 1], [0], "adapter_slots of 1 values"),  # one slot per sequence, and B is 2
+        ([1, 0], [], "adapter_slots of 0 values"),  # an empty section is never sent
+        ([1, 2], [0], "past the end"),
+        ([1, 2], [0, 1, 7], "body bytes"),  # trailing bytes after the last section
+    ],
+)
+def test_bad_section_table_rejected(table: list[int], payload: list[int], match: str) -> None:
+    with pytest.raises(PlanDecodeError, match=match):
+        StepPlan.decode(_with_section_table(_sample_plan(), table, payload))
+
+
+def test_unknown_section_name_refused() -> None:
+    with pytest.raises(KeyError, match="no StepPlan section"):
+        _sample_plan().with_sections(draft_rows=np.array([1], np.int32))
+    with pytest.raises(KeyError, match="no StepPlan section"):
+        _sample_plan().section("draft_rows")
 
 
 @pytest.mark.parametrize(

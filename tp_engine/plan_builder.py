@@ -138,7 +138,7 @@ def plan_step(
     plan = build_step_plan(step, step_id)
     if batch.num_adapter_rows:
         # Each row's LoRA slot (`tp_engine.lora`); left empty while every row runs the base.
-        plan = dataclasses.replace(plan, adapter_slots=batch.adapter_slot[step.rows])
+        plan = plan.with_sections(adapter_slots=batch.adapter_slot[step.rows])
     prompt_rows = prompt_logprob_rows(step, batch, plan)
     pooled = pooled_rows(step, batch, plan)
     if prompt_rows or pooled:

@@ -21,7 +21,7 @@ from tests.scripted_model import (
     TOOL_CALL,
     build_tokenizer,
 )
-from tp_engine.detokenizer import IncrementalDetokenizer
+from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.server.chat_output import ChatOutputParser
 from tp_engine.server.chat_parsers import ChatParsing

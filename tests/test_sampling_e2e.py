@@ -448,7 +448,7 @@ def test_logprob_limit_is_refused(llm):
 
 
 def test_skip_special_tokens_in_text(llm):
-    from tp_engine.llm import _Sample
+    from tp_engine.frontend.llm import _Sample
 
     tok = llm.get_tokenizer()
     words = tok("Hello world")["input_ids"]

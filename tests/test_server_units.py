@@ -8,7 +8,7 @@ import random
 import msgpack
 import pytest
 
-from tp_engine.detokenizer import IncrementalDetokenizer
+from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.server.http_errors import APIError
 from tp_engine.server.logprob_format import LogprobFormatter, cut_top
 from tp_engine.server.messages import (

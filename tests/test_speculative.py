@@ -18,7 +18,7 @@ import torch
 from tests.tp_cases import MAX_MODEL_LEN, build_checkpoints, hf_greedy
 from tp_engine import LLM, SamplingParams
 from tp_engine.config import EngineConfig
-from tp_engine.detokenizer import IncrementalDetokenizer
+from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.speculative import NgramProposer, SpecDecodeStats, SpeculativeConfig, accept_drafts
 from tp_engine.speculative.ngram import longest_suffix_match
 

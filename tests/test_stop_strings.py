@@ -1,4 +1,4 @@
-from tp_engine.stop_strings import find_stop_string
+from tp_engine.frontend.stop_strings import find_stop_string
 
 
 def test_earliest_stop_string_wins():

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.scripted_model import END_THINK, IM_END, THINK, build_tokenizer
-from tp_engine.detokenizer import IncrementalDetokenizer
+from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.server.chat_output import ChatOutputParser
 from tp_engine.server.chat_parsers import ChatParsing
 from tp_engine.server.constraints import output_constraint

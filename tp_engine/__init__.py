@@ -17,7 +17,7 @@ from tp_engine.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from tp_engine.engine import LLMEngine
-    from tp_engine.llm import LLM
+    from tp_engine.frontend.llm import LLM
 
 __all__ = [
     "LLM",
@@ -34,7 +34,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from tp_engine.llm import LLM
+        from tp_engine.frontend.llm import LLM
 
         return LLM
     if name == "LLMEngine":

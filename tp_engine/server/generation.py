@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tp_engine.detokenizer import IncrementalDetokenizer
+from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.lora import LoRARequest
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.server.engine_client import ACCEPTED, EngineClient, EngineDied

@@ -36,13 +36,13 @@ from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
 from tp_engine import weight_updates
 from tp_engine.config import EngineConfig
 from tp_engine.control import EngineInconsistentError
-from tp_engine.detokenizer import IncrementalDetokenizer
 from tp_engine.engine import EngineDeadError, LLMEngine
-from tp_engine.llm_pooling import PoolingMethods
+from tp_engine.frontend.detokenizer import IncrementalDetokenizer
+from tp_engine.frontend.llm_pooling import PoolingMethods
+from tp_engine.frontend.metrics_reader import Metric, engine_metrics
+from tp_engine.frontend.per_prompt import per_prompt
 from tp_engine.lora import LoRARequest
-from tp_engine.metrics_reader import Metric, engine_metrics
 from tp_engine.outputs import CompletionOutput, RequestOutput, SequenceOutput, logprob_dicts
-from tp_engine.per_prompt import per_prompt
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.sequence import SequenceStatus, TokenLogprobs
@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 class LLM(PoolingMethods):
     """Generate completions for a batch of prompts with a tensor-parallel engine; or, for a
-    pooling model, embed, classify and score them (`tp_engine.llm_pooling`)."""
+    pooling model, embed, classify and score them (`tp_engine.frontend.llm_pooling`)."""
 
     def __init__(
         self,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tp_engine.stop_strings import find_stop_string
+from tp_engine.frontend.stop_strings import find_stop_string
 
 
 class IncrementalDetokenizer:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-from tp_engine.per_prompt import per_prompt
-from tp_engine.pooling_outputs import (
+from tp_engine.frontend.per_prompt import per_prompt
+from tp_engine.frontend.pooling_outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
     EmbeddingOutput,

@@ -40,11 +40,11 @@ def load_engine(root: Path) -> dict[str, Any]:
     from rank_worker.runner_config import RunnerConfig
     from shm_ipc.step_plan import StepPlan
     from tp_engine import scheduler as scheduler_mod
-    from tp_engine.block_manager import BlockManager
     from tp_engine.config import EngineConfig
-    from tp_engine.plan_builder import build_step_plan
+    from tp_engine.core.kv.block_manager import BlockManager
+    from tp_engine.core.plan_builder import build_step_plan
+    from tp_engine.core.sequence import Sequence
     from tp_engine.sampling_params import SamplingParams
-    from tp_engine.sequence import Sequence
 
     torch.set_num_threads(1)
     return dict(

@@ -10,13 +10,13 @@ import numpy as np
 from rank_worker.block_tables import BlockTables
 from rank_worker.input_prep import positions_of
 from shm_ipc.step_plan import StepPlan
-from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
-from tp_engine.plan_builder import build_step_plan
-from tp_engine.running_batch import RunningBatch
+from tp_engine.core.kv.block_manager import BlockManager
+from tp_engine.core.plan_builder import build_step_plan
+from tp_engine.core.running_batch import RunningBatch
+from tp_engine.core.scheduler import DraftProposer, ScheduledStep, Scheduler
+from tp_engine.core.sequence import Sequence
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.scheduler import DraftProposer, ScheduledStep, Scheduler
-from tp_engine.sequence import Sequence
 from tp_engine.speculative import accept_drafts
 
 EOS = 0

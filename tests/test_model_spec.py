@@ -197,10 +197,10 @@ def test_a_result_is_recorded_only_for_a_sequence_still_running():
     carries one only when it ends with it (an aborted request's output has none)."""
     import torch
 
-    from tp_engine.plan_builder import PooledRow
+    from tp_engine.core.plan_builder import PooledRow
+    from tp_engine.core.sequence import Sequence, SequenceStatus
     from tp_engine.pooling import record_pooled
     from tp_engine.sampling_params import SamplingParams
-    from tp_engine.sequence import Sequence, SequenceStatus
 
     seqs = [Sequence(name, [1, 2], SamplingParams(max_tokens=0), 0.0) for name in "abc"]
     statuses = (SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED_ABORTED)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from tests.control_plane import Stepper, StepView, make_scheduler, make_seq, next_token
-from tp_engine.plan_builder import build_step_plan
-from tp_engine.scheduler import Scheduler
-from tp_engine.sequence import Sequence
+from tp_engine.core.plan_builder import build_step_plan
+from tp_engine.core.scheduler import Scheduler
+from tp_engine.core.sequence import Sequence
 from tp_engine.speculative import accept_drafts
 
 

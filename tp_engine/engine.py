@@ -8,7 +8,7 @@ channel to the other ranks and the sampler. Its public surface is what the two f
     step() -> StepOutputs                           one step, and the outputs it produced
     stats() / has_unfinished() / diagnose_stall()   state for metrics, loops and watchdogs
     control.call(op, args)                          a control call to every rank, between
-                                                    steps (`tp_engine.control`)
+                                                    steps (`tp_engine.executor.control`)
     reconfigure() / shutdown()
 
 A step goes through three phases, each its own value:
@@ -78,15 +78,17 @@ from rank_worker.step import StepExecutor
 from rank_worker.tp import TPInfo
 from shm_ipc import ChannelError, PlanBroadcaster, StepPlan
 from tp_engine import lora_control, weight_updates
-from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
-from tp_engine.control import EngineControl, EngineInconsistentError
-from tp_engine.engine_states import Gate, PauseMode
+from tp_engine.core.engine_states import Gate, PauseMode
+from tp_engine.core.kv.block_manager import BlockManager
+from tp_engine.core.plan_builder import LogitsLayout, plan_step
+from tp_engine.core.scheduler import RequestRejectedError, ScheduledStep, Scheduler
+from tp_engine.core.sequence import Sequence, SequenceStatus
+from tp_engine.executor.control import EngineControl, EngineInconsistentError
 from tp_engine.failures import EngineDeadError, FailureGuard, diagnose_stall
 from tp_engine.generation_config import eos_token_ids, sampling_defaults
 from tp_engine.lora import LoRARequest
 from tp_engine.outputs import EngineStats, SequenceOutput, StepOutputs
-from tp_engine.plan_builder import LogitsLayout, plan_step
 from tp_engine.pooling import record_pooled
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling import MAX_NUM_LOGPROBS, LogprobsTensors, sample_batch
@@ -98,8 +100,6 @@ from tp_engine.sampling.logprob_records import (
 )
 from tp_engine.sampling.profiling import profile_sampling
 from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
-from tp_engine.scheduler import RequestRejectedError, ScheduledStep, Scheduler
-from tp_engine.sequence import Sequence, SequenceStatus
 from tp_engine.sleep import EngineSleep
 from tp_engine.speculative import NgramProposer, SpecDecodeStats, accept_drafts
 from tp_engine.speculative.draft_model import DraftModelProposer
@@ -295,7 +295,7 @@ class LLMEngine:
         self.pause_mode: PauseMode | None = None
         # Sleep mode (`tp_engine.sleep`): what sleeps on every rank; it closes the gate too.
         self.sleep_state = EngineSleep(self)
-        # Control calls to every rank (`tp_engine.control`), run between steps.
+        # Control calls to every rank (`tp_engine.executor.control`), run between steps.
         self.control = EngineControl(self)
         # LoRA adapters' slots and pins (`tp_engine.lora`); None without enable_lora.
         self.lora = lora_control.build_registry(self.config, self.control)
@@ -529,7 +529,7 @@ class LLMEngine:
         return self.has_unfinished() if gate.admitting else len(self.scheduler.batch) > 0
 
     def pause(self, mode: PauseMode) -> list[str]:
-        """Stop serving new work (`tp_engine.engine_states`): nothing is admitted until `resume`;
+        """Stop serving new work (`tp_engine.core.engine_states`): nothing is admitted until `resume`;
         "abort" ends every unfinished sequence now (returns their ids: their outputs say
         FINISHED_ABORTED with what they had), "wait" lets the running ones finish, "keep" also
         freezes those. The step in flight is applied first, so nothing runs on the ranks once

@@ -35,9 +35,10 @@ from rank_worker import bringup
 from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
 from tp_engine import weight_updates
 from tp_engine.config import EngineConfig
-from tp_engine.control import EngineInconsistentError
+from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
 from tp_engine.detokenizer import IncrementalDetokenizer
 from tp_engine.engine import EngineDeadError, LLMEngine
+from tp_engine.executor.control import EngineInconsistentError
 from tp_engine.llm_pooling import PoolingMethods
 from tp_engine.lora import LoRARequest
 from tp_engine.metrics_reader import Metric, engine_metrics
@@ -45,7 +46,6 @@ from tp_engine.outputs import CompletionOutput, RequestOutput, SequenceOutput, l
 from tp_engine.per_prompt import per_prompt
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.sequence import SequenceStatus, TokenLogprobs
 
 PromptType = str | list[int] | dict[str, Any]
 ChatMessage = dict[str, Any]

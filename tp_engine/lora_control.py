@@ -20,13 +20,13 @@ from collections.abc import Hashable, Iterable
 from itertools import chain
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tp_engine.control import ControlOp, ControlRefusedError, ControlResult, EngineControl
+from tp_engine.core.sequence import Sequence, SequenceStatus
+from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult, EngineControl
 from tp_engine.lora import AdapterRegistry, LoRARequest
-from tp_engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from tp_engine.config import EngineConfig
-    from tp_engine.scheduler import Scheduler
+    from tp_engine.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tp_engine.sequence import TokenLogprobs
+from tp_engine.core.sequence import TokenLogprobs
 
 if TYPE_CHECKING:
     import torch

@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 from rank_worker.control import ControlOp, ControlResult
 from rank_worker.device_sleep import SLEEP_LEVELS, SleepTag
-from tp_engine.control import ControlRefusedError, EngineControl, EngineInconsistentError
-from tp_engine.scheduler import Scheduler
+from tp_engine.core.scheduler import Scheduler
+from tp_engine.executor.control import ControlRefusedError, EngineControl, EngineInconsistentError
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Rank 0's side of run-time weight updates: the engine operations behind `LLM.load_weights`,
 `update_weights_from_disk`, the trainer-group calls (SGLang's names) and `get_weights_by_name`.
 
-Each is one or more control calls (`tp_engine.control`; the ranks' handlers and the data paths
+Each is one or more control calls (`tp_engine.executor.control`; the ranks' handlers and the data paths
 are `rank_worker.control_weights`), so an update lands between two steps, ordered with the
 plans, and is validated on every rank before any rank writes. After a committed update:
 
@@ -38,12 +38,12 @@ from rank_worker.control_weights import (
     stage_tensors,
 )
 from rank_worker.weight_map import expected_parts
-from tp_engine.control import ControlOp, ControlRefusedError, ControlResult
+from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult
 
 if TYPE_CHECKING:
     from rank_worker.model_runner import ModelRunner
-    from tp_engine.control import EngineControl, EngineInconsistentError
-    from tp_engine.scheduler import Scheduler
+    from tp_engine.core.scheduler import Scheduler
+    from tp_engine.executor.control import EngineControl, EngineInconsistentError
     from tp_engine.sleep import EngineSleep
 
 

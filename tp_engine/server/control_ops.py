@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tp_engine.control import EngineInconsistentError
+from tp_engine.executor.control import EngineInconsistentError
 from tp_engine.failures import EngineDeadError
 from tp_engine.lora import LoRAAdapterNotFoundError, LoRARequest
 

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from shm_ipc.step_plan import Command, StepPlan
-from tp_engine.plan_builder import table_change_arrays
-from tp_engine.running_batch import RunningBatch, TableChanges
+from tp_engine.core.plan_builder import table_change_arrays
+from tp_engine.core.running_batch import RunningBatch, TableChanges
 
 # Sends a DRAFT plan to every rank and runs rank 0's pass: the draft's logits [B, V]. The
 # tensor is what the plan's placeholder inputs read (the previous pass's tokens), or None.

@@ -50,11 +50,11 @@ from typing import Protocol
 import numpy as np
 
 from shm_ipc.step_plan import batch_rows
-from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
-from tp_engine.engine_states import Gate
-from tp_engine.running_batch import RunningBatch, TableChanges
-from tp_engine.sequence import Sequence, SequenceStatus
+from tp_engine.core.engine_states import Gate
+from tp_engine.core.kv.block_manager import BlockManager
+from tp_engine.core.running_batch import RunningBatch, TableChanges
+from tp_engine.core.sequence import Sequence, SequenceStatus
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:

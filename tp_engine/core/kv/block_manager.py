@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as TokenIds
 
-from tp_engine.sequence import Sequence
+from tp_engine.core.sequence import Sequence
 
 HashFn = Callable[[int | None, TokenIds[int]], int]
 

@@ -28,9 +28,9 @@ from itertools import chain
 import numpy as np
 
 from shm_ipc.step_plan import Command, StepPlan
-from tp_engine.running_batch import RunningBatch, TableChanges
-from tp_engine.scheduler import ScheduledStep
-from tp_engine.sequence import Sequence
+from tp_engine.core.running_batch import RunningBatch, TableChanges
+from tp_engine.core.scheduler import ScheduledStep
+from tp_engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tp_engine.sequence import Sequence
+    from tp_engine.core.sequence import Sequence
 
 
 class PauseMode(str, enum.Enum):

@@ -244,6 +244,11 @@ class BlockManager:
         """Fraction of blocks referenced by at least one sequence."""
         return (self.num_blocks - len(self.free_queue)) / self.num_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (referenced or not)."""
+        return len(self.cached)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

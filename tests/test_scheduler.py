@@ -12,7 +12,7 @@ from tests.control_plane import (
     make_seq,
     next_token,
 )
-from tp_engine.core.scheduler import RequestRejectedError
+from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.core.sequence import SequenceStatus
 from tp_engine.pooling_params import PoolingParams
 

@@ -28,7 +28,7 @@ from tp_engine import lora_control, weight_updates
 from tp_engine.config import EngineConfig
 from tp_engine.core.engine_core import EngineCore
 from tp_engine.core.hooks import CoreHooks
-from tp_engine.core.scheduler import RequestRejectedError
+from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.executor.control import EngineControl
 from tp_engine.executor.tp import TPExecutor
 from tp_engine.failures import EngineDeadError

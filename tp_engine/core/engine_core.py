@@ -284,7 +284,7 @@ class EngineCore(RequestIntake, StepPipeline):
         kv = BlockManager(
             num_blocks or self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
-        scheduler = Scheduler(config, kv, self.eos_token_ids, self.proposer)
+        scheduler = Scheduler(config, kv, self.eos_token_ids)
         scheduler.gate = self._gate()
         if self.proposer is not None:
             self.proposer.follow(scheduler.batch)

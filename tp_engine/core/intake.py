@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tp_engine.core.scheduler import RequestRejectedError
+from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling import MAX_NUM_LOGPROBS
@@ -27,20 +27,19 @@ from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
 from tp_engine.thinking import needs_think_tokens, think_tokens, with_think_tokens
 
 if TYPE_CHECKING:
-    from tp_engine.core.engine_core import EngineCore
     from tp_engine.lora import LoRARequest
 
 
 class RequestIntake:
     """`EngineCore`'s request operations (see the module docstring)."""
 
-    def default_sampling_params(self: EngineCore, **fields: Any) -> SamplingParams:
+    def default_sampling_params(self, **fields: Any) -> SamplingParams:
         """SamplingParams from request fields where None means unset: unset fields take the
         checkpoint's generation-config defaults, then vLLM's (`SamplingParams.from_optional`)."""
         return SamplingParams.from_optional(self.generation_defaults, **fields)
 
     def add_request(
-        self: EngineCore,
+        self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams | PoolingParams,
@@ -109,7 +108,7 @@ class RequestIntake:
         return [seq.seq_id for seq in seqs]
 
     def _add_pooling_request(
-        self: EngineCore,
+        self,
         request_id: str,
         prompt_token_ids: list[int],
         params: PoolingParams,
@@ -130,14 +129,14 @@ class RequestIntake:
         self.scheduler.add(seq)
         return [seq.seq_id]
 
-    def _admit(self: EngineCore, seqs: list[Sequence]) -> None:
+    def _admit(self, seqs: list[Sequence]) -> None:
         """Queue a request's first sequence and hold its siblings (see the module docstring)."""
         self.scheduler.add(seqs[0])
         if len(seqs) > 1:
             self._held[seqs[0].seq_id] = (seqs[0], seqs[1:])
 
     def _check_request(
-        self: EngineCore, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: expected SamplingParams, got {params!r}")
@@ -159,7 +158,7 @@ class RequestIntake:
         # ends that request alone.
         self._check_token_ids(request_id, prompt_token_ids)
 
-    def _check_token_ids(self: EngineCore, request_id: str, prompt_token_ids: list[int]) -> None:
+    def _check_token_ids(self, request_id: str, prompt_token_ids: list[int]) -> None:
         if not isinstance(prompt_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids
         ):
@@ -171,32 +170,32 @@ class RequestIntake:
                 f"[0, {self.vocab_size})"
             )
 
-    def is_compiling(self: EngineCore, seq_id: str) -> bool:
+    def is_compiling(self, seq_id: str) -> bool:
         """Whether the request whose first sequence is `seq_id` waits for its grammar."""
         return seq_id in self.grammar_gate.compiling
 
-    def _is_known(self: EngineCore, seq_id: str) -> bool:
+    def _is_known(self, seq_id: str) -> bool:
         return self.scheduler.get(seq_id) is not None or any(
             seq.seq_id == seq_id for seq in self._queued_outside()
         )
 
-    def _queued_outside(self: EngineCore) -> Iterator[Sequence]:
+    def _queued_outside(self) -> Iterator[Sequence]:
         """Sequences not in the scheduler yet: held siblings and requests being compiled."""
         for _, held in self._held.values():
             yield from held
         yield from self.grammar_gate.queued()
 
-    def waiting(self: EngineCore) -> list[Sequence]:
+    def waiting(self) -> list[Sequence]:
         """The scheduler's waiting queue, first come first served (features read it: LoRA
         loads the adapters it needs)."""
         return list(self.scheduler.waiting)
 
-    def abort_request(self: EngineCore, seq_id: str) -> bool:
+    def abort_request(self, seq_id: str) -> bool:
         """Abort one sequence (a held n > 1 sibling included); False if unknown or finished."""
         return self.finish_request(seq_id, SequenceStatus.FINISHED_ABORTED)
 
     def finish_request(
-        self: EngineCore,
+        self,
         seq_id: str,
         status: SequenceStatus,
         stop_reason: int | str | None = None,
@@ -215,7 +214,7 @@ class RequestIntake:
             return True
         return self.scheduler.finish(seq_id, status, stop_reason) is not None
 
-    def abort_unfinished(self: EngineCore) -> list[str]:
+    def abort_unfinished(self) -> list[str]:
         """Abort every unfinished sequence (running, waiting, held, compiling); returns their
         ids. Call it quiesced: a step in flight would still compute for them."""
         running = [seq.seq_id for seq in self.scheduler.running]
@@ -223,7 +222,7 @@ class RequestIntake:
         outside = [seq.seq_id for seq in self._queued_outside()]
         return [sid for sid in running + waiting + outside if self.abort_request(sid)]
 
-    def has_unfinished(self: EngineCore) -> bool:
+    def has_unfinished(self) -> bool:
         """Whether any request is unfinished. (A step still in flight once every request has
         finished carries nothing anyone waits for; the next step or `reconfigure` retires it.)"""
         return (
@@ -232,7 +231,7 @@ class RequestIntake:
             or bool(self.grammar_gate.compiling)
         )
 
-    def _release_held(self: EngineCore) -> None:
+    def _release_held(self) -> None:
         """Queue the held siblings of every first sample whose prompt has been computed (it
         has an output token) or that ended; its full prompt blocks are in the prefix cache."""
         for first_id, (first, held) in list(self._held.items()):

@@ -40,8 +40,9 @@ import numpy as np
 import torch
 
 from shm_ipc import StepPlan
+from tp_engine.core.drafting import schedule_step
 from tp_engine.core.plan_builder import LogitsLayout, plan_step
-from tp_engine.core.scheduler import ScheduledStep
+from tp_engine.core.scheduled_step import ScheduledStep
 from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.failures import EngineDeadError
 from tp_engine.outputs import SequenceOutput, StepOutputs
@@ -57,7 +58,6 @@ from tp_engine.step_timeline import phase_or_null
 from tp_engine.transfers import HostCopies
 
 if TYPE_CHECKING:
-    from tp_engine.core.engine_core import EngineCore
     from tp_engine.executor.control import EngineInconsistentError
 
 
@@ -95,7 +95,7 @@ class SampledStep:
 class StepPipeline:
     """`EngineCore`'s stepping operations (see the module docstring)."""
 
-    def step(self: EngineCore) -> StepOutputs:
+    def step(self) -> StepOutputs:
         """Run one step; returns the outputs it produced.
 
         With asynchronous scheduling the outputs are those of the step launched by the
@@ -139,7 +139,7 @@ class StepPipeline:
             self._undelivered = outputs
             raise
 
-    def _before_step(self: EngineCore) -> None:
+    def _before_step(self) -> None:
         """The features' chores before scheduling (`CoreHooks.before_step`: LoRA's adapter
         slots, control calls, so before anything of this step is taken); the sequences they
         ended are reported with this step's outputs."""
@@ -151,7 +151,7 @@ class StepPipeline:
                 StepOutputs([self._output(seq) for seq in ended])
             )
 
-    def _release_compiled(self: EngineCore) -> StepOutputs:
+    def _release_compiled(self) -> StepOutputs:
         """Admit the requests whose grammar is compiled; those whose compilation failed or ran
         out of time end, reported in the outputs (`GrammarGate.release`)."""
         idle = not self.scheduler.has_unfinished() and self._in_flight is None
@@ -160,7 +160,7 @@ class StepPipeline:
             self._admit(seqs)
         return StepOutputs([self._output(seq) for seq in failed])
 
-    def check_usable(self: EngineCore, repairing: bool = False) -> None:
+    def check_usable(self, repairing: bool = False) -> None:
         """Raise why the engine cannot step, if it cannot (a rank failed, or a control call's
         commit failed; `repairing`: a weight load, which an inconsistent engine still takes)."""
         if self._dead is not None:
@@ -168,7 +168,7 @@ class StepPipeline:
         if self._inconsistent is not None and not repairing:
             raise self._inconsistent
 
-    def quiesce(self: EngineCore) -> None:
+    def quiesce(self) -> None:
         """Apply the step in flight (asynchronous scheduling), if any, and keep its outputs
         for the next `step()`: afterwards no step is in flight and the next plan reads no
         placeholder tokens. A later `step()` schedules as a call that launched nothing would
@@ -182,22 +182,22 @@ class StepPipeline:
             self.scheduler.discard(previous.scheduled)  # its tokens will never be applied
             raise
 
-    def take_step_id(self: EngineCore) -> int:
+    def take_step_id(self) -> int:
         """The next step id, for a message sent to every rank outside `step()` (a control
         call): plans and calls share one counter, so ids give their order on the channel."""
         step_id = self.step_id
         self.step_id += 1
         return step_id
 
-    def mark_inconsistent(self: EngineCore, error: EngineInconsistentError) -> None:
+    def mark_inconsistent(self, error: EngineInconsistentError) -> None:
         self._inconsistent = error
 
-    def _launch(self: EngineCore, in_flight: SampledStep | None) -> LaunchedStep | None:
+    def _launch(self, in_flight: SampledStep | None) -> LaunchedStep | None:
         """Schedule a step, send its plan to every rank and queue its forward pass; its
         placeholder inputs read `in_flight`'s sampled ids."""
         step_id = self.step_id
         with self._phase("schedule", step_id):
-            scheduled = self.scheduler.schedule()
+            scheduled = schedule_step(self.scheduler, self.proposer)
         if scheduled.is_empty:
             return None
         # A draft model's DRAFT plans, sent while scheduling, took the ids before this one.
@@ -212,27 +212,23 @@ class StepPipeline:
             raise
         return LaunchedStep(step_id, scheduled, logits, layout)
 
-    def _run_forward(
-        self: EngineCore, plan: StepPlan, in_flight: SampledStep | None
-    ) -> torch.Tensor:
+    def _run_forward(self, plan: StepPlan, in_flight: SampledStep | None) -> torch.Tensor:
         """Run `plan` on every rank through the executor; its logits rows."""
         return self._run_plan(plan, in_flight.token_ids if in_flight is not None else None)
 
-    def _run_draft_plan(
-        self: EngineCore, plan: StepPlan, sampled: torch.Tensor | None
-    ) -> torch.Tensor:
+    def _run_draft_plan(self, plan: StepPlan, sampled: torch.Tensor | None) -> torch.Tensor:
         """A DRAFT plan of the draft-model proposer (numbered here), run on every rank."""
         plan = dataclasses.replace(plan, step_id=self.step_id)
         self.step_id += 1
         with self._phase("draft", plan.step_id):
             return self._run_plan(plan, sampled)
 
-    def _run_plan(self: EngineCore, plan: StepPlan, sampled: torch.Tensor | None) -> torch.Tensor:
+    def _run_plan(self, plan: StepPlan, sampled: torch.Tensor | None) -> torch.Tensor:
         """Have the executor run `plan`; `sampled`: what its placeholder ids read."""
         with self.failures_named(f"step {plan.step_id}"):
             return self.executor.execute(plan, sampled, self.timeline).logits
 
-    def _sample(self: EngineCore, step: LaunchedStep) -> SampledStep:
+    def _sample(self, step: LaunchedStep) -> SampledStep:
         """Queue sampling of every sampled logits row of `step` (one token per sampling entry,
         or one per verified position), the logprobs asked for, and their copies to the host;
         nothing here waits for the GPU."""
@@ -268,7 +264,7 @@ class StepPipeline:
             logprobs, logprob_seqs, prompt_logprobs, pooled,
         )  # fmt: skip
 
-    def _apply(self: EngineCore, step: SampledStep) -> StepOutputs:
+    def _apply(self, step: SampledStep) -> StepOutputs:
         """Wait for `step`'s tokens and apply them: logprobs, Scheduler.update, outputs.
 
         A sequence that stopped running since `step` was scheduled (aborted, preempted or
@@ -314,7 +310,7 @@ class StepPipeline:
         num_prefill_tokens = scheduled.num_batched_tokens - scheduled.num_decodes
         return StepOutputs(outputs, num_prefill_tokens, num_decode_tokens)
 
-    def _output(self: EngineCore, seq: Sequence) -> SequenceOutput:
+    def _output(self, seq: Sequence) -> SequenceOutput:
         """The news of `seq` since its last output: its new tokens (several after a
         speculative step; none at the end of a prompt-only request)."""
         first = not seq.reported
@@ -341,17 +337,17 @@ class StepPipeline:
             pooled=seq.pooled,
         )
 
-    def diagnose_stall(self: EngineCore) -> EngineDeadError | None:
+    def diagnose_stall(self) -> EngineDeadError | None:
         """For a watchdog thread while `step()` is stuck: what the workers say about the step
         in progress (see `failures.diagnose_stall`), or None when every worker is silent and
         alive (a rank is truly hung)."""
         return self.executor.diagnose_stall(self.step_id - 1)
 
-    def _phase(self: EngineCore, name: str, step_id: int) -> Any:
+    def _phase(self, name: str, step_id: int) -> Any:
         return phase_or_null(self.timeline, name, step_id)
 
     @contextmanager
-    def failures_named(self: EngineCore, what: str) -> Iterator[None]:
+    def failures_named(self, what: str) -> Iterator[None]:
         """Turn a failure into EngineDeadError naming the rank at fault; the engine is dead
         from then on."""
         try:

@@ -29,7 +29,7 @@ import numpy as np
 
 from shm_ipc.step_plan import Command, StepPlan
 from tp_engine.core.running_batch import RunningBatch, TableChanges
-from tp_engine.core.scheduler import ScheduledStep
+from tp_engine.core.scheduled_step import ScheduledStep
 from tp_engine.core.sequence import Sequence
 
 

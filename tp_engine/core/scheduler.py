@@ -1,5 +1,11 @@
 """Continuous batching on rank 0: which sequences run this step and how many tokens each gets.
 
+The scheduler is one class over four modules: this one (admission, decodes, prefill chunks,
+preemption), `verify_entries` (speculative decoding's verify entries), `scheduler_update`
+(applying a step) and `scheduled_step` (the values it hands over). It never runs a proposer:
+the step pipeline asks one between `draft_slots()` and `schedule(drafts)` (`drafting`). It
+drives the KV manager (`kv`) through the `KVTier` interface.
+
 Each `schedule()` fills a token budget (`max_num_batched_tokens`) under a sequence cap
 (`max_num_seqs`), in this order:
 
@@ -44,8 +50,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -54,7 +58,18 @@ from tp_engine.config import EngineConfig
 from tp_engine.core.engine_states import Gate
 from tp_engine.core.kv.block_manager import BlockManager
 from tp_engine.core.running_batch import RunningBatch, TableChanges
+from tp_engine.core.scheduled_step import (
+    Drafts,
+    EntryLists,
+    LateDrafts,
+    RequestRejectedError,
+    ScheduledStep,
+)
+from tp_engine.core.scheduler_update import StepUpdate
 from tp_engine.core.sequence import Sequence, SequenceStatus
+from tp_engine.core.verify_entries import VerifyPlanning, _Verify
+
+__all__ = ["Scheduler"]
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -62,144 +77,7 @@ def _read_only(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-class DraftProposer(Protocol):
-    """Guesses the next tokens of decoding sequences (speculative decoding)."""
-
-    num_speculative_tokens: int
-    # False: `propose` runs before the verify entries' blocks are allocated and may give a row
-    # fewer drafts than asked (n-gram lookup). True: it runs once they are allocated and gives
-    # exactly the drafts asked (a draft model, which writes its own K/V at those positions).
-    drafts_after_allocation: bool
-
-    def eligible(self, rows: np.ndarray) -> np.ndarray:
-        """[R] bool: which of batch `rows` may be drafted at all."""
-        ...
-
-    def propose(self, rows: np.ndarray, max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Drafts for batch `rows` (at most `max_drafts[i]` for row i): the draft tokens of
-        every row, row after row, and how many each row has."""
-        ...
-
-
-class RequestRejectedError(ValueError):
-    """A request that can never be served as asked; the message says why."""
-
-
-@dataclass(frozen=True, eq=False)
-class ScheduledStep:
-    """One step's batch as the scheduler planned it. Arrays are parallel, in batch order: the
-    `num_single` single-token entries of the vectorised path first (running decodes, admission
-    order), then the entries planned one by one (prefill chunks, admissions)."""
-
-    # [B] intp: each entry's RunningBatch row, and [B] int64 the serial of the sequence that
-    # held it when scheduled (`update` ignores rows that changed hands since).
-    rows: np.ndarray
-    serials: np.ndarray
-    # [B] int32: new tokens computed this step, and the position of the first of them.
-    num_scheduled: np.ndarray
-    starts: np.ndarray
-    # [B] bool: this step computes the entry's last uncomputed token, so its logits are sampled.
-    samples: np.ndarray
-    # [B] bool: the entry's input is the sample of the step in flight (asynchronous
-    # scheduling), at [B] int32 `placeholder_rows` among that step's sampled rows.
-    reads_placeholder: np.ndarray
-    placeholder_rows: np.ndarray
-    # [num_single] int32: the known input token of each single-token entry (where it is not a
-    # placeholder); then the known input tokens of every other entry, one list each.
-    single_inputs: np.ndarray
-    chunk_inputs: list[list[int]]
-    # Sequences this step sent back to the waiting queue.
-    preempted: list[Sequence]
-    # Entries that decode (one token after their prompt), for throughput figures.
-    num_decodes: int
-    # What changed in the block tables since the last step (for the workers' mirrors).
-    table_changes: TableChanges
-    # `RunningBatch.num_removals` when the step was scheduled: while it is unchanged, no row
-    # has changed hands and `update` need not compare serials (None: compare them).
-    num_removals: int | None = None
-    # Speculative decoding: [B] int32 the drafted tokens each entry verifies (0 for all but
-    # verify entries, whose inputs are [last token, drafts...]), and the drafts, entry after
-    # entry. A verify entry is sampled at every one of its positions. None: no drafts.
-    num_drafts: np.ndarray | None = None
-    draft_tokens: np.ndarray | None = None
-
-    @property
-    def num_entries(self) -> int:
-        return int(self.rows.size)
-
-    @property
-    def num_single(self) -> int:
-        return int(self.single_inputs.size)
-
-    @property
-    def num_samples(self) -> int:
-        """Entries that sample (each emits at least one token when applied)."""
-        return int(np.count_nonzero(self.samples))
-
-    @property
-    def sampled_drafts(self) -> np.ndarray | None:
-        """[S] the drafts of each sampled entry (None: no drafts in this step)."""
-        if self.num_drafts is None:
-            return None
-        return self.num_drafts[self.samples]
-
-    @property
-    def num_sampled_rows(self) -> int:
-        """Logits rows sampled: one per sampled entry, plus one per draft it verifies."""
-        extra = 0 if self.num_drafts is None else int(self.num_drafts.sum())
-        return self.num_samples + extra
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return int(self.num_scheduled.sum())
-
-    @property
-    def is_empty(self) -> bool:
-        return self.rows.size == 0
-
-
-@dataclass
-class _Entries:
-    """The one-by-one entries of a step being planned (converted to arrays at the end)."""
-
-    rows: list[int] = field(default_factory=list)
-    serials: list[int] = field(default_factory=list)
-    num_scheduled: list[int] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)
-    reads_placeholder: list[bool] = field(default_factory=list)
-    placeholder_rows: list[int] = field(default_factory=list)
-    inputs: list[list[int]] = field(default_factory=list)
-    num_drafts: list[int] = field(default_factory=list)
-    draft_tokens: list[np.ndarray] = field(default_factory=list)
-    num_decodes: int = 0
-
-
-@dataclass(frozen=True)
-class _Verify:
-    """A verify entry being planned: its sequence, the drafts it gets (so far) and the drafts
-    themselves (None until a proposer that drafts after allocation has made them)."""
-
-    seq: Sequence
-    num_drafts: int
-    drafts: np.ndarray | None
-
-
-@dataclass(frozen=True)
-class UpdateResult:
-    """What applying a step did."""
-
-    # Sequences that received a token, in sampled-row order (finished ones included).
-    sampled: list[Sequence]
-    # Sequences that finished in this update (sampled ones and prompt-only ones).
-    finished: list[Sequence]
-    # [S] int32: tokens appended for each of the step's sampled entries, in sampled order: 0
-    # where its sequence stopped running before the step was applied, fewer than it emitted
-    # where a token of a speculative run stopped it (what the counters of output count).
-    num_appended: np.ndarray
-
-
-class Scheduler:
+class Scheduler(VerifyPlanning, StepUpdate):
     """Owns the waiting queue and the running batch; drives the BlockManager."""
 
     def __init__(
@@ -207,7 +85,6 @@ class Scheduler:
         config: EngineConfig,
         block_manager: BlockManager,
         eos_token_ids: Iterable[int] = (),
-        proposer: DraftProposer | None = None,
     ) -> None:
         if config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len")
@@ -232,8 +109,6 @@ class Scheduler:
         self._zeros = _read_only(np.zeros(self.batch.max_rows, dtype=np.int32))
         # Preemptions since start (vLLM's num_preemptions_total).
         self.num_preemptions = 0
-        # Speculative decoding: drafts for the decoding sequences, verified in the step.
-        self.proposer = proposer
         # What the engine's state allows (paused: no admissions; paused "keep": no steps).
         self.gate = Gate()
 
@@ -322,9 +197,12 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledStep:
-        """Pick this step's batch. An empty step is a normal result (nothing to do, or waiting
-        requests that do not fit yet)."""
+    def _split_running(
+        self,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """The running rows this step looks at (admission order), and of them the decodes
+        (`single`, with each one's next position and known tokens), the rows planned one by
+        one and how many are about to end."""
         b = self.batch
         # Running rows, admission order (intp); none while the engine holds them (paused "keep").
         rows = b.order if self.gate.stepping else b.order[:0]
@@ -355,10 +233,17 @@ class Scheduler:
         if num_ending or np.count_nonzero(one_by_one):
             is_single = ~(ending | one_by_one)
             single, start, num_known = rows[is_single], start[is_single], num_known[is_single]
+        return rows, single, start, num_known, one_by_one, num_ending
 
+    def schedule(self, drafts: Drafts | None = None) -> ScheduledStep:
+        """Pick this step's batch; `drafts`: what a proposer made for rows that `draft_slots`
+        offered (speculative decoding), each a verify entry if it has any. An empty step is a
+        normal result (nothing to do, or waiting requests that do not fit yet)."""
+        b = self.batch
+        rows, single, start, num_known, one_by_one, num_ending = self._split_running()
         verify = None
-        if self.proposer is not None and single.size:
-            single, start, num_known, verify = self._propose(single, start, num_known)
+        if drafts is not None and single.size:
+            single, start, num_known, verify = self._take_drafts(single, start, num_known, drafts)
 
         preempted: list[Sequence] = []
         in_step = self._allocate_decode_blocks(single, start, preempted)
@@ -366,7 +251,7 @@ class Scheduler:
             single, start, num_known = single[in_step], start[in_step], num_known[in_step]
         budget = self.max_num_batched_tokens - single.size
         rows_left = self.max_num_seqs if self.enable_chunked_prefill else None
-        entries = _Entries()
+        entries = EntryLists()
         # Verify entries' own tokens and prefill chunks get their blocks first, preempting as
         # any decode would; drafts are optional work and only take blocks left free after that.
         planned: list[_Verify] = []
@@ -407,116 +292,6 @@ class Scheduler:
             # Sequences about to end leave their place in the step to new ones already.
             self._admit(entries, budget, self.max_num_seqs + num_ending, rows_left)
         return self._finish_step(single, start, num_known, entries, preempted)
-
-    def _propose(
-        self, single: np.ndarray, start: np.ndarray, num_known: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, np.ndarray | None]] | None]:
-        """Pick the decodes (rows `single`) that get drafts; they leave the single-token path
-        and become verify entries. Returns the remaining decodes' arrays and the verify entries
-        as (row, drafts wanted, the drafts or None until allocated), admission order (None:
-        no entry)."""
-        proposer = self.proposer
-        assert proposer is not None
-        b = self.batch
-        # j drafts can emit j + 1 tokens: stay within the length limit, so a verify entry
-        # never writes K/V past what `check_fits` reserved (the last token is never fed back).
-        max_drafts = np.minimum(
-            b.length_end[single] - num_known - 1, proposer.num_speculative_tokens
-        )
-        max_drafts[start >= num_known] = 0  # reads a placeholder (not with speculation)
-        np.maximum(max_drafts, 0, out=max_drafts)
-        candidates = np.flatnonzero(max_drafts)
-        if candidates.size:
-            candidates = candidates[proposer.eligible(single[candidates])]
-        if not candidates.size:
-            return single, start, num_known, None
-        rows, wanted = single[candidates], max_drafts[candidates]
-        drafts: list[np.ndarray | None] = [None] * rows.size
-        if not proposer.drafts_after_allocation:
-            tokens, wanted = proposer.propose(rows, wanted)
-            ends = np.cumsum(wanted).tolist()
-            drafts = [tokens[end - n : end] for n, end in zip(wanted.tolist(), ends, strict=True)]
-        drafted = wanted > 0
-        verify = [
-            (row, n, d)
-            for row, n, d, ok in zip(
-                rows.tolist(), wanted.tolist(), drafts, drafted.tolist(), strict=True
-            )
-            if ok
-        ]
-        if not verify:
-            return single, start, num_known, None
-        keep = np.ones(single.size, dtype=bool)
-        keep[candidates[drafted]] = False
-        return single[keep], start[keep], num_known[keep], verify
-
-    def _reserve_verify_entries(
-        self,
-        verify: list[tuple[int, int, np.ndarray | None]],
-        single: np.ndarray,
-        budget: int,
-        preempted: list[Sequence],
-    ) -> tuple[int, list[_Verify]]:
-        """The token budget and each verify entry's (row, drafts wanted, drafts) own token's
-        block, preempting for it as for any decode: fewer drafts when the budget is short.
-        Returns the budget left and the entries kept (in order); their drafts get blocks later,
-        from what is free (`_add_verify_entries`)."""
-        b = self.batch
-        # Each entry's own token first; drafts share what is left of the budget, in order.
-        spare = budget - len(verify)
-        planned: list[_Verify] = []
-        for row, wanted, drafts in verify:
-            seq = b.seqs[row]
-            if seq is None or seq.status != SequenceStatus.RUNNING:
-                continue  # preempted earlier in this step
-            n = min(wanted, max(0, spare))
-            in_step = lambda: set(single.tolist()) | {v.seq.row for v in planned}  # noqa: E731
-            if not self._allocate_or_preempt(seq, 1, in_step, preempted):
-                spare += 1  # its own token is not used either
-                continue
-            planned.append(_Verify(seq, n, drafts))
-            budget -= 1 + n
-            spare -= n
-        return budget, planned
-
-    def _add_verify_entries(self, entries: _Entries, planned: list[_Verify]) -> int:
-        """Plan the verify entries (own tokens' blocks held already): their drafts cut to the
-        positions the blocks they hold and the free blocks can take, in order, so that a draft
-        never makes anyone be preempted; then a proposer that drafts after allocation is asked
-        for them. Returns the budget of the drafts cut."""
-        b, bm, bs = self.batch, self.block_manager, self.block_size
-        cut = 0
-        ready: list[_Verify] = []
-        for v in planned:
-            seq, n = v.seq, v.num_drafts
-            assert seq.row is not None
-            start = b.scheduled_end(seq.row)
-            if n:
-                # Positions start + 1 .. start + n, after the entry's own token at start.
-                room = (len(seq.block_table) + bm.num_free_blocks) * bs - (start + 1)
-                fit = max(0, min(n, room))
-                if fit:
-                    assert bm.allocate_slots(seq, 1 + fit, start=start), "the room was free"
-                    b.sync_blocks(seq)
-                cut += n - fit
-                n = fit
-            ready.append(_Verify(seq, n, None if v.drafts is None else v.drafts[:n]))
-        late = [v for v in ready if v.drafts is None and v.num_drafts]
-        if late:
-            assert self.proposer is not None
-            rows = np.array([v.seq.row for v in late], dtype=np.intp)
-            wanted = np.array([v.num_drafts for v in late], dtype=np.int32)
-            tokens, counts = self.proposer.propose(rows, wanted)
-            assert np.array_equal(counts, wanted), "a late proposer gives the drafts asked"
-            ends = np.cumsum(wanted).tolist()
-            made = {
-                id(v.seq): tokens[end - v.num_drafts : end]
-                for v, end in zip(late, ends, strict=True)
-            }
-            ready = [_Verify(v.seq, v.num_drafts, made.get(id(v.seq), v.drafts)) for v in ready]
-        for v in ready:
-            self._add_entry(entries, v.seq, 1 + v.num_drafts, v.drafts if v.num_drafts else None)
-        return cut
 
     def _allocate_decode_blocks(
         self, single: np.ndarray, start: np.ndarray, preempted: list[Sequence]
@@ -575,7 +350,7 @@ class Scheduler:
         return True
 
     def _admit(
-        self, entries: _Entries, budget: int, max_running: int, rows_left: int | None
+        self, entries: EntryLists, budget: int, max_running: int, rows_left: int | None
     ) -> None:
         """Admit waiting sequences in order while they fit; `rows_left`: prompt-logprob rows
         this step may still take (None: no limit)."""
@@ -618,7 +393,7 @@ class Scheduler:
         return next(filter(admits, self.waiting), None)
 
     def _add_entry(
-        self, entries: _Entries, seq: Sequence, num_tokens: int, drafts: np.ndarray | None = None
+        self, entries: EntryLists, seq: Sequence, num_tokens: int, drafts: np.ndarray | None = None
     ) -> None:
         """Plan `num_tokens` of running `seq` in this step (the one-by-one path); a verify entry
         (`drafts`) computes its last token and then its drafts."""
@@ -654,7 +429,7 @@ class Scheduler:
         single: np.ndarray,
         start: np.ndarray,
         num_known: np.ndarray,
-        entries: _Entries,
+        entries: EntryLists,
         preempted: list[Sequence],
     ) -> ScheduledStep:
         """The step's arrays: the single-token entries (rows `single`, with tokens at positions
@@ -686,6 +461,15 @@ class Scheduler:
             placeholder_rows = np.concatenate(
                 [placeholder_rows, np.asarray(entries.placeholder_rows, dtype=np.int32)]
             )
+        late = None
+        if entries.late:
+            late_rows, late_counts, late_entries, late_offsets = zip(*entries.late, strict=True)
+            late = LateDrafts(
+                np.asarray(late_rows, dtype=np.intp),
+                np.asarray(late_counts, dtype=np.int32),
+                list(late_entries),
+                list(late_offsets),
+            )
         num_drafts = draft_tokens = None
         if entries.draft_tokens:
             num_drafts = np.concatenate(
@@ -709,11 +493,13 @@ class Scheduler:
             chunk_inputs=entries.inputs,
             preempted=preempted,
             num_decodes=decodes + entries.num_decodes,
-            # An empty step sends no plan: its changes wait for the next one.
-            table_changes=b.take_changes() if rows.size else TableChanges(),
+            # An empty step sends no plan: its changes wait for the next one; so do those of a
+            # step whose drafts are made later (the proposer's plans carry them first).
+            table_changes=b.take_changes() if rows.size and late is None else TableChanges(),
             num_removals=b.num_removals,
             num_drafts=num_drafts,
             draft_tokens=draft_tokens,
+            late_drafts=late,
         )
 
     def _pick_victim(self, in_step_rows: set[int]) -> Sequence:
@@ -739,217 +525,3 @@ class Scheduler:
         """`seq` stops running: its row and its blocks go back."""
         self.batch.remove(seq)
         self.block_manager.free(seq)
-
-    # -- applying a step ---------------------------------------------------------------------------
-
-    def update(
-        self,
-        step: ScheduledStep,
-        sampled_token_ids: np.ndarray,
-        num_emitted: np.ndarray | None = None,
-    ) -> UpdateResult:
-        """Apply a finished step: the new tokens of each True in `step.samples`, in batch order,
-        one each, or (speculative decoding) `num_emitted[i]` for sampled entry i, entry after
-        entry. A verify entry that emits a tokens accepted a - 1 of its drafts: its other
-        drafts are rolled back here (their K/V is not counted as computed, and blocks holding
-        nothing but rejected positions go back to the pool)."""
-        tokens = np.asarray(sampled_token_ids, dtype=np.int64)
-        num_samples = step.num_samples
-        if num_emitted is None:
-            if tokens.shape != (num_samples,):
-                raise ValueError(f"expected {num_samples} sampled tokens, got {tokens.shape[0]}")
-        else:
-            num_emitted = np.asarray(num_emitted, dtype=np.int32)
-            if num_emitted.shape != (num_samples,) or tokens.size != int(num_emitted.sum()):
-                raise ValueError(
-                    f"expected token counts for {num_samples} sampled entries summing to the "
-                    f"{tokens.size} tokens, got {num_emitted.shape}"
-                )
-            if np.count_nonzero(num_emitted < 1) or (
-                step.num_drafts is not None
-                and np.count_nonzero(num_emitted > step.num_drafts[step.samples] + 1)
-            ):
-                raise ValueError("each sampled entry emits 1 .. drafts + 1 tokens")
-        b = self.batch
-        rows, num = step.rows, step.num_scheduled
-        # Tokens of each entry whose K/V stays: all but the rejected drafts.
-        kept = num
-        if num_emitted is not None and step.num_drafts is not None:
-            kept = num.copy()
-            kept[step.samples] -= step.num_drafts[step.samples] - (num_emitted - 1)
-        sampled = rows if num_samples == rows.size else rows[step.samples]
-        sampled_live = None  # [S] which sampled entries still run their sequence (None: all)
-        # Rows still running the sequence they held when the step was scheduled; the others
-        # were aborted, preempted or finished meanwhile, and their entries are discarded.
-        if step.num_removals != b.num_removals:  # else no row has changed hands since
-            live = b.live(rows, step.serials)
-            if np.count_nonzero(live) < live.size:
-                sampled_live = live[step.samples]
-                sampled = sampled[sampled_live]
-                if num_emitted is None:
-                    tokens = tokens[sampled_live]
-                else:
-                    tokens = tokens[np.repeat(sampled_live, num_emitted)]
-                    num_emitted = num_emitted[sampled_live]
-                rows, num, kept = rows[live], num[live], kept[live]
-        computed = b.num_computed[rows] + kept
-        b.num_computed[rows] = computed
-        b.num_inflight[rows] -= num
-        # Accepted drafts are computed before they are known tokens: until they are appended,
-        # only the known ones can go into the prefix cache.
-        ahead = None
-        if num_emitted is not None:
-            known = b.num_tokens[rows]
-            if np.count_nonzero(computed > known):
-                ahead = rows[computed > known]
-                computed = np.minimum(computed, known)
-        self._commit_full_blocks(rows, computed, computed - kept)
-
-        b.num_placeholders[sampled] -= 1
-        seqs = list(map(b.seqs.__getitem__, sampled.tolist()))
-        num_appended = np.zeros(num_samples, dtype=np.int32)
-        if num_emitted is None or num_emitted.size == num_emitted.sum():
-            finished = self._append(sampled, tokens)
-            appended: np.ndarray | int = 1
-        else:
-            finished, appended = self._append_ragged(sampled, tokens, num_emitted)
-        if sampled_live is None:
-            num_appended[:] = appended
-        else:
-            num_appended[sampled_live] = appended
-        if num_emitted is not None:
-            self._release_unused_blocks(sampled[b.serial[sampled] != 0])
-        if ahead is not None:
-            ahead = ahead[b.serial[ahead] != 0]  # still running (a stop gives the row back)
-            self._commit_full_blocks(
-                ahead, np.minimum(b.num_computed[ahead], b.num_tokens[ahead]), before=None
-            )
-        # A prompt-only sequence ends once its prompt is computed (none usually run): "length"
-        # (max_tokens 0), or "stop" for a pooling request, whose prompt is all it asked for.
-        if b.num_prompt_only:
-            prompt_done = rows[b.prompt_only[rows] & (computed >= b.num_tokens[rows])]
-            for row in prompt_done.tolist():
-                seq = b.seqs[row]
-                assert seq is not None
-                status = (
-                    SequenceStatus.FINISHED_LENGTH_CAPPED
-                    if seq.pooling_params is None
-                    else SequenceStatus.FINISHED_STOPPED
-                )
-                finished.append(self._end(seq, status))
-        return UpdateResult(seqs, finished, num_appended)  # type: ignore[arg-type]
-
-    def _commit_full_blocks(
-        self, rows: np.ndarray, computed: np.ndarray, before: np.ndarray | None
-    ) -> None:
-        """Register in the prefix cache the blocks of `rows` now full of computed K/V of known
-        tokens (`computed` of them; `before`: as many before this step, to skip rows that
-        crossed no block boundary, as most decodes; None: look at every row)."""
-        if not self.block_manager.enable_prefix_caching or not rows.size:
-            return
-        bs = self.block_size
-        if before is not None:
-            crossed = (computed // bs > before // bs).nonzero()[0]
-            rows, computed = rows[crossed], computed[crossed]
-        if rows.size:
-            self.block_manager.commit_computed_blocks_of(
-                [self.batch.seqs[row] for row in rows.tolist()],  # type: ignore[misc]
-                computed.tolist(),
-            )
-
-    def _append(self, rows: np.ndarray, tokens: np.ndarray) -> list[Sequence]:
-        """Append one token to each of `rows`; returns the sequences it stopped."""
-        b = self.batch
-        num_tokens = b.num_tokens[rows] + 1  # after this token
-        b.num_tokens[rows] = num_tokens
-        b.last_token[rows] = tokens
-        for row, token in zip(rows.tolist(), tokens.tolist(), strict=True):
-            b.seqs[row].token_ids.append(token)  # type: ignore[union-attr]
-        return self._stop(rows, tokens, num_tokens)
-
-    def _append_ragged(
-        self, rows: np.ndarray, tokens: np.ndarray, num_emitted: np.ndarray
-    ) -> tuple[list[Sequence], np.ndarray]:
-        """Append `num_emitted[i]` tokens to row i, one round per position, so that each token
-        meets the stop checks as it would alone: a sequence stopped by its j-th token gets no
-        more. Returns the sequences stopped and the tokens appended to each row."""
-        b = self.batch
-        serials = b.serial[rows]
-        offsets = np.cumsum(num_emitted) - num_emitted
-        finished: list[Sequence] = []
-        appended = np.zeros(rows.size, dtype=np.int32)
-        for j in range(int(num_emitted.max())):
-            # Rows with a j-th token whose sequence is still running (a stop frees the row).
-            going = (num_emitted > j) & (b.serial[rows] == serials)
-            finished += self._append(rows[going], tokens[offsets[going] + j])
-            appended += going
-        return finished, appended
-
-    def _release_unused_blocks(self, rows: np.ndarray) -> None:
-        """Rows (running) that hold blocks past their known tokens, reserved for drafts that
-        were rejected, give them back (the next step allocates what its drafts need)."""
-        b = self.batch
-        needed = -(-b.num_tokens[rows] // self.block_size)  # blocks for every known token
-        surplus = b.num_blocks[rows] > needed
-        for row, keep in zip(rows[surplus].tolist(), needed[surplus].tolist(), strict=True):
-            self.block_manager.free_tail(b.seqs[row], keep)  # type: ignore[arg-type]
-            b.truncate_blocks(row, keep)
-
-    def _stop(self, rows: np.ndarray, tokens: np.ndarray, num_tokens: np.ndarray) -> list[Sequence]:
-        """End the sequences (at `rows`, `num_tokens` long now) whose new token stops them: EOS,
-        a stop token id (both only past min_tokens), max_tokens or max_model_len.
-
-        Vectorised down to the candidates (a length reached, an EOS id, or a row with stop
-        token ids at all); min_tokens and the stop ids are checked in Python for those alone.
-        """
-        b = self.batch
-        by_length = num_tokens >= b.length_end[rows]
-        candidates = by_length
-        # Rows with stop ids are looked at only if some row has them, EOS flags only if some
-        # token is an EOS id.
-        if b.num_with_stop_ids:
-            candidates = candidates | b.has_stop_ids[rows]
-        if self._eos_ids:
-            is_eos = tokens == self._eos_ids[0]
-            for eos_id in self._eos_ids[1:]:  # one or two ids: cheaper than np.isin
-                is_eos |= tokens == eos_id
-            if np.count_nonzero(is_eos):
-                candidates = candidates | (is_eos & b.stops_on_eos[rows])
-        finished = []
-        for i in candidates.nonzero()[0].tolist():
-            seq = b.seqs[int(rows[i])]
-            assert seq is not None
-            token = int(tokens[i])
-            params = seq.sampling_params
-            past_min = seq.num_output_tokens >= params.min_tokens
-            if past_min and not params.ignore_eos and token in self.eos_token_ids:
-                status = SequenceStatus.FINISHED_STOPPED
-            elif past_min and token in params.stop_token_ids:
-                seq.stop_reason = token
-                status = SequenceStatus.FINISHED_STOPPED
-            elif by_length[i]:
-                status = SequenceStatus.FINISHED_LENGTH_CAPPED
-            else:
-                continue
-            finished.append(self._end(seq, status))
-        return finished
-
-    def _end(self, seq: Sequence | None, status: SequenceStatus) -> Sequence:
-        assert seq is not None
-        self._retire(seq)
-        seq.status = status
-        del self._seqs[seq.seq_id]
-        return seq
-
-    def discard(self, step: ScheduledStep) -> None:
-        """Undo the in-flight accounting of a scheduled step whose tokens will never be applied
-        (an exception, or Ctrl-C, between scheduling and update): its sequences compute those
-        tokens again, and blocks reserved for its drafts are returned."""
-        b = self.batch
-        live = b.live(step.rows, step.serials)
-        b.num_inflight[step.rows[live]] -= step.num_scheduled[live]
-        b.num_placeholders[step.rows[step.samples & live]] -= 1
-        if step.num_drafts is not None:
-            # Blocks reserved for the drafts go back now, not at the row's next drafted step:
-            # until then they would sit idle while others wait or get preempted for blocks.
-            self._release_unused_blocks(step.rows[live & (step.num_drafts > 0)])

@@ -56,7 +56,7 @@ import numpy as np
 from shm_ipc.step_plan import batch_rows
 from tp_engine.config import EngineConfig
 from tp_engine.core.engine_states import Gate
-from tp_engine.core.kv.block_manager import BlockManager
+from tp_engine.core.kv.base import KVTier
 from tp_engine.core.running_batch import RunningBatch, TableChanges
 from tp_engine.core.scheduled_step import (
     Drafts,
@@ -83,7 +83,7 @@ class Scheduler(VerifyPlanning, StepUpdate):
     def __init__(
         self,
         config: EngineConfig,
-        block_manager: BlockManager,
+        block_manager: KVTier,
         eos_token_ids: Iterable[int] = (),
     ) -> None:
         if config.max_model_len is None:

@@ -1,5 +1,8 @@
 """The paged KV-cache pool on rank 0: block allocation and the prefix cache.
 
+`BlockManager` is the device tier (`tp_engine.core.kv.base.KVTier`), the pool of blocks the
+forward pass reads, and today's one tier.
+
 Rank 0 alone owns this bookkeeping; the ranks only see the resulting block ids in the StepPlan.
 Every block is in exactly one state:
 

@@ -38,9 +38,9 @@ class OnlyTheInterface:
         return getattr(object.__getattribute__(self, "_inner"), name)
 
 
-_KV_TIER_MEMBERS = {
-    name for name in dir(KVTier) if not name.startswith("_")
-} | set(KVTier.__annotations__)
+_KV_TIER_MEMBERS = {name for name in dir(KVTier) if not name.startswith("_")} | set(
+    KVTier.__annotations__
+)
 
 
 def test_block_manager_is_a_kv_tier():

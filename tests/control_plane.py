@@ -19,8 +19,8 @@ from tp_engine.core.running_batch import RunningBatch
 from tp_engine.core.scheduled_step import DraftProposer, ScheduledStep
 from tp_engine.core.scheduler import Scheduler
 from tp_engine.core.sequence import Sequence
+from tp_engine.features.speculative import accept_drafts
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.speculative import accept_drafts
 
 EOS = 0
 

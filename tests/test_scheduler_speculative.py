@@ -19,7 +19,7 @@ from tests.control_plane import (
 from tp_engine.core.plan_builder import build_step_plan
 from tp_engine.core.scheduler import Scheduler
 from tp_engine.core.sequence import Sequence
-from tp_engine.speculative import accept_drafts
+from tp_engine.features.speculative import accept_drafts
 
 
 class OracleProposer:

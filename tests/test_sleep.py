@@ -1,4 +1,4 @@
-"""Sleep mode (`tp_engine.sleep`, `rank_worker.control_sleep`, `rank_worker.device_sleep`) on CPU.
+"""Sleep mode (`tp_engine.features.weights_and_sleep.sleep`, `rank_worker.control_sleep`, `rank_worker.device_sleep`) on CPU.
 
 Memory is accounted from the storages themselves (`DeviceSleep.report`, every rank's through
 the MEMORY_REPORT call): what a GPU would give back is what the process stops holding. With the
@@ -32,7 +32,7 @@ from tests.tp_cases import CHECKPOINTS, MAX_MODEL_LEN
 from tp_engine import LLM, SamplingParams
 from tp_engine.core.sequence import SequenceStatus
 from tp_engine.executor.control import ControlRefusedError
-from tp_engine.sleep import WeightsNotLoadedError
+from tp_engine.features.weights_and_sleep.sleep import WeightsNotLoadedError
 
 pytestmark = pytest.mark.slow
 

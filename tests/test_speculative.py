@@ -19,8 +19,13 @@ from tests.tp_cases import MAX_MODEL_LEN, build_checkpoints, hf_greedy
 from tp_engine import LLM, SamplingParams
 from tp_engine.config import EngineConfig
 from tp_engine.detokenizer import IncrementalDetokenizer
-from tp_engine.speculative import NgramProposer, SpecDecodeStats, SpeculativeConfig, accept_drafts
-from tp_engine.speculative.ngram import longest_suffix_match
+from tp_engine.features.speculative import (
+    NgramProposer,
+    SpecDecodeStats,
+    SpeculativeConfig,
+    accept_drafts,
+)
+from tp_engine.features.speculative.ngram import longest_suffix_match
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 

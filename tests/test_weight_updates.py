@@ -1,4 +1,4 @@
-"""Run-time weight updates through the offline `LLM` (`tp_engine.weight_updates`,
+"""Run-time weight updates through the offline `LLM` (`tp_engine.features.weights_and_sleep.weight_updates`,
 `rank_worker.control_weights`): the iterator, disk and trainer-group paths, at TP 1, 2 and 4,
 dense and MoE (expert parallel at TP 2).
 

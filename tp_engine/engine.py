@@ -24,7 +24,6 @@ from rank_worker.fault_injection import Fault
 from rank_worker.model_spec import HeadSpec, ModelSpec, load_hf_config
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
-from tp_engine import lora_control, weight_updates
 from tp_engine.config import EngineConfig
 from tp_engine.core.engine_core import EngineCore
 from tp_engine.core.hooks import CoreHooks
@@ -32,10 +31,12 @@ from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.executor.control import EngineControl
 from tp_engine.executor.tp import TPExecutor
 from tp_engine.failures import EngineDeadError
+from tp_engine.features.lora import control as lora_control
+from tp_engine.features.lora.registry import LoRARequest
+from tp_engine.features.weights_and_sleep import weight_updates
+from tp_engine.features.weights_and_sleep.sleep import EngineSleep
 from tp_engine.generation_config import eos_token_ids, sampling_defaults
-from tp_engine.lora import LoRARequest
 from tp_engine.sampling.profiling import profile_sampling
-from tp_engine.sleep import EngineSleep
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +143,11 @@ class LLMEngine(EngineCore):
         hooks = CoreHooks()
         # Control calls to every rank (`tp_engine.executor.control`), run between steps.
         self.control = EngineControl(self, executor)
-        # Sleep mode (`tp_engine.sleep`): what sleeps on every rank; it closes the gate too.
+        # Sleep mode (`tp_engine.features.weights_and_sleep.sleep`): what sleeps on every rank; it closes the gate too.
         self.sleep_state = EngineSleep(self)
         hooks.admission_checks.append(self.sleep_state.check_can_generate)
         hooks.holds_requests.append(lambda: self.sleep_state.holds_requests)
-        # LoRA adapters' slots and pins (`tp_engine.lora`); None without enable_lora.
+        # LoRA adapters' slots and pins (`tp_engine.features.lora.registry`); None without enable_lora.
         self.lora = lora = lora_control.build_registry(config, self.control)
         if lora is not None:
             lora_control.plug_in(lora, self, hooks)
@@ -183,7 +184,7 @@ class LLMEngine(EngineCore):
         tid = self.tokenizer.convert_tokens_to_ids(text)
         return None if tid is None or tid == self.tokenizer.unk_token_id else int(tid)
 
-    # -- LoRA adapters (`tp_engine.lora_control`) --------------------------------------------------
+    # -- LoRA adapters (`tp_engine.features.lora.control`) --------------------------------------------------
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return lora_control.add_lora(self, lora_request)
@@ -194,7 +195,7 @@ class LLMEngine(EngineCore):
     def list_loras(self) -> set[int]:
         return lora_control.list_loras(self)
 
-    # -- sleep mode (`tp_engine.sleep`) -----------------------------------------------------------
+    # -- sleep mode (`tp_engine.features.weights_and_sleep.sleep`) -----------------------------------------------------------
 
     def sleep(self, level: int = 1, mode: str = "abort") -> list[str]:
         """Release the weights (level 1: kept on the host; 2: discarded) and the KV cache on
@@ -212,7 +213,7 @@ class LLMEngine(EngineCore):
         """A full weight update wrote every parameter: serve again after sleep(level=2)."""
         self.sleep_state.note_weights_loaded()
 
-    # -- weight updates (`tp_engine.weight_updates`) ---------------------------------------------
+    # -- weight updates (`tp_engine.features.weights_and_sleep.weight_updates`) ---------------------------------------------
 
     def load_weights(self, weights: Any, **kwargs: Any) -> int:
         return weight_updates.load_weights(self, weights, **kwargs)

@@ -39,12 +39,12 @@ from tp_engine.core.pipeline import SampledStep, StepPipeline
 from tp_engine.core.scheduler import Scheduler
 from tp_engine.core.sequence import Sequence
 from tp_engine.failures import EngineDeadError
+from tp_engine.features.speculative import NgramProposer, SpecDecodeStats
+from tp_engine.features.speculative.draft_model import DraftModelProposer
+from tp_engine.features.structured.grammar import GrammarCompiler
 from tp_engine.outputs import EngineStats, StepOutputs
 from tp_engine.sampling.batch import SamplingBatchBuilder
-from tp_engine.speculative import NgramProposer, SpecDecodeStats
-from tp_engine.speculative.draft_model import DraftModelProposer
 from tp_engine.step_timeline import StepTimeline
-from tp_engine.structured_outputs import GrammarCompiler
 from tp_engine.thinking import ThinkTokens
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 compiled, and constrained sequences' matchers follow their tokens.
 
 A request with a structured-output constraint waits, off the scheduler, until its grammar is
-compiled on a background thread (`tp_engine.structured_outputs`); the other requests keep
+compiled on a background thread (`tp_engine.features.structured.grammar`); the other requests keep
 running meanwhile. One that is not compiled within `structured_outputs_timeout_s` ends, alone.
 Each of its sequences then gets a matcher, which the step pipeline advances with the sequence's
 new tokens (`follow`) and the sampling builder asks for the next step's token bitmask. With
@@ -23,7 +23,7 @@ from concurrent.futures import wait as wait_for_futures
 from typing import Any
 
 from tp_engine.core.sequence import Sequence, SequenceStatus
-from tp_engine.structured_outputs import GrammarCompiler, GrammarState, compile_verdict
+from tp_engine.features.structured.grammar import GrammarCompiler, GrammarState, compile_verdict
 from tp_engine.thinking import ThinkTokens, turn_boundary_ids
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class GrammarGate:
 
     def _grammar_state(self, seq: Sequence, compiled: object) -> GrammarState:
         """A matcher for `seq`; with the think token ids set, the constraint applies after the
-        thinking, from where the prompt leaves it (`tp_engine.structured_outputs`)."""
+        thinking, from where the prompt leaves it (`tp_engine.features.structured.grammar`)."""
         params = seq.sampling_params
         if params.think_end_token_id is None:
             return GrammarState(compiled)

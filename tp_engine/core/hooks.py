@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tp_engine.core.running_batch import RunningBatch
     from tp_engine.core.sequence import Sequence
-    from tp_engine.lora import LoRARequest
+    from tp_engine.features.lora.registry import LoRARequest
 
 __all__ = ["CoreHooks"]
 

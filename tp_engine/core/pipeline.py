@@ -22,7 +22,7 @@ its logits processors' per-row state (it follows the batch's rows) into one step
 model's logits) are recorded on the sequences; prompt logprobs ask the plan for more logits rows
 (every prompt position of the chunk), placed after the sampled ones. A pooling model's head rows
 are copied to the host with the step's other results and finished per request
-(`tp_engine.pooling`).
+(`tp_engine.features.pooling.records`).
 
 Ownership: a mixin of `EngineCore` (`tp_engine.core.engine_core`), whose attributes it uses;
 the executor (`tp_engine.executor.base.Executor`) runs the plans.
@@ -45,15 +45,15 @@ from tp_engine.core.plan_builder import LogitsLayout, plan_step
 from tp_engine.core.scheduled_step import ScheduledStep
 from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.failures import EngineDeadError
+from tp_engine.features.pooling.records import record_pooled
+from tp_engine.features.speculative import accept_drafts
 from tp_engine.outputs import SequenceOutput, StepOutputs
-from tp_engine.pooling import record_pooled
 from tp_engine.sampling import LogprobsTensors, sample_batch
 from tp_engine.sampling.logprob_records import (
     prompt_logprob_tensors,
     record_prompt_logprobs,
     record_sample_logprobs,
 )
-from tp_engine.speculative import accept_drafts
 from tp_engine.step_timeline import phase_or_null
 from tp_engine.transfers import HostCopies
 

@@ -137,7 +137,7 @@ def plan_step(
     included)."""
     plan = build_step_plan(step, step_id)
     if batch.num_adapter_rows:
-        # Each row's LoRA slot (`tp_engine.lora`); left empty while every row runs the base.
+        # Each row's LoRA slot (`tp_engine.features.lora.registry`); left empty while every row runs the base.
         plan = dataclasses.replace(plan, adapter_slots=batch.adapter_slot[step.rows])
     prompt_rows = prompt_logprob_rows(step, batch, plan)
     pooled = pooled_rows(step, batch, plan)

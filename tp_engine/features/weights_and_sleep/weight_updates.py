@@ -43,7 +43,7 @@ from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlRe
 if TYPE_CHECKING:
     from rank_worker.model_runner import ModelRunner
     from tp_engine.executor.control import EngineControl, EngineInconsistentError
-    from tp_engine.sleep import EngineSleep
+    from tp_engine.features.weights_and_sleep.sleep import EngineSleep
 
 
 class UpdateHost(Protocol):

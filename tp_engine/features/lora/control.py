@@ -1,7 +1,7 @@
 """Rank 0's side of LoRA: the engine operations behind `add_lora`, `remove_lora`,
 `list_loras` and a request's `lora_request`, and the control calls that fill the ranks' slots.
 
-The registry (`tp_engine.lora.AdapterRegistry`) decides which adapter each device slot holds;
+The registry (`tp_engine.features.lora.registry.AdapterRegistry`) decides which adapter each device slot holds;
 this module carries those decisions to every rank as LOAD_LORA and UNLOAD_LORA control calls
 (`rank_worker.lora` prepares and commits them: a refusal on any rank changes no rank) and runs
 the registry between steps (`prepare_slots`), where a control call may quiesce the engine.
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult, EngineControl
-from tp_engine.lora import AdapterRegistry, LoRARequest
+from tp_engine.features.lora.registry import AdapterRegistry, LoRARequest
 
 if TYPE_CHECKING:
     from tp_engine.config import EngineConfig

@@ -200,7 +200,7 @@ class StepPipeline:
             scheduled = schedule_step(self.scheduler, self.proposer)
         if scheduled.is_empty:
             return None
-        # A draft model's DRAFT plans, sent while scheduling, took the ids before this one.
+        # A draft model's DRAFT plans, sent by `schedule_step`, took the ids before this one.
         step_id = self.step_id
         with self._phase("build_plan", step_id):
             plan, layout = plan_step(scheduled, step_id, self.scheduler.batch)

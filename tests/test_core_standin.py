@@ -14,6 +14,8 @@ import sys
 from contextlib import nullcontext
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 
 from tp_engine.config import EngineConfig
@@ -43,8 +45,13 @@ class StandInExecutor:
 
     def execute(self, plan, sampled, timeline) -> StepResult:
         self.plans.append(plan)
-        inputs = plan.input_ids[plan.logits_indices]
-        assert (inputs >= 0).all(), "synchronous scheduling: no placeholders"
+        inputs = plan.input_ids[plan.logits_indices].astype(np.int64)
+        # A placeholder `-1 - r` reads row r of the step in flight's samples (asynchronous
+        # scheduling), as every rank does on the device.
+        placeholders = inputs < 0
+        if placeholders.any():
+            assert sampled is not None, "a placeholder without a step in flight"
+            inputs[placeholders] = sampled.cpu().numpy()[-1 - inputs[placeholders]]
         logits = torch.zeros(len(inputs), VOCAB)
         logits[torch.arange(len(inputs)), [next_token(int(t)) for t in inputs]] = 100.0
         return StepResult(logits)
@@ -62,7 +69,7 @@ class StandInExecutor:
         self.closed_with.append(exit_step_id)
 
 
-def make_core(num_kv_blocks: int) -> tuple[EngineCore, StandInExecutor]:
+def make_core(num_kv_blocks: int, **knobs) -> tuple[EngineCore, StandInExecutor]:
     config = EngineConfig(
         max_model_len=64,
         max_num_seqs=4,
@@ -71,6 +78,7 @@ def make_core(num_kv_blocks: int) -> tuple[EngineCore, StandInExecutor]:
         num_kv_blocks=num_kv_blocks,
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
+        **knobs,
     )
     executor = StandInExecutor(num_kv_blocks)
     spec = SimpleNamespace(is_pooling=False, task="generate")
@@ -167,6 +175,29 @@ def test_prefill_decode_prefix_hit_abort_and_preemption_with_exact_blocks_and_to
 
     core.shutdown()
     assert executor.closed_with == [core.step_id]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_n_samples_and_asynchronous_scheduling_give_the_same_tokens(async_scheduling):
+    # n = 2: the second sample waits until the first has computed the prompt, then finds its
+    # full block in the prefix cache. Asynchronously, step() returns the previous step's
+    # outputs and decodes read the step in flight's samples through placeholders.
+    core, executor = make_core(num_kv_blocks=8, async_scheduling=async_scheduling)
+    assert core.async_scheduling is async_scheduling
+    prompt = [3, 1, 4, 1, 5, 9]
+    params = SamplingParams(temperature=0.0, max_tokens=5, n=2)
+    assert core.add_request("r", prompt, params) == ["0_r", "1_r"]
+    core.add_request("s", [2, 7], greedy(4))
+    tokens: dict[str, list[int]] = {}
+    while core.has_unfinished() or core.has_work():
+        for seq_id, new in step(core).items():
+            tokens.setdefault(seq_id, []).extend(new)
+    expected = expected_output(prompt, 5)
+    assert tokens == {"0_r": expected, "1_r": expected, "s": expected_output([2, 7], 4)}
+    placeholders = [p for p in executor.plans if (p.input_ids < 0).any()]
+    assert bool(placeholders) is async_scheduling
+    assert core.scheduler.block_manager.prefix_cache_hits >= 1  # 1_r's first block
+    core.shutdown()
 
 
 def test_importing_the_core_loads_no_rank_worker_module():

@@ -39,12 +39,19 @@ def load_engine(root: Path) -> dict[str, Any]:
     from rank_worker import input_prep
     from rank_worker.runner_config import RunnerConfig
     from shm_ipc.step_plan import StepPlan
-    from tp_engine import scheduler as scheduler_mod
-    from tp_engine.block_manager import BlockManager
     from tp_engine.config import EngineConfig
-    from tp_engine.plan_builder import build_step_plan
     from tp_engine.sampling_params import SamplingParams
-    from tp_engine.sequence import Sequence
+
+    try:  # the engine core's package (tp_engine/core/, since the restructuring of issue 45)
+        from tp_engine.core import scheduler as scheduler_mod
+        from tp_engine.core.kv.block_manager import BlockManager
+        from tp_engine.core.plan_builder import build_step_plan
+        from tp_engine.core.sequence import Sequence
+    except ImportError:  # an older checkout: the control plane's modules side by side
+        from tp_engine import scheduler as scheduler_mod  # type: ignore[no-redef]
+        from tp_engine.block_manager import BlockManager  # type: ignore[no-redef]
+        from tp_engine.plan_builder import build_step_plan  # type: ignore[no-redef]
+        from tp_engine.sequence import Sequence  # type: ignore[no-redef]
 
     torch.set_num_threads(1)
     return dict(

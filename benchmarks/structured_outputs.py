@@ -37,9 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tp_engine.features.structured.grammar import GrammarState, fill_bitmasks
 from tp_engine.sampling import GrammarMask
 from tp_engine.sampling.grammar_mask import apply_token_bitmask
-from tp_engine.structured_outputs import GrammarState, fill_bitmasks
 from tp_engine.transfers import to_device_async
 
 VOCAB_SIZE = 151_936

@@ -143,11 +143,11 @@ def count_step(
     `kernels`: on CPU too, the path a GPU takes (the Triton kernel, under the interpreter)."""
     import numpy as np
 
-    from tp_engine.running_batch import RunningBatch
+    from tp_engine.core.running_batch import RunningBatch
+    from tp_engine.core.sequence import Sequence
     from tp_engine.sampling import sample_batch
     from tp_engine.sampling.batch import SamplingBatchBuilder
     from tp_engine.sampling_params import SamplingParams
-    from tp_engine.sequence import Sequence
 
     g = torch.Generator().manual_seed(0)
     logits = 4.0 * torch.randn(num_rows, vocab_size, generator=g)  # [B, V] fp32

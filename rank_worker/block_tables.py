@@ -1,7 +1,7 @@
 """Every rank's mirror of rank 0's block tables, kept up to date by the plans' edits.
 
 Rank 0's running batch gives each running sequence a row and keeps its block list there
-(`tp_engine.running_batch`); a StepPlan carries only the edits since the last plan
+(`tp_engine.core.running_batch`); a StepPlan carries only the edits since the last plan
 (`shm_ipc.step_plan`). Each rank replays them, in order, on its own copy:
 
     host   [rows, max_blocks] int32   numpy; slot mappings are computed from it on the host

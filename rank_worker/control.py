@@ -1,6 +1,6 @@
 """Control calls on one rank: the op table and the two-phase protocol every rank runs.
 
-Ownership: rank 0 decides to make a call (`tp_engine.control.EngineControl`) and publishes a
+Ownership: rank 0 decides to make a call (`tp_engine.executor.control.EngineControl`) and publishes a
 `shm_ipc.ControlCall` between two steps; every rank, rank 0 included, runs it here through its
 `StepExecutor`, in the order it came on the plan channel. `ControlOp` gives the numbers that
 shm_ipc carries a meaning; each op is a pair of functions in `_HANDLERS`.

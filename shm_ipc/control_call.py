@@ -1,6 +1,6 @@
 """The ControlCall: rank 0 asks every rank to do something other than a forward pass.
 
-Ownership: rank 0 (`tp_engine.control.EngineControl`) builds one per call and publishes it on
+Ownership: rank 0 (`tp_engine.executor.control.EngineControl`) builds one per call and publishes it on
 the plan channel, so it is ordered with the StepPlans around it: every rank sees the plans
 published before it, then the call, then the plans after it, exactly as rank 0 sent them. What
 an op number means and what its arguments are is `rank_worker.control`'s business; this module

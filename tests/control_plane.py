@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
 from rank_worker.block_tables import BlockTables
 from rank_worker.input_prep import positions_of
 from shm_ipc.step_plan import StepPlan
-from tp_engine.block_manager import BlockManager
 from tp_engine.config import EngineConfig
-from tp_engine.plan_builder import build_step_plan
-from tp_engine.running_batch import RunningBatch
+from tp_engine.core.drafting import schedule_step
+from tp_engine.core.kv.block_manager import BlockManager
+from tp_engine.core.plan_builder import build_step_plan
+from tp_engine.core.running_batch import RunningBatch
+from tp_engine.core.scheduled_step import DraftProposer, ScheduledStep
+from tp_engine.core.scheduler import Scheduler
+from tp_engine.core.sequence import Sequence
+from tp_engine.features.speculative import accept_drafts
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.scheduler import DraftProposer, ScheduledStep, Scheduler
-from tp_engine.sequence import Sequence
-from tp_engine.speculative import accept_drafts
 
 EOS = 0
 
@@ -43,7 +46,23 @@ def make_scheduler(
         num_kv_blocks=num_blocks,
     )
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching, **bm_kwargs)
-    return Scheduler(config, bm, eos_token_ids=[EOS], proposer=proposer)
+    sched = Scheduler(config, bm, eos_token_ids=[EOS])
+    if proposer is not None:
+        _proposers[sched] = proposer  # the step pipeline's, which `Stepper` plays
+    return sched
+
+
+# Each scheduler's proposer (speculative decoding): the step pipeline asks it, not the scheduler.
+_proposers: WeakKeyDictionary[Scheduler, DraftProposer] = WeakKeyDictionary()
+
+
+def proposer_of(sched: Scheduler) -> DraftProposer | None:
+    return _proposers.get(sched)
+
+
+def schedule(sched: Scheduler) -> ScheduledStep:
+    """One step scheduled as the engine's pipeline does, drafts included."""
+    return schedule_step(sched, proposer_of(sched))
 
 
 def make_seq(request_id: str, tokens: list[int], max_tokens: int | None = 4, **params) -> Sequence:
@@ -234,7 +253,7 @@ class Stepper:
         return self.sched.has_unfinished() or self.in_flight is not None
 
     def step(self) -> tuple[StepView, list[Sequence]]:
-        scheduled = self.sched.schedule()
+        scheduled = schedule(self.sched)
         out = StepView.of(scheduled, self.sched.batch)
         self.check()
         if not out.is_empty:
@@ -302,7 +321,8 @@ class Stepper:
             # At most the step in flight and the one just scheduled.
             assert 0 <= batch.num_placeholders[row] <= 2, seq
             # (A verify entry in flight also computes its drafts, past the known tokens.)
-            drafts = self.sched.proposer.num_speculative_tokens if self.sched.proposer else 0
+            proposer = proposer_of(self.sched)
+            drafts = proposer.num_speculative_tokens if proposer else 0
             assert (
                 batch.scheduled_end(row) <= seq.num_tokens + batch.num_placeholders[row] + drafts
             ), seq

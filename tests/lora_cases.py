@@ -267,7 +267,7 @@ def run_lora_scenario(
     into their `slots`, every bad adapter refused, the plans run (the last after unloading
     adapter `unload`, uid and all, if given). Returns the logits per plan (None off rank 0),
     the refusal messages, and the slots and host LRU left."""
-    from tp_engine.lora_control import lora_refusal
+    from tp_engine.features.lora.control import lora_refusal
 
     runner = lora_runner(base_dir, tp, **runner_fields)
     loads = {

@@ -152,7 +152,7 @@ def reranker_reference(model_dir: Path, pairs: list[tuple[str, str]], instructio
     position's logits, log_softmax over [no, yes], exp of yes."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tp_engine.rerank_prompt import rerank_prompt_parts
+    from tp_engine.features.pooling.rerank_prompt import rerank_prompt_parts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

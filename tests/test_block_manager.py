@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tp_engine.block_manager import BlockManager, FreeBlockQueue, KVBlock, hash_block_tokens
-from tp_engine.sequence import Sequence
+from tp_engine.core.kv.block_manager import BlockManager, FreeBlockQueue, KVBlock, hash_block_tokens
+from tp_engine.core.sequence import Sequence
 
 BS = 4
 

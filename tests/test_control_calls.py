@@ -1,4 +1,4 @@
-"""Control calls to every rank (`shm_ipc.ControlCall`, `rank_worker.control`, `tp_engine.control`).
+"""Control calls to every rank (`shm_ipc.ControlCall`, `rank_worker.control`, `tp_engine.executor.control`).
 
 First the wire format and the channel in-process (fast), then the offline `LLM` at TP = 1, 2
 and 4 over gloo (slow; one process group per TP size serves every scenario):

@@ -17,7 +17,7 @@ from rank_worker import control as rank_control
 from rank_worker.control import ControlOp, ControlOutcome, OpHandler
 from tests.test_control_calls import CKPT, greedy, make_llm
 from tests.tp_cases import build_checkpoints
-from tp_engine.control import EngineInconsistentError
+from tp_engine.executor.control import EngineInconsistentError
 
 pytestmark = pytest.mark.slow
 

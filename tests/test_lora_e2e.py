@@ -160,7 +160,7 @@ def test_max_loras_bounds_each_step_and_host_lru_reloads(case):
     # Asynchronous scheduling (a GPU's default): loads between steps quiesce the step in flight.
     llm = start_llm(case, 1, max_loras=2, max_cpu_loras=2, async_scheduling=True)
     try:
-        executor = llm.engine.executor
+        executor = llm.engine.executor.step_executor  # rank 0's StepExecutor
         run_plan = executor.run
         per_step: list[set[int]] = []
 

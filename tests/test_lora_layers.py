@@ -192,7 +192,7 @@ def test_unreadable_adapter_is_a_refusal(tmp_path: Path) -> None:
 def test_host_lru_evicts_and_reloads_from_disk(case: dict[str, Any]) -> None:
     """One slot and one host copy: loading b evicts a's host copy; a, loaded again, is read
     from disk and computes what PEFT does. Bad slots and arguments are refused."""
-    from tp_engine.lora_control import lora_refusal
+    from tp_engine.features.lora.control import lora_refusal
 
     base, adapters = case["args"][0], case["args"][1]
     scenario = make_lora_scenario(
@@ -235,7 +235,7 @@ def test_slot_stacks_sleep_and_wake_with_the_weights(case: dict[str, Any]) -> No
     """Sleep releases the slot stacks with the weights and brings them back exactly at either
     level (the adapter stays loaded); while they sleep a load or unload is refused."""
     from rank_worker.device_sleep import SleepTag
-    from tp_engine.lora_control import lora_refusal
+    from tp_engine.features.lora.control import lora_refusal
 
     base, adapters = case["args"][0], case["args"][1]
     scenario = make_lora_scenario(
@@ -266,7 +266,7 @@ def test_slot_stacks_sleep_and_wake_with_the_weights(case: dict[str, Any]) -> No
 def test_lora_not_enabled_is_refused(case: dict[str, Any]) -> None:
     from rank_worker.model_runner import ModelRunner
     from rank_worker.runner_config import RunnerConfig
-    from tp_engine.lora_control import lora_refusal
+    from tp_engine.features.lora.control import lora_refusal
 
     tp = TPInfo(0, 1)
     runner = ModelRunner(case["args"][0], RunnerConfig(max_model_len=64, block_size=4), tp, "cpu")

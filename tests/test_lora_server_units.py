@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tp_engine.lora import LoRARequest
+from tp_engine.features.lora.registry import LoRARequest
 from tp_engine.server.args import build_parser, engine_config, server_args
 from tp_engine.server.control_ops import run_op
 from tp_engine.server.http_errors import APIError
@@ -74,7 +74,7 @@ class FakeEngine:
 
     def add_lora(self, request: LoRARequest) -> bool:
         if request.lora_path == "/missing":
-            from tp_engine.lora import LoRAAdapterNotFoundError
+            from tp_engine.features.lora.registry import LoRAAdapterNotFoundError
 
             raise LoRAAdapterNotFoundError(
                 f"Loading lora {request.lora_name} failed: No adapter found for /missing"

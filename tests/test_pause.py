@@ -1,4 +1,4 @@
-"""Pausing a running engine (`LLMEngine.pause`, `tp_engine.engine_states`), step by step.
+"""Pausing a running engine (`LLMEngine.pause`, `tp_engine.core.engine_states`), step by step.
 
 Every mode against an undisturbed run of the same greedy requests (TP = 1, CPU, float32), with
 synchronous and asynchronous scheduling: "keep" freezes the running requests and continues them
@@ -12,8 +12,8 @@ import pytest
 
 from tests.tp_cases import CHECKPOINTS, MAX_MODEL_LEN
 from tp_engine import LLM, SamplingParams
-from tp_engine.engine_states import PauseMode
-from tp_engine.sequence import SequenceStatus
+from tp_engine.core.engine_states import PauseMode
+from tp_engine.core.sequence import SequenceStatus
 
 pytestmark = pytest.mark.slow
 

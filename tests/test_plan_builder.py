@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from rank_worker.block_tables import BlockTables
 from rank_worker.input_prep import positions_of
 from shm_ipc.step_plan import Command, StepPlan
-from tp_engine.plan_builder import build_step_plan
-from tp_engine.running_batch import TableChanges
-from tp_engine.scheduler import ScheduledStep
+from tp_engine.core.plan_builder import build_step_plan
+from tp_engine.core.running_batch import TableChanges
+from tp_engine.core.scheduled_step import ScheduledStep
 
 NUM_ROWS = 16
 MAX_BLOCKS = 24

@@ -24,7 +24,7 @@ from tests.pooling_cases import (
     sentence_transformers_vectors,
 )
 from tp_engine import LLM, LoRARequest, SamplingParams
-from tp_engine.pooling_params import PoolingParams
+from tp_engine.features.pooling.params import PoolingParams
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ def test_control_plane_imports_no_cuda_or_process_groups():
     import sys
 
     code = (
-        "import sys; import tp_engine.scheduler, tp_engine.plan_builder;"
+        "import sys; import tp_engine.core.scheduler, tp_engine.core.plan_builder;"
         "bad = [m for m in sys.modules if m.startswith(('torch', 'triton', 'rank_worker'))];"
         "print(','.join(bad))"
     )
@@ -63,7 +63,7 @@ def test_no_import_cycles():
     # Type-only and deferred imports count too: a cycle among them still means two modules
     # that cannot be understood (or split) one without the other.
     graph = _project_imports()
-    assert "tp_engine.sequence" in graph and "tp_engine.running_batch" in graph
+    assert "tp_engine.core.sequence" in graph and "tp_engine.core.running_batch" in graph
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 

@@ -20,13 +20,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kernels.gumbel_sample import gumbel_ref, row_keys_ref
-from tp_engine.running_batch import RunningBatch
+from tp_engine.core.running_batch import RunningBatch
+from tp_engine.core.sequence import Sequence
 from tp_engine.sampling import SamplingMetadata, process_logits, sample_batch
 from tp_engine.sampling.batch import SamplingBatch, SamplingBatchBuilder
 from tp_engine.sampling.groups import cpu_put, plan_groups, seed_bits
 from tp_engine.sampling.profiling import profile_sampling, sample_for_profiling
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.sequence import Sequence
 
 V = 40
 EOS = 7

@@ -12,9 +12,9 @@ from tests.control_plane import (
     make_seq,
     next_token,
 )
-from tp_engine.pooling_params import PoolingParams
-from tp_engine.scheduler import RequestRejectedError
-from tp_engine.sequence import SequenceStatus
+from tp_engine.core.scheduled_step import RequestRejectedError
+from tp_engine.core.sequence import SequenceStatus
+from tp_engine.features.pooling.params import PoolingParams
 
 
 def batch(out) -> list[tuple[str, int]]:

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tests.control_plane import Stepper, expected_output, make_scheduler, make_seq
-from tp_engine.scheduler import RequestRejectedError
-from tp_engine.sequence import SequenceStatus
+from tp_engine.core.scheduled_step import RequestRejectedError
+from tp_engine.core.sequence import SequenceStatus
 
 MAX_MODEL_LEN = 24
 # A small alphabet makes shared prefixes (and so prefix-cache hits) common.

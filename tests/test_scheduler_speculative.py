@@ -8,11 +8,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.control_plane import Stepper, StepView, make_scheduler, make_seq, next_token
-from tp_engine.plan_builder import build_step_plan
-from tp_engine.scheduler import Scheduler
-from tp_engine.sequence import Sequence
-from tp_engine.speculative import accept_drafts
+from tests.control_plane import (
+    Stepper,
+    StepView,
+    make_scheduler,
+    make_seq,
+    next_token,
+    schedule,
+)
+from tp_engine.core.plan_builder import build_step_plan
+from tp_engine.core.scheduler import Scheduler
+from tp_engine.core.sequence import Sequence
+from tp_engine.features.speculative import accept_drafts
 
 
 class OracleProposer:
@@ -224,7 +231,7 @@ def test_discard_returns_the_blocks_reserved_for_drafts():
     sched.add(a)
     st.step()
     free = sched.block_manager.num_free_blocks
-    step = sched.schedule()  # position 2 and drafts at 3, 4, 5: a second block
+    step = schedule(sched)  # position 2 and drafts at 3, 4, 5: a second block
     assert step.num_drafts is not None and step.num_drafts.tolist() == [3]
     assert len(a.block_table) == 2 and sched.block_manager.num_free_blocks == free - 1
     st.mirror.apply(build_step_plan(step, st.step_id))
@@ -252,7 +259,7 @@ def test_update_says_how_many_tokens_each_entry_gave_its_sequence():
     for seq in (a, b, c):
         sched.add(seq)
     st.step()  # the prompts, and each one's first token
-    step = sched.schedule()  # each verifies 3 drafts, all right
+    step = schedule(sched)  # each verifies 3 drafts, all right
     assert step.num_drafts is not None and step.num_drafts.tolist() == [3, 3, 3]
     tokens = st._sample(StepView.of(step, sched.batch))
     sched.abort("c")

@@ -1,4 +1,4 @@
-"""Sleep mode (`tp_engine.sleep`, `rank_worker.control_sleep`, `rank_worker.device_sleep`) on CPU.
+"""Sleep mode (`tp_engine.features.weights_and_sleep.sleep`, `rank_worker.control_sleep`, `rank_worker.device_sleep`) on CPU.
 
 Memory is accounted from the storages themselves (`DeviceSleep.report`, every rank's through
 the MEMORY_REPORT call): what a GPU would give back is what the process stops holding. With the
@@ -30,9 +30,9 @@ from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 from tests.tp_cases import CHECKPOINTS, MAX_MODEL_LEN
 from tp_engine import LLM, SamplingParams
-from tp_engine.control import ControlRefusedError
-from tp_engine.sequence import SequenceStatus
-from tp_engine.sleep import WeightsNotLoadedError
+from tp_engine.core.sequence import SequenceStatus
+from tp_engine.executor.control import ControlRefusedError
+from tp_engine.features.weights_and_sleep.sleep import WeightsNotLoadedError
 
 pytestmark = pytest.mark.slow
 
@@ -302,7 +302,7 @@ def test_level2_then_a_full_update_serves_again_at_every_rank(llm, checkpoint):
     """The RL cycle through the public API (TP 1 and 2): sleep(2), a load refused while the
     weights sleep, wake the weights, a partial load that does not count as new weights, a full
     one that does, wake the cache: the checkpoint's tokens again."""
-    from tp_engine.control import ControlRefusedError
+    from tp_engine.executor.control import ControlRefusedError
 
     reference = generate(llm, PROMPTS)
     weights = load_file(f"{checkpoint}/model.safetensors")

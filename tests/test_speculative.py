@@ -18,9 +18,14 @@ import torch
 from tests.tp_cases import MAX_MODEL_LEN, build_checkpoints, hf_greedy
 from tp_engine import LLM, SamplingParams
 from tp_engine.config import EngineConfig
+from tp_engine.features.speculative import (
+    NgramProposer,
+    SpecDecodeStats,
+    SpeculativeConfig,
+    accept_drafts,
+)
+from tp_engine.features.speculative.ngram import longest_suffix_match
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
-from tp_engine.speculative import NgramProposer, SpecDecodeStats, SpeculativeConfig, accept_drafts
-from tp_engine.speculative.ngram import longest_suffix_match
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
@@ -179,7 +184,7 @@ def test_speculative_config_is_checked():
 def test_detokenizer_stops_within_a_multi_token_update():
     from transformers import AutoTokenizer
 
-    from tp_engine.testing import demo_checkpoint_dir
+    from tp_engine.checkpoints import demo_checkpoint_dir
 
     tok = AutoTokenizer.from_pretrained(str(demo_checkpoint_dir()))
     ids = tok("hello there world again")["input_ids"]

@@ -23,14 +23,14 @@ import torch
 from tests.scripted_model import END_THINK, IM_END, THINK, Script, build_scripted_checkpoint
 from tests.tp_cases import CHECKPOINTS
 from tp_engine import LLM, SamplingParams
-from tp_engine.sampling import GrammarMask
-from tp_engine.sampling.grammar_mask import apply_token_bitmask, apply_token_bitmask_reference
-from tp_engine.structured_outputs import (
+from tp_engine.features.structured.grammar import (
     GrammarCompiler,
     GrammarState,
     StructuredOutputsParams,
     fill_bitmasks,
 )
+from tp_engine.sampling import GrammarMask
+from tp_engine.sampling.grammar_mask import apply_token_bitmask, apply_token_bitmask_reference
 from tp_engine.thinking import ThinkingState
 
 SCHEMA = {
@@ -470,7 +470,7 @@ def test_a_compilation_that_finished_late_is_a_timeout_whenever_the_engine_looks
     answers the timeout, and one that finished in time is served however late it is seen."""
     from concurrent.futures import Future
 
-    from tp_engine.structured_outputs import _stamp_finish, compile_verdict
+    from tp_engine.features.structured.grammar import _stamp_finish, compile_verdict
 
     def compiled(result=None, error=None, late: bool = False) -> tuple[Future, float]:
         future: Future = Future()

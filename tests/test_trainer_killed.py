@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tests.tp_cases import CHECKPOINTS, MAX_MODEL_LEN, hf_greedy
 from tests.weight_trainer import checkpoint_metas, spawn_trainer
 from tp_engine import LLM, SamplingParams
-from tp_engine.control import ControlRefusedError, EngineInconsistentError
+from tp_engine.executor.control import ControlRefusedError, EngineInconsistentError
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Run-time weight updates through the offline `LLM` (`tp_engine.weight_updates`,
+"""Run-time weight updates through the offline `LLM` (`tp_engine.features.weights_and_sleep.weight_updates`,
 `rank_worker.control_weights`): the iterator, disk and trainer-group paths, at TP 1, 2 and 4,
 dense and MoE (expert parallel at TP 2).
 
@@ -38,7 +38,7 @@ from tests.moe_cases import MOE_CHECKPOINTS
 from tests.tp_cases import CHECKPOINTS, MAX_MODEL_LEN
 from tests.weight_trainer import trainer_main
 from tp_engine import LLM, SamplingParams
-from tp_engine.control import ControlRefusedError
+from tp_engine.executor.control import ControlRefusedError
 
 pytestmark = pytest.mark.slow
 
@@ -300,7 +300,7 @@ def test_planted_root_without_the_epoch_is_caught(engine: Engine, monkeypatch) -
     """The prefix-cache test above fails when the epoch is left out of the chain's root."""
     if engine.tp != 1:
         pytest.skip("one TP size is enough to show the check can fail")
-    import tp_engine.block_manager as bm_module
+    import tp_engine.core.kv.block_manager as bm_module
 
     monkeypatch.setattr(bm_module, "prefix_cache_root", lambda epoch, tags=(): None)
     engine.reset_to_a()
@@ -334,7 +334,7 @@ def test_requests_kept_across_an_update_continue_and_share_nothing(engine: Engin
     requests continue on the new weights and finish; none of their K/V (computed, or attended
     to, under the old weights) is ever a hit, even with the cache not flushed; a fresh request
     with the same prompt gets transformers' tokens on the new weights."""
-    from tp_engine.engine_states import PauseMode
+    from tp_engine.core.engine_states import PauseMode
 
     engine.reset_to_a()
     core = engine.llm.engine

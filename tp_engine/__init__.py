@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tp_engine.config import EngineConfig
-from tp_engine.lora import LoRARequest
+from tp_engine.features.lora.registry import LoRARequest
+from tp_engine.features.pooling.params import PoolingParams
+from tp_engine.features.structured.grammar import StructuredOutputsParams
 from tp_engine.outputs import CompletionOutput, RequestOutput
-from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from tp_engine.engine import LLMEngine

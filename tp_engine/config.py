@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tp_engine.speculative.config import SpeculativeConfig
+from tp_engine.features.speculative.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The `attention_backend` values a user may give (the command lines offer these). Each rank
@@ -85,7 +85,7 @@ class EngineConfig:
     # that request (the server answers it 400), the others run on.
     structured_outputs_timeout_s: float = 30.0
     # Speculative decoding (vLLM's `speculative_config`): a dict, its JSON, or a
-    # SpeculativeConfig; None = off. See `tp_engine.speculative`.
+    # SpeculativeConfig; None = off. See `tp_engine.features.speculative`.
     speculative_config: SpeculativeConfig | None = None
     # What the model is served as (vLLM's --runner / --convert, `rank_worker.model_spec`):
     # runner "auto" | "generate" | "pooling", convert "auto" | "none" | "embed" | "classify".
@@ -98,7 +98,7 @@ class EngineConfig:
     # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
     # "is_original_qwen3_reranker": true}.
     hf_overrides: dict[str, Any] | None = None
-    # Multi-LoRA (vLLM's names; `tp_engine.lora`): serve PEFT adapters, up to `max_loras`
+    # Multi-LoRA (vLLM's names; `tp_engine.features.lora.registry`): serve PEFT adapters, up to `max_loras`
     # distinct ones per batch (the device slots) of rank up to `max_lora_rank`, with
     # `max_cpu_loras` (None: max_loras) parsed adapters kept in host memory; `lora_dtype`
     # "auto" is the model's dtype.

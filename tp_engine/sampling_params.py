@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tp_engine.structured_outputs import StructuredOutputsParams
+from tp_engine.features.structured.grammar import StructuredOutputsParams
 
 # Temperatures at or below this are greedy; dividing logits by them would overflow anyway.
 GREEDY_EPSILON = 1e-5
@@ -77,7 +77,7 @@ class SamplingParams:
     # begins with the first output token rather than after a `<think>` in the output.
     thinking_in_prompt: bool = False
     # What the output must match: a JSON schema, regex, choice or grammar (vLLM's field; a dict
-    # of its fields is accepted). See `tp_engine.structured_outputs`; with the think token ids
+    # of its fields is accepted). See `tp_engine.features.structured.grammar`; with the think token ids
     # set, the constraint applies after the thinking.
     structured_outputs: StructuredOutputsParams | None = None
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to that token's logit before

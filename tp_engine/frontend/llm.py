@@ -33,19 +33,19 @@ from tqdm.auto import tqdm
 
 from rank_worker import bringup
 from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
-from tp_engine import weight_updates
 from tp_engine.config import EngineConfig
-from tp_engine.control import EngineInconsistentError
+from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
 from tp_engine.engine import EngineDeadError, LLMEngine
+from tp_engine.executor.control import EngineInconsistentError
+from tp_engine.features.lora.registry import LoRARequest
+from tp_engine.features.pooling.llm import PoolingMethods
+from tp_engine.features.pooling.params import PoolingParams
+from tp_engine.features.weights_and_sleep import weight_updates
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
-from tp_engine.frontend.llm_pooling import PoolingMethods
 from tp_engine.frontend.metrics_reader import Metric, engine_metrics
 from tp_engine.frontend.per_prompt import per_prompt
-from tp_engine.lora import LoRARequest
 from tp_engine.outputs import CompletionOutput, RequestOutput, SequenceOutput, logprob_dicts
-from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.sequence import SequenceStatus, TokenLogprobs
 
 PromptType = str | list[int] | dict[str, Any]
 ChatMessage = dict[str, Any]
@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 class LLM(PoolingMethods):
     """Generate completions for a batch of prompts with a tensor-parallel engine; or, for a
-    pooling model, embed, classify and score them (`tp_engine.frontend.llm_pooling`)."""
+    pooling model, embed, classify and score them (`tp_engine.features.pooling.llm`)."""
 
     def __init__(
         self,
@@ -398,7 +398,7 @@ class LLM(PoolingMethods):
             f"'prompt_token_ids' or 'prompt'; got {type(prompt).__name__}"
         )
 
-    # -- sleep mode (`tp_engine.sleep`) -----------------------------------------------------------
+    # -- sleep mode (`tp_engine.features.weights_and_sleep.sleep`) -----------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
         """Give back the device memory of the weights and the KV cache on every rank (vLLM's
@@ -417,7 +417,7 @@ class LLM(PoolingMethods):
 
     # -- lifetime --------------------------------------------------------------------------------
 
-    # -- weight updates (the engine's; `tp_engine.weight_updates` documents them) -------------
+    # -- weight updates (the engine's; `tp_engine.features.weights_and_sleep.weight_updates` documents them) -------------
 
     def load_weights(
         self,

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tp_engine.running_batch import RowFollower, RunningBatch
+from tp_engine.core.running_batch import RowFollower, RunningBatch
+from tp_engine.core.sequence import Sequence
 from tp_engine.sampling import SamplingMetadata
 from tp_engine.sampling.groups import plan_groups, seed_bits
 from tp_engine.sampling.processors import (
@@ -37,7 +38,6 @@ from tp_engine.sampling.processors import (
     Tensors,
     builtin_processors,
 )
-from tp_engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

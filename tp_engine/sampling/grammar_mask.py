@@ -2,7 +2,7 @@
 -inf.
 
 A bitmask row is xgrammar's layout: `ceil(V / 32)` int32 words, bit `t % 32` of word `t // 32`
-set when token `t` is allowed (`tp_engine.structured_outputs.GrammarState.fill`). The bitmask
+set when token `t` is allowed (`tp_engine.features.structured.grammar.GrammarState.fill`). The bitmask
 has a row for every row of the batch, and only the rows with a constraint are filled and
 applied: the others' rows are never read, so the mask is one `empty` allocation and one copy,
 with no gather or scatter of logits rows.

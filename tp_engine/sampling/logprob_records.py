@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.plan_builder import PromptLogprobRows
+from tp_engine.core.plan_builder import PromptLogprobRows
+from tp_engine.core.sequence import Sequence, TokenLogprobs
 from tp_engine.sampling import LogprobsTensors, compute_logprobs
-from tp_engine.sequence import Sequence, TokenLogprobs
 from tp_engine.transfers import to_device_async
 
 

@@ -31,7 +31,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shm_ipc.liveness import ProcessWatch
-from tp_engine.rerank_prompt import rerank_token_ids
+from tp_engine.features.pooling.rerank_prompt import rerank_token_ids
 from tp_engine.server.admin_routes import build_admin_router
 from tp_engine.server.chat_parsers import ChatParsing
 from tp_engine.server.engine_client import EngineClient

@@ -16,7 +16,7 @@ from tp_engine.config import (
     RUNNERS,
     EngineConfig,
 )
-from tp_engine.lora import LoRARequest
+from tp_engine.features.lora.registry import LoRARequest
 from tp_engine.server.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.engine_loop import LoopOptions
 from tp_engine.server.guards import RequestLimits, allowed_hosts

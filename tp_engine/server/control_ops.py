@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tp_engine.control import EngineInconsistentError
+from tp_engine.executor.control import EngineInconsistentError
 from tp_engine.failures import EngineDeadError
-from tp_engine.lora import LoRAAdapterNotFoundError, LoRARequest
+from tp_engine.features.lora.registry import LoRAAdapterNotFoundError, LoRARequest
 
 if TYPE_CHECKING:
     from tp_engine.engine import LLMEngine

@@ -2,7 +2,7 @@
 
 Input: the engine's raw entries as they cross the wire, one per token:
 `[token_ids, logprobs, rank]`, the chosen token first, then the top-k in rank order
-(`tp_engine.sequence.TokenLogprobs`). Tokens are shown as `tokenizer.decode([id])`, decoded
+(`tp_engine.core.sequence.TokenLogprobs`). Tokens are shown as `tokenizer.decode([id])`, decoded
 once per id per response; an id the tokenizer does not know (the padding rows of a checkpoint
 whose vocabulary is larger than its tokenizer) is the empty string "", as in vLLM.
 

@@ -189,7 +189,7 @@ class Delta:
     # Seconds from arrival on rank 0 to the first step that scheduled it; first Delta only.
     queue_time_s: float | None
     # Per new token when logprobs were asked for: [token ids, logprobs, rank], the sampled
-    # token first, then the top-k (`tp_engine.sequence.TokenLogprobs`); else None.
+    # token first, then the top-k (`tp_engine.core.sequence.TokenLogprobs`); else None.
     logprobs: list[list[Any]] | None
     # Per prompt token (None for the first) when prompt_logprobs were asked for; in sample 0's
     # first Delta only.

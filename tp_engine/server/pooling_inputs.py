@@ -25,7 +25,7 @@ from tp_engine.server.pooling_protocol import (
 from tp_engine.server.prompts import PromptBuilder
 
 # A reranker's prompt of one (query, document, instruction) as token ids, made with the given
-# tokenizer (`tp_engine.rerank_prompt.rerank_token_ids`).
+# tokenizer (`tp_engine.features.pooling.rerank_prompt.rerank_token_ids`).
 PairTokens = Callable[[Any, str, str, str | None], list[int]]
 
 

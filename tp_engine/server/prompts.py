@@ -228,7 +228,7 @@ class PromptBuilder:
         """The SamplingParams fields of a chat request's thinking: with a budget, the budget,
         the think token ids and whether the prompt left thinking open; with an output
         constraint (`constrained`) and --reasoning-parser, the think token ids, so that the
-        constraint applies after the thinking (`tp_engine.structured_outputs`)."""
+        constraint applies after the thinking (`tp_engine.features.structured.grammar`)."""
         budget = getattr(req, "thinking_token_budget", None)
         think = self.parsing.think
         if budget is None:

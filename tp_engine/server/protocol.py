@@ -47,7 +47,7 @@ class ResponseFormat(_Strict):
 
 class StructuredOutputsRequest(_Strict):
     """vLLM's `structured_outputs`: exactly one of its constraints (see
-    `tp_engine.structured_outputs.StructuredOutputsParams`)."""
+    `tp_engine.features.structured.grammar.StructuredOutputsParams`)."""
 
     # Aliased: `json` is a (deprecated) BaseModel method. A schema, or its text.
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")

@@ -16,7 +16,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tp_engine.lora import LoRARequest
+from tp_engine.features.lora.registry import LoRARequest
+from tp_engine.features.structured.grammar import StructuredOutputsParams
 from tp_engine.server.chat_output import ChatOutputParser
 from tp_engine.server.constraints import output_constraint
 from tp_engine.server.engine_client import EngineClient
@@ -44,7 +45,6 @@ from tp_engine.server.responses import (
 )
 from tp_engine.server.streaming import SSEStream
 from tp_engine.server.tool_calls import ToolPlan, tool_plan
-from tp_engine.structured_outputs import StructuredOutputsParams
 from tp_engine.thinking import ThinkingState
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ already running:
             weights the engine has then)
 
 `Gate` is what the scheduler reads: whether it may admit waiting requests, which ones (a LoRA
-request only once its adapter holds a device slot: `tp_engine.lora`), and whether it may step
+request only once its adapter holds a device slot: `tp_engine.features.lora.registry`), and whether it may step
 the running ones. The engine owns it (`LLMEngine.pause` / `resume`); the scheduler only
 reads it, so every way of holding requests back goes through one place.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tp_engine.sequence import Sequence
+    from tp_engine.core.sequence import Sequence
 
 
 class PauseMode(str, enum.Enum):

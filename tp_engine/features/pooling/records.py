@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tp_engine.plan_builder import PooledRow
-from tp_engine.pooling_params import PoolingParams
-from tp_engine.sequence import SequenceStatus
+from tp_engine.core.plan_builder import PooledRow
+from tp_engine.core.sequence import SequenceStatus
+from tp_engine.features.pooling.params import PoolingParams
 
 
 def finish_pooled(row: torch.Tensor, params: PoolingParams) -> torch.Tensor:

@@ -28,9 +28,9 @@ from itertools import chain
 import numpy as np
 
 from shm_ipc.step_plan import Command, StepPlan
-from tp_engine.running_batch import RunningBatch, TableChanges
-from tp_engine.scheduler import ScheduledStep
-from tp_engine.sequence import Sequence
+from tp_engine.core.running_batch import RunningBatch, TableChanges
+from tp_engine.core.scheduled_step import ScheduledStep
+from tp_engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def plan_step(
     included)."""
     plan = build_step_plan(step, step_id)
     if batch.num_adapter_rows:
-        # Each row's LoRA slot (`tp_engine.lora`); left empty while every row runs the base.
+        # Each row's LoRA slot (`tp_engine.features.lora.registry`); left empty while every row runs the base.
         plan = plan.with_sections(adapter_slots=batch.adapter_slot[step.rows])
     prompt_rows = prompt_logprob_rows(step, batch, plan)
     pooled = pooled_rows(step, batch, plan)

@@ -47,7 +47,7 @@ import numpy as np
 from tp_engine.sampling_params import GREEDY_EPSILON
 
 if TYPE_CHECKING:
-    from tp_engine.sequence import Sequence
+    from tp_engine.core.sequence import Sequence
 
 # top_k of a row without top-k: larger than any vocabulary.
 TOP_K_OFF = np.iinfo(np.int64).max

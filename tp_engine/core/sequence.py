@@ -44,8 +44,8 @@ from tp_engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from tp_engine.pooling_params import PoolingParams
-    from tp_engine.structured_outputs import GrammarState
+    from tp_engine.features.pooling.params import PoolingParams
+    from tp_engine.features.structured.grammar import GrammarState
 
 # Serials start at 1: a RunningBatch row whose serial is 0 is free.
 _serials = itertools.count(1)
@@ -139,7 +139,7 @@ class Sequence:
         # id, a user's salt): tagged pairs such as ("adapter", 7), hashed with the weight epoch
         # into the root of its hash chain (`prefix_cache_root`). Empty: the base model.
         self.cache_tags: tuple[tuple[str, object], ...] = ()
-        # The load id of its LoRA adapter (`tp_engine.lora`); None: the base model.
+        # The load id of its LoRA adapter (`tp_engine.features.lora.registry`); None: the base model.
         self.adapter_id: int | None = None
         # The BlockManager's weight epoch when this sequence's K/V started (its last
         # admission) and the root its block_hashes were chained from (None: base, epoch 0).
@@ -162,12 +162,12 @@ class Sequence:
         # The seed of its sampling noise (int64 holding 64 bits): its request's seed, or one
         # drawn for it, set at its first row (`tp_engine.sampling.batch`) and kept for its life.
         self.noise_seed: int | None = None
-        # Its structured-output matcher (`tp_engine.structured_outputs.GrammarState`) when its
+        # Its structured-output matcher (`tp_engine.features.structured.grammar.GrammarState`) when its
         # request has a constraint, set once the constraint is compiled.
         self.grammar: GrammarState | None = None
         # A pooling request's params (it samples nothing: `max_tokens` 0), and, once the step
         # that computes its last prompt token is applied, its result on the host (float32:
-        # `tp_engine.pooling.finish_pooled`).
+        # `tp_engine.features.pooling.records.finish_pooled`).
         self.pooling_params: PoolingParams | None = None
         self.pooled: torch.Tensor | None = None
         # One entry per output token when `logprobs` is set, and their sum (chosen tokens).

@@ -13,7 +13,7 @@ served for another task with vLLM's message (`PoolingParams.resolve`).
 `score` pairs one text with many (1 -> N), or N with N. On an embedding model a score is the
 cosine of the two embeddings; on a classifier with one label (a reranker) it is that label's
 probability for the pair, formatted with the Qwen3-Reranker prompt of the model card
-(`tp_engine.rerank_prompt`, with `instruction`).
+(`tp_engine.features.pooling.rerank_prompt`, with `instruction`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-from tp_engine.frontend.per_prompt import per_prompt
-from tp_engine.frontend.pooling_outputs import (
+from tp_engine.features.pooling.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
     EmbeddingOutput,
@@ -38,8 +37,9 @@ from tp_engine.frontend.pooling_outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from tp_engine.pooling_params import PoolingParams, PoolingTask
-from tp_engine.rerank_prompt import rerank_token_ids
+from tp_engine.features.pooling.params import PoolingParams, PoolingTask
+from tp_engine.features.pooling.rerank_prompt import rerank_token_ids
+from tp_engine.frontend.per_prompt import per_prompt
 
 if TYPE_CHECKING:
     from tp_engine.engine import LLMEngine

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from shm_ipc.step_plan import Command, StepPlan
-from tp_engine.plan_builder import table_change_arrays
-from tp_engine.running_batch import RunningBatch, TableChanges
+from tp_engine.core.plan_builder import table_change_arrays
+from tp_engine.core.running_batch import RunningBatch, TableChanges
 
 # Sends a DRAFT plan to every rank and runs rank 0's pass: the draft's logits [B, V]. The
 # tensor is what the plan's placeholder inputs read (the previous pass's tokens), or None.
@@ -30,7 +30,8 @@ RunDraftPlan = Callable[[StepPlan, torch.Tensor | None], torch.Tensor]
 
 
 class DraftModelProposer:
-    """The scheduler's `DraftProposer` for a draft model."""
+    """The step pipeline's `DraftProposer` for a draft model (`tp_engine.core.drafting` asks
+    it once the verify entries hold their blocks)."""
 
     drafts_after_allocation = True
 
@@ -68,7 +69,8 @@ class DraftModelProposer:
             sel = np.flatnonzero(wanted > j)  # rows drafting a (j+1)-th token, in order
             if j == 0:
                 input_ids = b.last_token[rows[sel]].astype(np.int32)
-                # The verify entries' blocks, allocated by this step, reach the ranks here.
+                # The step's block-table changes (the verify entries' blocks among them) reach
+                # the ranks here, before its RUN plan (`Scheduler.fill_drafts` takes the rest).
                 changes = table_change_arrays(b.take_changes())
             else:
                 input_ids = (-1 - index_in_prev[sel]).astype(np.int32)

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from tp_engine.running_batch import RowFollower
+from tp_engine.core.running_batch import RowFollower
 
 if TYPE_CHECKING:
-    from tp_engine.sequence import Sequence
+    from tp_engine.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Rank 0's side of run-time weight updates: the engine operations behind `LLM.load_weights`,
 `update_weights_from_disk`, the trainer-group calls (SGLang's names) and `get_weights_by_name`.
 
-Each is one or more control calls (`tp_engine.control`; the ranks' handlers and the data paths
+Each is one or more control calls (`tp_engine.executor.control`; the ranks' handlers and the data paths
 are `rank_worker.control_weights`), so an update lands between two steps, ordered with the
 plans, and is validated on every rank before any rank writes. After a committed update:
 
@@ -38,13 +38,12 @@ from rank_worker.control_weights import (
     stage_tensors,
 )
 from rank_worker.weight_map import expected_parts
-from tp_engine.control import ControlOp, ControlRefusedError, ControlResult
+from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult
 
 if TYPE_CHECKING:
     from rank_worker.model_runner import ModelRunner
-    from tp_engine.control import EngineControl, EngineInconsistentError
-    from tp_engine.scheduler import Scheduler
-    from tp_engine.sleep import EngineSleep
+    from tp_engine.executor.control import EngineControl, EngineInconsistentError
+    from tp_engine.features.weights_and_sleep.sleep import EngineSleep
 
 
 class UpdateHost(Protocol):
@@ -53,7 +52,6 @@ class UpdateHost(Protocol):
 
     control: EngineControl
     runner: ModelRunner  # rank 0's
-    scheduler: Scheduler
     sleep_state: EngineSleep
     model_dir: Path
     weight_version: str
@@ -64,6 +62,8 @@ class UpdateHost(Protocol):
     def note_weights_loaded(self) -> None: ...
 
     def note_consistent(self) -> None: ...
+
+    def advance_kv_epoch(self, flush: bool = True) -> None: ...
 
 
 # Bytes of tensors per broadcast from rank 0 (vLLM's packed transfer uses 1 GiB, TRL 256 MB).
@@ -90,7 +90,7 @@ def _committed(
     caller's, and once an update has written every weight (`names`: the update's tensors; None:
     a whole checkpoint) weights that a level-2 sleep discarded count as loaded and ranks that a
     failed commit left inconsistent agree again."""
-    engine.scheduler.block_manager.advance_epoch(flush=flush_cache)
+    engine.advance_kv_epoch(flush=flush_cache)
     if weight_version is not None:
         engine.weight_version = str(weight_version)
     needs_all = engine.sleep_state.weights_lost or engine.inconsistent is not None
@@ -297,11 +297,3 @@ def get_weights_by_name(engine: UpdateHost, name: str, truncate_size: int = 100)
     if missing:
         raise RuntimeError(f"get_weights_by_name: no rank holds elements {missing[:5]} of {name!r}")
     return values  # type: ignore[return-value]
-
-
-def reset_prefix_cache(engine: UpdateHost) -> bool:
-    """Drop every unreferenced cached block; True when nothing stays cached (vLLM's answer:
-    False while running requests still hold cached blocks)."""
-    bm = engine.scheduler.block_manager
-    bm.reset_prefix_cache()
-    return not bm.cached

@@ -1,5 +1,8 @@
 """The paged KV-cache pool on rank 0: block allocation and the prefix cache.
 
+`BlockManager` is the device tier (`tp_engine.core.kv.base.KVTier`), the pool of blocks the
+forward pass reads, and today's one tier.
+
 Rank 0 alone owns this bookkeeping; the ranks only see the resulting block ids in the StepPlan.
 Every block is in exactly one state:
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as TokenIds
 
-from tp_engine.sequence import Sequence
+from tp_engine.core.sequence import Sequence
 
 HashFn = Callable[[int | None, TokenIds[int]], int]
 
@@ -243,6 +246,11 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks referenced by at least one sequence."""
         return (self.num_blocks - len(self.free_queue)) / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (referenced or not)."""
+        return len(self.cached)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -1,7 +1,7 @@
 """Rank 0's side of LoRA: the engine operations behind `add_lora`, `remove_lora`,
 `list_loras` and a request's `lora_request`, and the control calls that fill the ranks' slots.
 
-The registry (`tp_engine.lora.AdapterRegistry`) decides which adapter each device slot holds;
+The registry (`tp_engine.features.lora.registry.AdapterRegistry`) decides which adapter each device slot holds;
 this module carries those decisions to every rank as LOAD_LORA and UNLOAD_LORA control calls
 (`rank_worker.lora` prepares and commits them: a refusal on any rank changes no rank) and runs
 the registry between steps (`prepare_slots`), where a control call may quiesce the engine.
@@ -20,13 +20,13 @@ from collections.abc import Hashable, Iterable
 from itertools import chain
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tp_engine.control import ControlOp, ControlRefusedError, ControlResult, EngineControl
-from tp_engine.lora import AdapterRegistry, LoRARequest
-from tp_engine.sequence import Sequence, SequenceStatus
+from tp_engine.core.sequence import Sequence, SequenceStatus
+from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult, EngineControl
+from tp_engine.features.lora.registry import AdapterRegistry, LoRARequest
 
 if TYPE_CHECKING:
     from tp_engine.config import EngineConfig
-    from tp_engine.scheduler import Scheduler
+    from tp_engine.core.hooks import CoreHooks
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +86,27 @@ def build_registry(config: EngineConfig, control: EngineControl) -> AdapterRegis
 
 
 class LoRAHost(Protocol):
-    """What these operations need of the engine (`LLMEngine` is one)."""
+    """What these operations need of the engine (`LLMEngine` is one): its registry and the
+    core's public methods."""
 
     lora: AdapterRegistry | None
-    scheduler: Scheduler
+
+    def waiting(self) -> list[Sequence]:
+        """The scheduler's waiting queue."""
+
+    def finish_request(self, seq_id: str, status: SequenceStatus) -> bool:
+        """End one sequence."""
+
+
+def plug_in(reg: AdapterRegistry, engine: LoRAHost, hooks: CoreHooks) -> None:
+    """Plug LoRA into the engine core: adapters attach to new requests, the slots are filled
+    before each step, a waiting sequence is admitted once its adapter has a slot, the
+    registry follows the running batch's rows and the stats name the adapters."""
+    hooks.attach_adapter = lambda request, seqs: attach(engine, request, seqs)
+    hooks.before_step.append(lambda outside: prepare_slots(engine, outside))
+    hooks.batch_followers.append(reg.follow)
+    hooks.admits = reg.admits
+    hooks.stats.append(lambda: adapter_stats(engine))
 
 
 def registry(engine: LoRAHost, request: object) -> AdapterRegistry:
@@ -136,7 +153,7 @@ def adapter_stats(engine: LoRAHost) -> dict[str, Any]:
     # A waiting sequence whose adapter was refused meanwhile (ended next step) names none.
     waiting = {
         adapter.request.lora_name
-        for seq in engine.scheduler.waiting
+        for seq in engine.waiting()
         if seq.adapter_id is not None and (adapter := reg.by_load_id.get(seq.adapter_id))
     }
     return {
@@ -150,12 +167,12 @@ def prepare_slots(engine: LoRAHost, outside: Iterable[Sequence]) -> list[Sequenc
     """Between steps: free the slots of removed adapters nobody uses (`outside`: sequences not
     in the scheduler yet), load the adapters the waiting queue needs. Returns the waiting
     sequences whose adapter the ranks refused, ended (aborted) here."""
-    reg, scheduler = engine.lora, engine.scheduler
+    reg, waiting = engine.lora, engine.waiting()
     assert reg is not None
-    reg.release_removed(chain(scheduler.waiting, outside))
-    if not scheduler.waiting:
+    reg.release_removed(chain(waiting, outside))
+    if not waiting:
         return []
-    failed = reg.prepare_slots(scheduler.waiting)
+    failed = reg.prepare_slots(waiting)
     for seq in failed:
-        scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
+        engine.finish_request(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
     return failed

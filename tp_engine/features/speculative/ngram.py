@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tp_engine.running_batch import RowFollower
-from tp_engine.sequence import Sequence
+from tp_engine.core.running_batch import RowFollower
+from tp_engine.core.sequence import Sequence
 
 
 def longest_suffix_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:

@@ -1,9 +1,10 @@
 """Rank 0's side of control calls: `EngineControl.call(op, args)` asks every rank, between two
 steps, to do something other than a forward pass, and returns what every rank answered.
 
-Ownership: the engine owns one `EngineControl` (`LLMEngine.control`) and lends it the few things
-it needs (`ControlHost`); the ranks' side, the op table and the two-phase protocol, is
-`rank_worker.control`. A call, on rank 0:
+Ownership: the bring-up gives the engine one `EngineControl` (`LLMEngine.control`) over the
+core's few step-ordering operations (`ControlHost`) and the executor that runs the call on every
+rank (`tp_engine.executor.base.Executor.control`); the ranks' side, the op table and the
+two-phase protocol, is `rank_worker.control`. A call, on rank 0:
 
     quiesce       the engine applies the step in flight (asynchronous scheduling), keeping its
                   outputs for the next `step()`: nothing is in flight, so no rank is still
@@ -11,9 +12,10 @@ it needs (`ControlHost`); the ranks' side, the op table and the two-phase protoc
                   placeholder tokens of a step before the call
     step id       the next id of the engine's counter: the call sits between the plans before
                   and after it on the plan channel, and errors name it
-    publish       the ControlCall on the plan channel (ordered with the plans)
-    run           rank 0's own part, through its StepExecutor: prepare, gather every rank's
-                  verdict, commit only if all said ok, gather every rank's reply
+    execute       the executor publishes the ControlCall on the plan channel (ordered with
+                  the plans) and runs rank 0's own part, through its StepExecutor: prepare,
+                  gather every rank's verdict, commit only if all said ok, gather every
+                  rank's reply
     return        `ControlResult`: ok, the refusals' message, each rank's result
 
 A refusal (any rank's prepare said no, or raised) is a returned value: nothing was changed on
@@ -32,8 +34,8 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from rank_worker.control import ControlOp, ControlOutcome, ControlResult
-from rank_worker.step import StepExecutor
-from shm_ipc import ControlCall, PlanBroadcaster
+from shm_ipc import ControlCall
+from tp_engine.executor.base import Executor
 from tp_engine.failures import EngineDeadError
 
 __all__ = [
@@ -61,10 +63,7 @@ class EngineInconsistentError(EngineDeadError):
 
 
 class ControlHost(Protocol):
-    """What `EngineControl` needs of the engine (`LLMEngine` is one)."""
-
-    channel: PlanBroadcaster | None  # None with one rank
-    executor: StepExecutor  # rank 0's runner of plans and control calls
+    """What `EngineControl` needs of the engine core (`EngineCore` is one)."""
 
     def check_usable(self, repairing: bool = False) -> None:
         """Raise the engine's error if it is dead, or inconsistent and the call cannot repair
@@ -96,8 +95,9 @@ class EngineControl:
     """Control calls to every rank (see the module docstring). Not thread-safe: called on the
     engine's thread, between steps."""
 
-    def __init__(self, host: ControlHost) -> None:
+    def __init__(self, host: ControlHost, executor: Executor) -> None:
         self.host = host
+        self.executor = executor
 
     def call(self, op: ControlOp, args: Mapping[str, Any] | None = None) -> ControlResult:
         """Run `op` with `args` (msgpack data) on every rank; see the module docstring.
@@ -114,12 +114,7 @@ class EngineControl:
         host.quiesce()
         call = ControlCall(host.take_step_id(), int(op), args)
         with host.failures_named(f"control call {op.name} (step {call.step_id})"):
-            if host.channel is not None:
-                host.channel.publish(call)
-                # As before a step: a worker that died since would leave rank 0 waiting in the
-                # call's first gather; find out now, with its rank and report.
-                host.channel.check_readers()
-            result = host.executor.control(call)
+            result = self.executor.control(call)
         if result.outcome is ControlOutcome.COMMIT_FAILED:
             failed = [reply.rank for reply in result.replies if not reply.ok]
             error = EngineInconsistentError(

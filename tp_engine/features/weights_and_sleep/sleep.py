@@ -36,8 +36,7 @@ from typing import Any, Protocol
 
 from rank_worker.control import ControlOp, ControlResult
 from rank_worker.device_sleep import SLEEP_LEVELS, SleepTag
-from tp_engine.control import ControlRefusedError, EngineControl, EngineInconsistentError
-from tp_engine.scheduler import Scheduler
+from tp_engine.executor.control import ControlRefusedError, EngineControl, EngineInconsistentError
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +57,9 @@ class SleepHost(Protocol):
     """What `EngineSleep` needs of the engine (`LLMEngine` is one)."""
 
     control: EngineControl
-    scheduler: Scheduler
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every unreferenced cached block."""
 
     def abort_unfinished(self) -> list[str]:
         """Abort every unfinished sequence; their ids."""
@@ -108,7 +109,7 @@ class EngineSleep:
         self._call(ControlOp.SLEEP, {"level": level, "asleep": dict(self.asleep)})
         engine = self.engine
         aborted = [] if deeper else engine.abort_unfinished()
-        engine.scheduler.block_manager.reset_prefix_cache()
+        engine.reset_prefix_cache()
         engine.update_gate()
         logger.info("asleep (level %d); aborted %d sequences", level, len(aborted))
         return aborted

@@ -1,0 +1,321 @@
+"""The engine core on rank 0: requests in, one step at a time through an executor, outputs out.
+
+`EngineCore` owns every request's state (the scheduler, its running batch and KV manager, held
+n > 1 siblings, requests waiting for their grammar), the sampler, the proposer of speculative
+decoding and the engine's states (pause, the gate). It drives an executor
+(`tp_engine.executor.base.Executor`) that it does not build: the bring-up
+(`tp_engine.engine.LLMEngine`) starts the ranks and hands it over, and tests hand over a
+stand-in. Its public surface is what the front ends (`LLM`, the server's engine loop) and the
+features use, and nothing else changes a sequence's state:
+
+    add_request / abort_request / finish_request    requests in, or ended from outside
+                                                    (`intake`)
+    step() -> StepOutputs                           one step, and the outputs it produced
+                                                    (`pipeline`)
+    stats() / has_unfinished() / has_work()         state for metrics, loops and watchdogs
+    pause / resume / update_gate / quiesce          the engine's states, between steps
+    waiting() / reset_prefix_cache() /              what features read and change (`hooks`
+    advance_kv_epoch()                              names where they plug in)
+    reconfigure() / shutdown()
+
+A failure on a rank surfaces as `EngineDeadError` naming that rank and step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tp_engine.config import EngineConfig
+from tp_engine.core.engine_states import Gate, PauseMode
+from tp_engine.core.grammar_gate import GrammarGate
+from tp_engine.core.hooks import CoreHooks
+from tp_engine.core.intake import RequestIntake
+from tp_engine.core.kv.block_manager import BlockManager
+from tp_engine.core.pipeline import SampledStep, StepPipeline
+from tp_engine.core.scheduler import Scheduler
+from tp_engine.core.sequence import Sequence
+from tp_engine.failures import EngineDeadError
+from tp_engine.features.speculative import NgramProposer, SpecDecodeStats
+from tp_engine.features.speculative.draft_model import DraftModelProposer
+from tp_engine.features.structured.grammar import GrammarCompiler
+from tp_engine.outputs import EngineStats, StepOutputs
+from tp_engine.sampling.batch import SamplingBatchBuilder
+from tp_engine.step_timeline import StepTimeline
+from tp_engine.thinking import ThinkTokens
+
+if TYPE_CHECKING:
+    from tp_engine.executor.base import Executor
+    from tp_engine.executor.control import EngineInconsistentError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineCore"]
+
+
+class EngineCore(RequestIntake, StepPipeline):
+    """Rank 0's engine core over `executor` (see the module docstring).
+
+    `config`: resolved (`EngineConfig.with_model_defaults`); `model_spec`: the model's task
+    and head (`rank_worker.model_spec.ModelSpec`, read for `is_pooling` and `task`, and by
+    `PoolingParams.resolve`); `generation_defaults`: SamplingParams fields the checkpoint sets
+    for requests that leave them unset; `hooks`: what the features plug in (none by default).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        *,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: frozenset[int] | set[int] | tuple[int, ...],
+        model_spec: Any,
+        generation_defaults: dict[str, Any] | None = None,
+        hooks: CoreHooks | None = None,
+    ) -> None:
+        self.config = config
+        self._launch_config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.model_spec = model_spec
+        self.generation_defaults = {} if generation_defaults is None else generation_defaults
+        self.hooks = CoreHooks() if hooks is None else hooks
+        self.num_kv_blocks = executor.num_kv_blocks
+        # The tokenizer's <think> / </think> ids, read on the first request with a budget.
+        self._think_tokens: ThinkTokens | None = None
+        # n > 1: id of a request's first sequence -> its siblings, held until its prompt is
+        # computed (`intake`).
+        self._held: dict[str, tuple[Sequence, list[Sequence]]] = {}
+        # Requests waiting for their grammar, and the sequences with a matcher.
+        self.grammar_gate = GrammarGate(
+            GrammarCompiler(tokenizer, vocab_size, eos_token_ids),
+            config.structured_outputs_timeout_s,
+            tokenizer,
+        )
+        self.step_id = 0
+        # Once a step has failed, every later call raises this.
+        self._dead: EngineDeadError | None = None
+        # Once a control call's commit has failed, every later step raises this (the ranks
+        # may hold different weights), but the executor works: shutdown still tells the ranks.
+        self._inconsistent: EngineInconsistentError | None = None
+        self.sampling = SamplingBatchBuilder(
+            vocab_size, eos_token_ids, executor.device, config.seed
+        )
+        self.spec = config.speculative_config
+        self.proposer = self._build_proposer()
+        # Drafts proposed and accepted since start (vLLM's spec_decode metrics).
+        self.spec_stats = SpecDecodeStats()
+        # Paused (`pause`), and how; None while serving.
+        self.pause_mode: PauseMode | None = None
+        self.scheduler = self._build_scheduler(config)
+        self.async_scheduling = self._resolve_async(config)
+        # The step launched and sampled by the last `step()` call, not applied yet, and outputs
+        # of a call that an exception interrupted (the next call returns them).
+        self._in_flight: SampledStep | None = None
+        self._undelivered = StepOutputs([])
+        # Set to a StepTimeline to record where each step's time goes (launch/bench.py).
+        self.timeline: StepTimeline | None = None
+        self.sampling.follow(self.scheduler.batch)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.grammar_gate.compiler
+
+    @property
+    def compile_verdicts(self) -> dict[str, str | None] | None:
+        """Set by the server's engine loop: the verdict on each constraint, by the request's
+        first sequence id (None: compiled; else why not), until it takes them."""
+        return self.grammar_gate.verdicts
+
+    @compile_verdicts.setter
+    def compile_verdicts(self, verdicts: dict[str, str | None] | None) -> None:
+        self.grammar_gate.verdicts = verdicts
+
+    # -- the engine's states ---------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        """Whether `step()` can make progress now: unfinished requests that the engine's state
+        lets run (paused: the running ones in "wait" mode only), or a step in flight."""
+        if self._in_flight is not None:
+            return True
+        gate = self.scheduler.gate  # the one reading of pause and sleep (`update_gate`)
+        if self._inconsistent is not None or not gate.stepping:
+            # Ranks that may disagree, asleep, weights lost, or frozen: nothing runs until a
+            # load of every weight, a wake or a resume.
+            return False
+        return self.has_unfinished() if gate.admitting else len(self.scheduler.batch) > 0
+
+    def pause(self, mode: PauseMode) -> list[str]:
+        """Stop serving new work (`tp_engine.core.engine_states`): nothing is admitted until `resume`;
+        "abort" ends every unfinished sequence now (returns their ids: their outputs say
+        FINISHED_ABORTED with what they had), "wait" lets the running ones finish, "keep" also
+        freezes those. The step in flight is applied first, so nothing runs on the ranks once
+        this returns in "abort" and "keep" mode; its outputs come with the next `step()`."""
+        self.quiesce()
+        aborted = self.abort_unfinished() if mode is PauseMode.ABORT else []
+        self.pause_mode = mode
+        self.update_gate()
+        return aborted
+
+    def resume(self) -> None:
+        """Serve again after `pause`: waiting requests are admitted, frozen ones continue
+        (unless the engine sleeps: `wake_up` then lets them run)."""
+        self.pause_mode = None
+        self.update_gate()
+
+    def update_gate(self) -> None:
+        """Set the scheduler's gate from the engine's states: closed while a feature holds
+        every request (asleep, or the weights are lost), else as the pause mode says."""
+        self.scheduler.gate = self._gate()
+
+    def _gate(self) -> Gate:
+        if any(hold() for hold in self.hooks.holds_requests):
+            return Gate(admitting=False, stepping=False)
+        return Gate.for_pause(self.pause_mode, self.hooks.admits)
+
+    @property
+    def inconsistent(self) -> EngineInconsistentError | None:
+        """Why the ranks may hold different models (a failed commit), until a full weight
+        load repairs it; None while they agree."""
+        return self._inconsistent
+
+    def note_consistent(self) -> None:
+        """A weight load wrote every weight on every rank: the ranks agree again."""
+        self._inconsistent = None
+
+    # -- state for metrics -----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        scheduler, kv = self.scheduler, self.scheduler.block_manager
+        extra: dict[str, Any] = {}
+        for source in self.hooks.stats:
+            extra.update(source())
+        return EngineStats(
+            num_running=len(scheduler.batch),
+            num_waiting=len(scheduler.waiting) + sum(1 for _ in self._queued_outside()),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            **extra,
+        )
+
+    # -- the KV manager, for features ------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every unreferenced cached block; True when nothing stays cached (vLLM's answer:
+        False while running requests still hold cached blocks)."""
+        kv = self.scheduler.block_manager
+        kv.reset_prefix_cache()
+        return kv.num_cached_blocks == 0
+
+    def advance_kv_epoch(self, flush: bool = True) -> None:
+        """New weights: K/V computed before now is never a prefix-cache hit again (`flush`:
+        free the unreferenced cached blocks at once)."""
+        self.scheduler.block_manager.advance_epoch(flush=flush)
+
+    # -- configuration of rank-0-only knobs --------------------------------------------------------
+
+    def reconfigure(self, **changes: Any) -> None:
+        """Change scheduling knobs that only rank 0 uses (prefix caching, chunked prefill, token
+        budget, sequence cap, or a pool smaller than the allocated one) between batches. Changes
+        apply to the configuration the engine was launched with (earlier calls are forgotten),
+        and the new block manager starts with an empty prefix cache.
+
+        The workers are not involved: their caches keep the same shape and whatever the new
+        block manager hands out is overwritten before it is read.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("reconfigure needs an idle engine")
+        if self._in_flight is not None:
+            self._apply(self._in_flight)  # rows of finished requests only: all discarded
+            self._in_flight = None
+        allowed = {
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "num_kv_blocks",
+            "async_scheduling",
+        }
+        if set(changes) - allowed:
+            raise ValueError(f"only {sorted(allowed)} can change at run time")
+        num_blocks = changes.get("num_kv_blocks") or self.num_kv_blocks
+        if num_blocks > self.num_kv_blocks:
+            raise ValueError(
+                f"num_kv_blocks {num_blocks} exceeds the allocated {self.num_kv_blocks}"
+            )
+        config = dataclasses.replace(self._launch_config, **changes)
+        if config.max_num_seqs > self._launch_config.max_num_seqs:
+            raise ValueError(
+                f"max_num_seqs cannot grow past the launch value ({self._launch_config.max_num_seqs})"
+            )
+        launch_budget = self._launch_config.resolved_max_num_batched_tokens
+        if config.resolved_max_num_batched_tokens > launch_budget:
+            raise ValueError(
+                f"the token budget cannot grow past the launch budget ({launch_budget})"
+            )
+        pending = self.scheduler.batch.take_changes()
+        self.config = config
+        self.scheduler = self._build_scheduler(config, num_blocks)
+        # Rows given up since the last plan: the workers' mirrors still have to hear of it.
+        self.scheduler.batch.changes = pending
+        self.sampling.follow(self.scheduler.batch)
+        self.async_scheduling = self._resolve_async(config)
+
+    def _resolve_async(self, config: EngineConfig) -> bool:
+        if config.speculative_config is not None:
+            return False  # EngineConfig refuses async_scheduling=True with it
+        if config.async_scheduling is not None:
+            return config.async_scheduling
+        return self.executor.device.type == "cuda"
+
+    def _build_scheduler(self, config: EngineConfig, num_blocks: int | None = None) -> Scheduler:
+        kv = BlockManager(
+            num_blocks or self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        scheduler = Scheduler(config, kv, self.eos_token_ids)
+        scheduler.gate = self._gate()
+        if self.proposer is not None:
+            self.proposer.follow(scheduler.batch)
+        for follow in self.hooks.batch_followers:
+            follow(scheduler.batch)
+        return scheduler
+
+    def _build_proposer(self) -> NgramProposer | DraftModelProposer | None:
+        """The draft proposer of `speculative_config` (None without one)."""
+        spec = self.spec
+        if spec is None:
+            return None
+        if spec.method == "draft_model":
+            return DraftModelProposer(
+                spec.num_speculative_tokens, self._run_draft_plan, may_draft=self._may_draft
+            )
+        return NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+            may_draft=self._may_draft,
+        )  # fmt: skip
+
+    def _may_draft(self, rows: np.ndarray) -> np.ndarray:
+        return self.sampling.may_draft(rows)
+
+    @property
+    def proposer_k(self) -> int:
+        return 0 if self.spec is None else self.spec.num_speculative_tokens
+
+    def shutdown(self) -> None:
+        """Release the executor (the ranks exit and give back their device memory) and the
+        grammar compiler's thread. Idempotent."""
+        self.grammar_gate.compiler.shutdown()
+        self._in_flight = None  # its tensors live on the device
+        self.executor.shutdown(self.step_id if self._dead is None else None)

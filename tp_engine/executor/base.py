@@ -1,0 +1,67 @@
+"""The interface between the engine core and whatever runs its plans.
+
+The core (`tp_engine.core`) owns request state and decides each step; an executor owns the
+model and the ranks. Per step the core hands over a `StepPlan` (bytes, immutable) and gets back
+a `StepResult`; between steps it hands over a `ControlCall` to be run on every rank. This
+module imports no `rank_worker`, so the core may depend on it and a stand-in executor (tests,
+no model) implements it as well as `tp_engine.executor.tp.TPExecutor` does.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from shm_ipc import ControlCall, StepPlan
+    from tp_engine.failures import EngineDeadError
+    from tp_engine.step_timeline import StepTimeline
+
+__all__ = ["Executor", "StepResult"]
+
+
+@dataclass(frozen=True, eq=False)
+class StepResult:
+    """What one plan's forward pass produced, on the executor's `device`."""
+
+    # [num_logits_rows, V] the rows the plan asked for, in the plan's order (sampled rows,
+    # prompt-logprob rows, pooled rows: `plan_builder.LogitsLayout`). For a pooling model the
+    # head replaces the LM head and its pooled rows are these rows (V is the head's width).
+    logits: torch.Tensor
+    # [num_rows, hidden] the last layer's hidden states of the rows the plan asked for; None
+    # until a plan asks (EAGLE-style proposers will).
+    hidden_states: torch.Tensor | None = None
+
+
+class Executor(Protocol):
+    """Runs the core's plans and control calls on every rank. Called from the core's thread
+    only, one call at a time, plans in step-id order."""
+
+    # Where `StepResult` tensors live; the core samples there.
+    device: torch.device
+    # KV blocks every rank allocated: the size of the core's block pool.
+    num_kv_blocks: int
+
+    def execute(
+        self, plan: StepPlan, sampled: torch.Tensor | None, timeline: StepTimeline | None
+    ) -> StepResult:
+        """Run `plan` on every rank. `sampled`: [rows] int64 on `device`, the tokens sampled
+        from the step in flight, which the plan's placeholder input ids read (None: no
+        placeholders). `timeline`: where to record the step's phases (None: nowhere)."""
+
+    def control(self, call: ControlCall) -> Any:
+        """Run `call` on every rank (two-phase: `rank_worker.control`); every rank's
+        verdict and reply, as a `rank_worker.control.ControlResult`."""
+
+    def guard(self, what: str) -> AbstractContextManager[None]:
+        """Turn a failure inside into `EngineDeadError` naming the rank at fault."""
+
+    def diagnose_stall(self, step_id: int) -> EngineDeadError | None:
+        """For a watchdog while `execute` is stuck: what the ranks say about `step_id`."""
+
+    def shutdown(self, exit_step_id: int | None) -> None:
+        """Release the ranks: tell them to exit with `exit_step_id` (None: a rank failed, none
+        is listening) and give back this process's device memory. Idempotent."""

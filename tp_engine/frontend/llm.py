@@ -38,10 +38,10 @@ from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
 from tp_engine.engine import EngineDeadError, LLMEngine
 from tp_engine.executor.control import EngineInconsistentError
 from tp_engine.features.lora.registry import LoRARequest
-from tp_engine.features.pooling.llm import PoolingMethods
 from tp_engine.features.pooling.params import PoolingParams
 from tp_engine.features.weights_and_sleep import weight_updates
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
+from tp_engine.frontend.llm_pooling import PoolingMethods
 from tp_engine.frontend.metrics_reader import Metric, engine_metrics
 from tp_engine.frontend.per_prompt import per_prompt
 from tp_engine.outputs import CompletionOutput, RequestOutput, SequenceOutput, logprob_dicts
@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 class LLM(PoolingMethods):
     """Generate completions for a batch of prompts with a tensor-parallel engine; or, for a
-    pooling model, embed, classify and score them (`tp_engine.features.pooling.llm`)."""
+    pooling model, embed, classify and score them (`tp_engine.frontend.llm_pooling`)."""
 
     def __init__(
         self,

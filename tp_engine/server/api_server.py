@@ -54,6 +54,7 @@ from tp_engine.server.protocol import (
 )
 from tp_engine.server.request_work import RequestWork
 from tp_engine.server.serving import OpenAIServing
+from tp_engine.server.sglang_routes import build_sglang_router
 from tp_engine.server.worker_routes import build_router
 
 logger = logging.getLogger("tp_engine.server.api")
@@ -138,6 +139,7 @@ def build_app(
         return {"object": "list", "data": models.cards()}
 
     if generates:  # a pooling model has no completions (vLLM: 404)
+        app.include_router(build_sglang_router(client, serving))  # /generate, /abort_request
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:

@@ -27,8 +27,8 @@ def trainer_main(port: int, world_size: int, group_name: str, commands: Any, rep
         from safetensors.torch import load_file
 
         from rank_worker.control_weights import parse_dtype
-        from rank_worker.weight_group import group_broadcast, weights_update_group
         from rank_worker.loader import safetensors_files
+        from rank_worker.weight_group import group_broadcast, weights_update_group
 
         pg, _store = weights_update_group(
             "127.0.0.1", port, 0, world_size, group_name, "gloo", timeout_s=60

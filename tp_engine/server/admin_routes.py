@@ -80,6 +80,9 @@ FLAGGED_ROUTES: dict[str, str] = {
         ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"),
         "--enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
     ),
+    "/update_weights_from_tensor": (
+        "--enable-weight-updates and --enable-weight-updates-from-tensor"
+    ),
 }  # fmt: skip
 
 

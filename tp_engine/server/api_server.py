@@ -139,7 +139,8 @@ def build_app(
         return {"object": "list", "data": models.cards()}
 
     if generates:  # a pooling model has no completions (vLLM: 404)
-        app.include_router(build_sglang_router(client, serving))  # /generate, /abort_request
+        tensor_updates = hello.enable_weight_updates and hello.enable_weight_updates_from_tensor
+        app.include_router(build_sglang_router(client, serving, tensor_updates=tensor_updates))
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:

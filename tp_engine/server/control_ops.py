@@ -95,6 +95,17 @@ def _update_from_group(engine: LLMEngine, args: dict[str, Any]) -> None:
     )
 
 
+def _update_from_tensor(engine: LLMEngine, args: dict[str, Any]) -> None:
+    """SGLang's serialized named tensors, read here on rank 0 through the restricted unpickler
+    (`tp_engine.tensor_payload`), then loaded as `LLM.load_weights` loads tensors."""
+    from tp_engine.tensor_payload import decode_named_tensors
+
+    named = decode_named_tensors(args["payload"], args.get("load_format"))
+    engine.load_weights(
+        named, weight_version=args.get("weight_version"), flush_cache=args.get("flush_cache", True)
+    )
+
+
 def _destroy_group(engine: LLMEngine, args: dict[str, Any]) -> None:
     engine.destroy_weights_update_group(args.get("group_name", "weight_update_group"))
 
@@ -136,6 +147,7 @@ OPS: dict[str, Callable[[LLMEngine, dict[str, Any]], dict[str, Any] | None]] = {
     "abandon_weights_update_group": _abandon_group,
     "update_weights_from_distributed": _update_from_group,
     "destroy_weights_update_group": _destroy_group,
+    "update_weights_from_tensor": _update_from_tensor,
     "get_weights_by_name": _weights_by_name,
     "sleep": _sleep,
     "wake_up": _wake_up,

@@ -93,7 +93,7 @@ def install_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}"
             flag = _flag_for(request.url.path)
             if flag is not None:
-                message += f": this server was started without {flag}, which offers it"
+                message += f" (offered only with {flag})"
         return APIError(exc.status_code, message).response()
 
     @app.exception_handler(RecursionError)

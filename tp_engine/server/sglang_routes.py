@@ -1,6 +1,8 @@
 """SGLang's native routes, which RL rollout clients (slime, AReaL, agent frameworks) call:
-`/generate`, `/abort_request`, `/v1/loads`. (Not yet: `/update_weights_from_tensor`, slime's
-colocated path, whose body is pickles of tensor handles.)
+`/generate`, `/abort_request`, `/v1/loads`; `/update_weights_from_tensor` (slime's colocated
+weight sync, whose body is pickled tensor handles) only with `--enable-weight-updates` and
+`--enable-weight-updates-from-tensor`, read on rank 0 by `tp_engine.tensor_payload`'s
+restricted unpickler.
 
 `/generate` runs exactly what `/v1/completions` runs (the same prompt building, validation,
 sampling parameters and `Generation`), so greedy tokens and logprobs are equal on the same
@@ -71,6 +73,18 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+
+
+class UpdateFromTensor(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # SGLang's: one payload per TP rank of the sender's engine; each holds the full tensors
+    # (handles to the same memory), so rank 0 reads the first and broadcasts to the others.
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: str | None = None  # None (pairs) or "flattened_bucket" (slime's)
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
 
 
 class AbortRequest(BaseModel):
@@ -177,7 +191,9 @@ class _Running:
         return count
 
 
-def build_sglang_router(client: EngineClient, serving: OpenAIServing) -> APIRouter:
+def build_sglang_router(
+    client: EngineClient, serving: OpenAIServing, *, tensor_updates: bool = False
+) -> APIRouter:
     router = APIRouter()
     running = _Running(client)
 
@@ -255,5 +271,18 @@ def build_sglang_router(client: EngineClient, serving: OpenAIServing) -> APIRout
             "loads": [{"dp_rank": 0, "num_running_reqs": running_reqs,
                        "num_waiting_reqs": waiting, "num_total_reqs": running_reqs + waiting}],
         }  # fmt: skip
+
+    if tensor_updates:
+
+        @router.post("/update_weights_from_tensor")
+        async def update_weights_from_tensor(body: UpdateFromTensor) -> JSONResponse:
+            if body.abort_all_requests:
+                running.abort(None)
+            args = {"payload": body.serialized_named_tensors[0], "load_format": body.load_format,
+                    "flush_cache": body.flush_cache, "weight_version": body.weight_version}  # fmt: skip
+            reply = await client.control("update_weights_from_tensor", args)
+            ok = reply.status == 200
+            message = "weights updated from tensors" if ok else reply.message
+            return JSONResponse({"success": ok, "message": message}, status_code=reply.status)
 
     return router

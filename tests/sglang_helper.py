@@ -7,16 +7,20 @@ torch. So this loads the one file, `sglang/srt/utils/common.py`, by path, and an
 import it makes that is missing here (other `sglang.*` modules, and third-party packages absent
 from this venv) with a stand-in module whose attributes are `MagicMock`s. The function under
 test is SGLang's code, byte for byte; only its module's unrelated imports are stood in for.
-The wheel (`pip install --no-deps sglang`) is in the `dev` extra.
+The wheel (`pip install --no-deps sglang`) is in the `dev` extra. Also here: payloads made with
+SGLang's own serializer and `FlattenedTensorBucket`, as slime sends them.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -79,3 +83,45 @@ def sglang_common() -> types.ModuleType:
         for name in [k for k in sys.modules if k.startswith("sglang")]:
             if name not in saved:
                 del sys.modules[name]
+
+
+def sglang_serialize(obj, serializer=None) -> str:
+    """SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)`: its pickle, base64
+    (encoded here with the standard library: the wheel's base64 package is not installed)."""
+    serializer = serializer or sglang_common().MultiprocessingSerializer
+    return base64.b64encode(serializer.serialize(obj)).decode()
+
+
+def flattened_payload(named: list) -> str:
+    """What slime sends for `load_format="flattened_bucket"`: SGLang's FlattenedTensorBucket of
+    `named`, serialized by SGLang's serializer. The tensors must stay alive until read."""
+    serializer = sglang_common().MultiprocessingSerializer
+    with sglang_bucket_module() as buckets:
+        bucket = buckets.FlattenedTensorBucket(named_tensors=named)
+        data = {
+            "flattened_tensor": bucket.get_flattened_tensor(),
+            "metadata": bucket.get_metadata(),
+        }
+        flattened_payload.keep = data  # shared memory lives as long as the sender's tensor
+        return sglang_serialize(data, serializer)
+
+
+@contextlib.contextmanager
+def sglang_bucket_module() -> Iterator[types.ModuleType]:
+    """`sglang.srt.weight_sync.tensor_bucket` of the wheel (it imports only torch), registered
+    under its own name (with empty parent packages) while in use, so that its classes pickle as
+    SGLang's do."""
+    name = "sglang.srt.weight_sync.tensor_bucket"
+    root = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+    added = [p for p in ("sglang", "sglang.srt", "sglang.srt.weight_sync") if p not in sys.modules]
+    for parent in added:
+        sys.modules[parent] = types.ModuleType(parent)
+    spec = importlib.util.spec_from_file_location(name, root / "srt/weight_sync/tensor_bucket.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        for key in [*added, name]:
+            sys.modules.pop(key, None)

@@ -7,6 +7,8 @@
   method, path and body as it sends them: pause → GET /flush_cache → update → continue, and
   release → resume ["weights"] → update → resume ["kv_cache", "cuda_graph"]; outputs equal
   transformers on the new weights;
+- slime's colocated update: /update_weights_from_tensor with SGLang's serialized flattened
+  bucket (one payload per TP rank), read through the restricted unpickler; `os.system` refused;
 - a bogus group (nobody listening) is a 400 within its timeout while completions are served;
 - SGLang's native /generate equals /v1/completions (greedy ids, logprobs), batch and streaming;
 - the admin routes' methods: GET where SGLang takes GET, and a 404 that names the flag.
@@ -46,7 +48,8 @@ def server(tmp_path_factory) -> Iterator[Server]:
     env.pop("TP_ENGINE_FAULT", None)
     log = tmp_path_factory.mktemp("log") / "server.log"
     args = ["--model", str(demo_checkpoint_dir()), "--port", "0", "--tensor-parallel-size", "2",
-            "--enable-weight-updates", "--enable-sleep-mode", "--max-model-len", "256",
+            "--enable-weight-updates", "--enable-sleep-mode", "--enable-weight-updates-from-tensor",
+            "--max-model-len", "256",
             "--num-kv-blocks", "128"]  # fmt: skip
     srv = Server([*torchrun_cmd(2), *args], env, log).wait_ready()
     yield srv
@@ -171,6 +174,45 @@ def test_slime_offload_onload_round(server, tmp_path):
     assert greedy(server) == hf_greedy(c, [PROMPT], 6)[0]
     status, info = call(server, "GET", "/get_server_info")
     assert status == 200 and info["enable_memory_saver"] is True
+
+
+def test_slime_update_from_tensor(server, tmp_path):
+    """slime's `update_weights_from_tensor` round (colocated): pause → GET /flush_cache → the
+    flattened bucket of every tensor, one payload per engine rank → continue."""
+    import torch.multiprocessing
+    from safetensors.torch import load_file
+
+    from tests.sglang_helper import flattened_payload, sglang_serialize
+    from tests.tp_cases import hf_greedy
+    from tp_engine.checkpoints import DEMO_SHAPE, build_random_qwen3
+
+    d = build_random_qwen3(tmp_path / "d", **{**DEMO_SHAPE, "seed": 31})
+    named = list(load_file(str(d) + "/model.safetensors").items())
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors, by file name
+    try:
+        payload = flattened_payload(named)
+        assert call(server, "POST", "/pause_generation", {})[0] == 200
+        assert call(server, "GET", "/flush_cache")[0] == 200
+        body = {"serialized_named_tensors": [payload, payload], "load_format": "flattened_bucket",
+                "weight_version": "7"}  # fmt: skip
+        status, reply = call(server, "POST", "/update_weights_from_tensor", body)
+        assert (status, reply["success"]) == (200, True), reply
+        assert call(server, "POST", "/continue_generation", {})[0] == 200
+        assert greedy(server) == hf_greedy(d, [PROMPT], 6)[0]
+        assert call(server, "GET", "/get_weight_version")[1] == {"weight_version": "7"}
+
+        class Runs:
+            def __reduce__(self):
+                return os.system, ("touch /tmp/tp-engine-pwned-by-http",)
+
+        evil = {"serialized_named_tensors": [sglang_serialize([("x", Runs())])]}
+        status, reply = call(server, "POST", "/update_weights_from_tensor", evil)
+        assert status == 400 and "posix.system" in reply["message"], reply
+        assert not os.path.exists("/tmp/tp-engine-pwned-by-http")
+        assert greedy(server) == hf_greedy(d, [PROMPT], 6)[0]
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
 
 
 def test_bogus_group_is_a_400_within_its_timeout_while_serving(server):

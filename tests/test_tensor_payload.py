@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import ast
 import base64
-import contextlib
-import importlib.util
 import io
 import os
 import pickle
 import subprocess
 import sys
-import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +23,7 @@ import torch
 import torch.multiprocessing
 
 from tests.server_harness import REPO_ROOT
+from tests.sglang_helper import flattened_payload, sglang_serialize
 from tp_engine.tensor_payload import TensorPayloadError, decode_named_tensors
 
 
@@ -38,52 +35,6 @@ def file_system_sharing():
     torch.multiprocessing.set_sharing_strategy("file_system")
     yield
     torch.multiprocessing.set_sharing_strategy(before)
-
-
-def sglang_serialize(obj, serializer=None) -> str:
-    """SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)`: its pickle, base64
-    (encoded here with the standard library: the wheel's base64 package is not installed)."""
-    from tests.sglang_helper import sglang_common
-
-    serializer = serializer or sglang_common().MultiprocessingSerializer
-    return base64.b64encode(serializer.serialize(obj)).decode()
-
-
-def flattened_payload(named: list) -> str:
-    """What slime sends for `load_format="flattened_bucket"`: SGLang's FlattenedTensorBucket of
-    `named`, serialized by SGLang's serializer. The tensors must stay alive until read."""
-    from tests.sglang_helper import sglang_common
-
-    serializer = sglang_common().MultiprocessingSerializer
-    with sglang_bucket_module() as buckets:
-        bucket = buckets.FlattenedTensorBucket(named_tensors=named)
-        data = {
-            "flattened_tensor": bucket.get_flattened_tensor(),
-            "metadata": bucket.get_metadata(),
-        }
-        flattened_payload.keep = data  # shared memory lives as long as the sender's tensor
-        return sglang_serialize(data, serializer)
-
-
-@contextlib.contextmanager
-def sglang_bucket_module() -> Iterator[types.ModuleType]:
-    """`sglang.srt.weight_sync.tensor_bucket` of the wheel (it imports only torch), registered
-    under its own name (with empty parent packages) while in use, so that its classes pickle as
-    SGLang's do."""
-    name = "sglang.srt.weight_sync.tensor_bucket"
-    root = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
-    added = [p for p in ("sglang", "sglang.srt", "sglang.srt.weight_sync") if p not in sys.modules]
-    for parent in added:
-        sys.modules[parent] = types.ModuleType(parent)
-    spec = importlib.util.spec_from_file_location(name, root / "srt/weight_sync/tensor_bucket.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        for key in [*added, name]:
-            sys.modules.pop(key, None)
 
 
 def read_elsewhere(payload: str, load_format: str | None = None) -> list:

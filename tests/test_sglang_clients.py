@@ -303,6 +303,19 @@ def test_abort_request_by_rid(server):
     status, out = result["r"]
     assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort", out
     assert out["meta_info"]["completion_tokens"] < 200
+
+    # slime's abort: {"abort_all": true} ends every /generate request, a batch's each prompt.
+    batch = {**body, "input_ids": [PROMPT, PROMPT[:3]], "rid": ["b-1", "b-2"]}
+    thread = threading.Thread(
+        target=lambda: result.update(r=call(server, "POST", "/generate", batch))
+    )
+    thread.start()
+    time.sleep(1.0)
+    assert call(server, "POST", "/abort_request", {"abort_all": True})[0] == 200
+    thread.join(30)
+    status, outs = result["r"]
+    assert status == 200 and [o["meta_info"]["id"] for o in outs] == ["b-1", "b-2"], outs
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
     status, loads = call(server, "GET", "/v1/loads?include=core")
     assert status == 200 and loads["loads"][0]["dp_rank"] == 0
 

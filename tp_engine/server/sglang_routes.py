@@ -123,15 +123,15 @@ def _completion_request(req: GenerateRequest) -> tuple[CompletionRequest, int]:
         raise APIError(400, f"sampling_params.{where}: {first.get('msg')}") from None
 
 
-def _request_id(req: GenerateRequest, num_prompts: int) -> str | None:
-    """The request's id: its `rid` (a batch's list of rids names the batch by its first: the
-    whole batch is one request here, aborted together)."""
+def _request_ids(req: GenerateRequest, num_prompts: int) -> list[str] | None:
+    """Each prompt's `rid`. A batch is one request here, whose id is its first rid; /abort_request
+    with any of its rids aborts all of it."""
     if req.rid is None:
         return None
     rids = [req.rid] if isinstance(req.rid, str) else list(req.rid)
-    if len(rids) != num_prompts:
-        raise APIError(400, f"rid has {len(rids)} ids for {num_prompts} prompts", param="rid")
-    return rids[0]
+    if len(rids) != num_prompts or len(set(rids)) != len(rids):
+        raise APIError(400, f"rid needs {num_prompts} distinct ids, got {rids!r:.200}", param="rid")
+    return rids
 
 
 def _finish(choice: Any) -> dict[str, Any] | None:
@@ -145,10 +145,12 @@ def _finish(choice: Any) -> dict[str, Any] | None:
     return {"type": "abort", "message": str(reason)}
 
 
-def _output(gen: Generation, choice: Any, version: str, logprobs: bool) -> dict:
+def _output(
+    gen: Generation, choice: Any, rids: list[str] | None, version: str, logprobs: bool
+) -> dict:
     prompt = gen.prompts[choice.prompt_index]
     meta: dict[str, Any] = {
-        "id": gen.request_id,
+        "id": rids[choice.prompt_index] if rids else gen.request_id,
         "finish_reason": _finish(choice),
         "prompt_tokens": len(prompt.token_ids),
         "completion_tokens": len(choice.detok.token_ids),
@@ -173,9 +175,20 @@ class _Running:
         self.client = client
         self.by_id: dict[str, Generation] = {}
 
+    def add(self, names: list[str], gen: Generation) -> None:
+        for name in names:
+            self.by_id[name] = gen
+
+    def forget(self, names: list[str]) -> None:
+        for name in names:
+            self.by_id.pop(name, None)
+
     def abort(self, request_id: str | None) -> int:
         """Abort one request (None: every one); how many."""
-        gens = list(self.by_id.values()) if request_id is None else [self.by_id.get(request_id)]
+        if request_id is None:
+            gens = list({id(g): g for g in self.by_id.values()}.values())
+        else:
+            gens = [self.by_id.get(request_id)]
         count = 0
         for gen in gens:
             if gen is None:
@@ -210,47 +223,53 @@ def build_sglang_router(
             where = ".".join(str(p) for p in first.get("loc", ()))
             raise APIError(400, f"{where}: {first.get('msg')}", param=where) from None
         creq, num_prompts = _completion_request(req)
-        rid = _request_id(req, num_prompts)
-        if rid is not None and rid in running.by_id:
-            raise APIError(400, f"a request with rid {rid!r} is running", param="rid")
-        gen = await serving.completion_generation(creq, rid)
+        rids = _request_ids(req, num_prompts)
+        busy = [r for r in rids or [] if r in running.by_id]
+        if busy:
+            raise APIError(400, f"a request with rid {busy[0]!r} is running", param="rid")
+        gen = await serving.completion_generation(creq, rids[0] if rids else None)
+        names = rids or [gen.request_id]
         single = num_prompts == 1 and creq.n == 1
-        running.by_id[gen.request_id] = gen
+        running.add(names, gen)
         try:
             await until_disconnect(request, gen.start())
         except BaseException:
-            running.by_id.pop(gen.request_id, None)
+            running.forget(names)
             gen.close()
             raise
         if req.stream:
-            return StreamingResponse(_events(gen, req, single), media_type="text/event-stream")
+            events = _events(gen, req, rids, names, single)
+            return StreamingResponse(events, media_type="text/event-stream")
         try:
-            await until_disconnect(request, _drain(gen))
+            await until_disconnect(request, _drain(gen, names))
         except ClientGone:
             return Response(status_code=499)
         version = await weight_version()
-        outs = [_output(gen, c, version, req.return_logprob) for c in gen.choices]
+        outs = [_output(gen, c, rids, version, req.return_logprob) for c in gen.choices]
         return JSONResponse(outs[0] if single else outs)
 
-    async def _drain(gen: Generation) -> None:
+    async def _drain(gen: Generation, names: list[str]) -> None:
         try:
             async for _ in gen.updates():
                 pass
         finally:
-            running.by_id.pop(gen.request_id, None)
+            running.forget(names)
             gen.close()
 
-    async def _events(gen: Generation, req: GenerateRequest, single: bool) -> AsyncIterator[bytes]:
+    async def _events(
+        gen: Generation, req: GenerateRequest, rids: list[str] | None, names: list[str],
+        single: bool,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
         try:
             async for update in gen.updates():
                 c = update.choice
                 version = await weight_version() if c.finished else ""
-                out = _output(gen, c, version, req.return_logprob)
+                out = _output(gen, c, rids, version, req.return_logprob)
                 if not single:
                     out["index"] = c.index
                 yield b"data: " + json.dumps(out).encode() + b"\n\n"
         finally:
-            running.by_id.pop(gen.request_id, None)
+            running.forget(names)
             gen.close()
         yield b"data: [DONE]\n\n"
 

@@ -243,12 +243,19 @@ def test_bogus_group_is_a_400_within_its_timeout_while_serving(server):
 
 
 def test_generate_equals_completions(server):
-    sp = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    # slime's rollout payload (`slime/rollout/sglang_rollout.py`: GenerateState.sampling_params,
+    # `generate`'s payload), greedy here so that it can be compared.
+    slime_sp = {"temperature": 0.0, "top_p": 0.9, "top_k": -1, "max_new_tokens": 6, "stop": None,
+                "stop_token_ids": None, "skip_special_tokens": True, "no_stop_trim": True,
+                "spaces_between_special_tokens": False,
+                "custom_params": {"return_top_p_token_ids": True}}  # fmt: skip
     status, out = call(server, "POST", "/generate",
-                       {"input_ids": PROMPT, "sampling_params": sp, "return_logprob": True})  # fmt: skip
+                       {"input_ids": PROMPT, "sampling_params": {**slime_sp, "ignore_eos": True},
+                        "return_logprob": True})  # fmt: skip
     assert status == 200, out
-    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True, "logprobs": 0}  # fmt: skip
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, "top_p": 0.9,
+            "ignore_eos": True, "include_stop_str_in_output": True, "return_token_ids": True,
+            "logprobs": 0}  # fmt: skip
     status, ref = server.post("/v1/completions", body)
     choice = ref["choices"][0]
     assert out["output_ids"] == choice["token_ids"] and out["text"] == choice["text"]
@@ -261,6 +268,7 @@ def test_generate_equals_completions(server):
     assert isinstance(meta["weight_version"], str)
 
     # A batch of texts answers a list, each equal to its own completion.
+    sp = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     texts = ["Hello there", "One two"]
     status, outs = call(server, "POST", "/generate", {"text": texts, "sampling_params": sp})
     assert status == 200 and len(outs) == 2

@@ -16,7 +16,10 @@ request; only the names and the response's shape are SGLang's:
       min_p, stop, stop_token_ids,
       ignore_eos, skip_special_tokens, n,
       presence/frequency/repetition_penalty
-      min_new_tokens, no_stop_trim           min_tokens, include_stop_str_in_output
+      min_new_tokens, no_stop_trim,          min_tokens, include_stop_str_in_output,
+      sampling_seed                          seed
+      custom_params,                         (no effect, as in SGLang without a custom
+      spaces_between_special_tokens          logit processor and with a fast tokenizer)
     return_logprob                           logprobs=0
     rid (one, or one per prompt)             the request ids /abort_request names
     stream                                   stream (each event carries the text so far,
@@ -58,6 +61,10 @@ _SAME = ("temperature", "top_p", "min_p", "stop", "stop_token_ids", "ignore_eos"
          "skip_special_tokens", "n", "presence_penalty", "frequency_penalty",
          "repetition_penalty", "seed")  # fmt: skip
 _MAX_NEW_TOKENS = 128  # SGLang's default
+# Accepted and without effect here, as in SGLang in the same case: `custom_params` goes to a
+# custom logit processor (none is loaded), and `spaces_between_special_tokens` changes nothing
+# with a fast tokenizer (Qwen3's). slime sends both.
+_NO_EFFECT = ("custom_params", "spaces_between_special_tokens")
 
 
 class GenerateRequest(BaseModel):
@@ -103,6 +110,10 @@ def _completion_request(req: GenerateRequest) -> tuple[CompletionRequest, int]:
         raise APIError(400, "top_logprobs_num and logprob_start_len are not supported")
     sp = dict(req.sampling_params)
     fields: dict[str, Any] = {"prompt": prompt, "max_tokens": _MAX_NEW_TOKENS}
+    for name in _NO_EFFECT:
+        sp.pop(name, None)
+    if "sampling_seed" in sp:
+        fields["seed"] = sp.pop("sampling_seed")
     for name in list(sp):
         if name in _RENAMED:
             fields[_RENAMED[name]] = sp.pop(name)

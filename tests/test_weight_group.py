@@ -119,3 +119,30 @@ def test_an_abandoned_join_leaves_the_group_once_it_forms(monkeypatch):
     assert wg._prepare_destroy(runner, TP, destroy) == ""
     with pytest.raises(ControlRefused, match="no weights update group"):
         wg._prepare_destroy(runner, TP, {"group_name": "g"})
+
+
+def test_offline_join_with_nobody_listening_fails_within_its_timeout(tmp_path):
+    """`LLM.init_weights_update_group` (which waits, no step running meanwhile) to a port nobody
+    listens on: GroupJoinError naming the rank's reason within the timeout, then the engine
+    generates and the name is free."""
+    import socket
+    import time
+
+    from tp_engine import LLM, SamplingParams
+    from tp_engine.checkpoints import DEMO_SHAPE, build_random_qwen3
+    from tp_engine.control import ControlRefusedError
+    from tp_engine.weight_updates import JOIN_GRACE_S, GroupJoinError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ckpt = build_random_qwen3(tmp_path / "a", **DEMO_SHAPE)
+    with LLM(str(ckpt), num_kv_blocks=16, max_model_len=64) as llm:
+        start = time.monotonic()
+        with pytest.raises(GroupJoinError, match=r"rank 0: .*'nowhere'|'nowhere'.*rank 0"):
+            llm.init_weights_update_group("127.0.0.1", port, 1, 2, "nowhere", timeout_s=2)
+        assert time.monotonic() - start < 2 + JOIN_GRACE_S + 2
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        assert len(llm.generate([[5, 9, 11]], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+        with pytest.raises(ControlRefusedError, match="no weights update group"):
+            llm.destroy_weights_update_group("nowhere")

@@ -10,7 +10,8 @@ Routes (vLLM's): /v1/completions, /v1/chat/completions (a generate model), the p
 of `pooling_routes` (a pooling model), /v1/models, /health, /version, /tokenize, /detokenize,
 /tokenizer_info, /metrics; with LoRA, a request's `model` may name an adapter (`models`), and
 with `VLLM_ALLOW_RUNTIME_LORA_UPDATING` /v1/load_lora_adapter and /v1/unload_lora_adapter
-(`lora_routes`). `guards.RequestGuard` checks the Host header,
+(`lora_routes`); SGLang's native /generate, /abort_request, /v1/loads (`sglang_routes`).
+`guards.RequestGuard` checks the Host header,
 the API key (every route that reads or costs), the body's type and size before a handler runs;
 the handlers hand their CPU work to `request_work` so that the event loop only moves bytes.
 """

@@ -76,10 +76,13 @@ class ControlOp(enum.IntEnum):
     # 10-19: weight updates (`rank_worker.control_weights`, which documents their arguments).
     LOAD_WEIGHTS = 10  # full tensors from rank 0, broadcast over the TP group in buckets
     LOAD_WEIGHTS_FROM_DISK = 11  # each rank reads a safetensors checkpoint itself
-    INIT_WEIGHTS_UPDATE_GROUP = 12  # join a trainer's process group (trainer = its rank 0)
+    # 12, 14, 16: a trainer's group (`rank_worker.weight_group`): start joining it in the
+    # background, leave it (or abandon the join), and each rank's join state.
+    INIT_WEIGHTS_UPDATE_GROUP = 12
     LOAD_WEIGHTS_FROM_GROUP = 13  # tensors broadcast by the trainer on that group
     DESTROY_WEIGHTS_UPDATE_GROUP = 14
     GET_WEIGHTS_BY_NAME = 15  # the first values of one checkpoint tensor, from every rank
+    WEIGHTS_UPDATE_GROUP_STATUS = 16
     # Sleep mode (`rank_worker.control_sleep`, which registers them in `_HANDLERS`; step.py
     # imports it): release the weights' and the KV cache's device memory, restore it, and
     # report each rank's bytes.

@@ -1,4 +1,4 @@
-"""Weight updates on one rank: the handlers of control ops 10-19, registered into
+"""Weight updates on one rank: the handlers of control ops 10, 11, 13 and 15, registered into
 `rank_worker.control`'s op table (whose two-phase protocol and rules they follow).
 
 Every path ends in the same call, `runner.weight_map.apply(name, full_tensor)`: each rank gets
@@ -13,13 +13,9 @@ storages and `data_ptr`s stay valid. What differs is where the full tensors come
                                                                      broadcast over the TP group
     LOAD_WEIGHTS_FROM_DISK     path: str                             each rank reads the
                                                                      safetensors files itself
-    INIT_WEIGHTS_UPDATE_GROUP  master_address, master_port,          (joins the trainer's group:
-                               rank_offset, world_size, group_name,  rank rank_offset + tp.rank)
-                               backend, timeout_s
     LOAD_WEIGHTS_FROM_GROUP    group_name, tensors: [[n, d, s], ..]  the trainer (rank 0 of the
                                                                      group), one broadcast per
                                                                      tensor, in the order given
-    DESTROY_WEIGHTS_UPDATE_GROUP  group_name
     GET_WEIGHTS_BY_NAME        name, shape (full), truncate_size     (reads: this rank's values
                                                                      among the first ones)
 
@@ -38,28 +34,24 @@ and it never hangs (TRL issue 6796). That needs the metadata to parse (dtype nam
 knows, shapes of non-negative ints) and the group to exist on the rank; otherwise the trainer's
 own group timeout ends its wait.
 
-Trainer-side helpers (`weights_update_group`, `group_broadcast`) live here too, so that a
-trainer and the ranks build the group the same way: a process group of `backend` (gloo on
-CPU, nccl on GPU) over a TCPStore hosted by the trainer at master_address:master_port, under a
-`PrefixStore(group_name)`, as SGLang's trainers make theirs; the default (TP) group is not
-touched.
+The trainer's group itself (INIT_WEIGHTS_UPDATE_GROUP, WEIGHTS_UPDATE_GROUP_STATUS,
+DESTROY_WEIGHTS_UPDATE_GROUP: how it is formed so that SGLang's trainer helper meets it, and why it
+is joined in the background) is `rank_worker.weight_group`; this module only receives on it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from rank_worker.control import _HANDLERS, ControlOp, ControlRefused, OpHandler, _check_keys
 from rank_worker.loader import safetensors_files
 from rank_worker.tp import TPInfo, broadcast_tensor
+from rank_worker.weight_group import Group, formed_group, group_broadcast
 from rank_worker.weight_map import WeightLoadError
 
 if TYPE_CHECKING:
@@ -69,16 +61,13 @@ __all__ = [
     "WEIGHT_HANDLERS",
     "TensorMeta",
     "dtype_name",
-    "group_broadcast",
     "parse_dtype",
     "stage_tensors",
-    "weights_update_group",
 ]
 
 # Offsets of tensors inside a bucket are multiples of this, so that each slice can be viewed
 # as its dtype (a view must start at a multiple of the element size).
 _ALIGN = 16
-DEFAULT_GROUP_TIMEOUT_S = 600.0
 
 # safetensors header dtypes -> torch
 _SAFETENSORS_DTYPES = {
@@ -304,134 +293,23 @@ def _commit_disk(runner: ModelRunner, disk: _Disk) -> dict[str, int]:
     return {"tensors": count}
 
 
-# -- the trainer's group -------------------------------------------------------------------------
+# -- LOAD_WEIGHTS_FROM_GROUP: tensors from the trainer's group (`rank_worker.weight_group`) -------
 
 
-@dataclass
-class _Group:
-    pg: Any  # a torch ProcessGroup of `backend`, outside the default group
-    store: Any  # the TCPStore client, kept alive with the group
-    backend: str
-    rank: int
-    world_size: int
-
-
-# Each runner's trainer groups by name (rank 0's runner shares its process with the caller, and
-# a test may run several engines in one process).
-_groups: weakref.WeakKeyDictionary[Any, dict[str, _Group]] = weakref.WeakKeyDictionary()
-
-
-def _groups_of(runner: ModelRunner) -> dict[str, _Group]:
-    return _groups.setdefault(runner, {})
-
-
-def weights_update_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str = "weight_update_group",
-    backend: str = "gloo",
-    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-) -> tuple[Any, Any]:
-    """(process group, store) of rank `rank` in the trainer's group; rank 0 (the trainer)
-    hosts the TCPStore. Blocks until every rank has joined (or `timeout_s`)."""
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
-    )
-    prefixed = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    elif backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    else:
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    return pg, store
-
-
-def group_broadcast(pg: Any, tensor: torch.Tensor, src: int = 0) -> None:
-    """Broadcast `tensor` from group rank `src`, in place, and wait for it."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = src
-    pg.broadcast([tensor], opts).wait()
-
-
-def _default_backend(runner: ModelRunner) -> str:
-    return "nccl" if runner.device.type == "cuda" else "gloo"
-
-
-def _prepare_init_group(runner: ModelRunner, tp: TPInfo, args: Mapping[str, Any]) -> dict:
-    keys = {"master_address", "master_port", "rank_offset", "world_size", "group_name",
-            "backend", "timeout_s"}  # fmt: skip
-    _check_keys(args, keys)
-    a = dict(args)
-    if not isinstance(a.get("master_address"), str):
-        raise ControlRefused(f"master_address must be a str, got {a.get('master_address')!r}")
-    for key in ("master_port", "rank_offset", "world_size"):
-        if type(a.get(key)) is not int:
-            raise ControlRefused(f"{key} must be an int, got {a.get(key)!r}")
-    if a["rank_offset"] < 1 or a["rank_offset"] + tp.size > a["world_size"]:
-        raise ControlRefused(
-            f"ranks rank_offset .. rank_offset + {tp.size - 1} = {a['rank_offset']} .. "
-            f"{a['rank_offset'] + tp.size - 1} do not fit a group of world_size "
-            f"{a['world_size']} whose rank 0 is the trainer"
-        )
-    name = a.get("group_name")
-    if not isinstance(name, str) or not name:
-        raise ControlRefused(f"group_name must be a non-empty str, got {name!r}")
-    if name in _groups_of(runner):
-        raise ControlRefused(f"a weights update group named {name!r} exists already")
-    backend = a.get("backend") or _default_backend(runner)
-    if backend not in ("gloo", "nccl"):
-        raise ControlRefused(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    a["backend"] = backend
-    a["rank"] = a["rank_offset"] + tp.rank
-    a["timeout_s"] = float(a.get("timeout_s") or DEFAULT_GROUP_TIMEOUT_S)
-    return a
-
-
-def _commit_init_group(runner: ModelRunner, a: dict) -> dict[str, Any]:
-    """Join the group. A rendezvous that fails is reported in the result, not raised: no
-    weight changed, so it is no reason to stop the engine; the engine side then destroys
-    whatever groups the other ranks made."""
-    try:
-        pg, store = weights_update_group(
-            a["master_address"], a["master_port"], a["rank"], a["world_size"],
-            a["group_name"], a["backend"], a["timeout_s"],
-        )  # fmt: skip
-    except Exception as exc:  # reported to rank 0 as this rank's error
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    _groups_of(runner)[a["group_name"]] = _Group(
-        pg, store, a["backend"], a["rank"], a["world_size"]
-    )
-    return {"error": None, "rank": a["rank"]}
-
-
-def _group(runner: ModelRunner, args: Mapping[str, Any]) -> tuple[str, _Group]:
-    name = args.get("group_name")
-    group = _groups_of(runner).get(name) if isinstance(name, str) else None
-    if group is None:
-        raise ControlRefused(f"no weights update group named {name!r}")
-    return name, group
-
-
-def _recv_device(runner: ModelRunner, group: _Group) -> torch.device:
+def _recv_device(runner: ModelRunner, group: Group) -> torch.device:
     return runner.device if group.backend == "nccl" else torch.device("cpu")
 
 
 @dataclass
 class _FromGroup:
-    group: _Group
+    group: Group
     metas: list[TensorMeta] = field(default_factory=list)
 
 
 def _prepare_from_group(runner: ModelRunner, tp: TPInfo, args: Mapping[str, Any]) -> _FromGroup:
     runner.device_sleep.check_weights_awake()  # a write to released storage: refused
     _check_keys(args, {"group_name", "tensors"})
-    _, group = _group(runner, args)
+    group = formed_group(runner, args.get("group_name"))
     metas = _parse_metas(args.get("tensors"))
     _validate(runner, metas)
     return _FromGroup(group, metas)
@@ -452,32 +330,13 @@ def _drain_from_group(runner: ModelRunner, tp: TPInfo, args: Mapping[str, Any]) 
     """Refused: still receive every announced tensor, and drop it, so the trainer's
     broadcasts complete (see the module docstring)."""
     try:
-        _, group = _group(runner, args)
+        group = formed_group(runner, args.get("group_name"))
         metas = _parse_metas(args.get("tensors"))
     except ControlRefused:
         return  # nothing to receive on (or nothing we can size): the trainer's timeout ends it
     device = _recv_device(runner, group)
     for meta in metas:
         group_broadcast(group.pg, torch.empty(meta.shape, dtype=meta.dtype, device=device))
-
-
-def _prepare_destroy_group(runner: ModelRunner, tp: TPInfo, args: Mapping[str, Any]) -> str:
-    _check_keys(args, {"group_name", "missing_ok"})
-    if args.get("missing_ok") and args.get("group_name") not in _groups_of(runner):
-        return ""
-    name, _ = _group(runner, args)
-    return name
-
-
-def _commit_destroy_group(runner: ModelRunner, name: str) -> bool:
-    group = _groups_of(runner).pop(name, None)
-    if group is None:
-        return False
-    shutdown = getattr(group.pg, "shutdown", None)
-    if shutdown is not None:
-        with contextlib.suppress(Exception):  # best effort: the group is forgotten either way
-            shutdown()
-    return True
 
 
 # -- GET_WEIGHTS_BY_NAME -------------------------------------------------------------------------
@@ -527,12 +386,8 @@ def _commit_get(runner: ModelRunner, prepared: tuple) -> dict[str, list]:
 WEIGHT_HANDLERS: dict[int, OpHandler] = {
     ControlOp.LOAD_WEIGHTS: OpHandler(_prepare_load, _commit_load),
     ControlOp.LOAD_WEIGHTS_FROM_DISK: OpHandler(_prepare_disk, _commit_disk),
-    ControlOp.INIT_WEIGHTS_UPDATE_GROUP: OpHandler(_prepare_init_group, _commit_init_group),
     ControlOp.LOAD_WEIGHTS_FROM_GROUP: OpHandler(
         _prepare_from_group, _commit_from_group, on_refused=_drain_from_group
-    ),
-    ControlOp.DESTROY_WEIGHTS_UPDATE_GROUP: OpHandler(
-        _prepare_destroy_group, _commit_destroy_group
     ),
     ControlOp.GET_WEIGHTS_BY_NAME: OpHandler(_prepare_get, _commit_get),
 }

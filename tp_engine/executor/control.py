@@ -87,7 +87,7 @@ class ControlHost(Protocol):
 REPAIRING_OPS = frozenset({
     ControlOp.LOAD_WEIGHTS, ControlOp.LOAD_WEIGHTS_FROM_DISK, ControlOp.LOAD_WEIGHTS_FROM_GROUP,
     ControlOp.INIT_WEIGHTS_UPDATE_GROUP, ControlOp.DESTROY_WEIGHTS_UPDATE_GROUP,
-    ControlOp.WEIGHT_CHECKSUMS,
+    ControlOp.WEIGHTS_UPDATE_GROUP_STATUS, ControlOp.WEIGHT_CHECKSUMS,
 })  # fmt: skip
 
 

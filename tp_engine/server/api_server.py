@@ -10,7 +10,8 @@ Routes (vLLM's): /v1/completions, /v1/chat/completions (a generate model), the p
 of `pooling_routes` (a pooling model), /v1/models, /health, /version, /tokenize, /detokenize,
 /tokenizer_info, /metrics; with LoRA, a request's `model` may name an adapter (`models`), and
 with `VLLM_ALLOW_RUNTIME_LORA_UPDATING` /v1/load_lora_adapter and /v1/unload_lora_adapter
-(`lora_routes`). `guards.RequestGuard` checks the Host header,
+(`lora_routes`); SGLang's native /generate, /abort_request, /v1/loads (`sglang_routes`).
+`guards.RequestGuard` checks the Host header,
 the API key (every route that reads or costs), the body's type and size before a handler runs;
 the handlers hand their CPU work to `request_work` so that the event loop only moves bytes.
 """
@@ -54,6 +55,7 @@ from tp_engine.server.protocol import (
 )
 from tp_engine.server.request_work import RequestWork
 from tp_engine.server.serving import OpenAIServing
+from tp_engine.server.sglang_routes import build_sglang_router
 from tp_engine.server.worker_routes import build_router
 
 logger = logging.getLogger("tp_engine.server.api")
@@ -138,6 +140,8 @@ def build_app(
         return {"object": "list", "data": models.cards()}
 
     if generates:  # a pooling model has no completions (vLLM: 404)
+        tensor_updates = hello.enable_weight_updates and hello.enable_weight_updates_from_tensor
+        app.include_router(build_sglang_router(client, serving, tensor_updates=tensor_updates))
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:

@@ -45,6 +45,9 @@ class ServerArgs:
     # Admin routes (`tp_engine.server.admin_routes`): RL weight sync and pause; sleep and wake.
     enable_weight_updates: bool = False
     enable_sleep_mode: bool = False
+    # SGLang's /update_weights_from_tensor: pickled tensor handles, read by a restricted
+    # unpickler (`tp_engine.features.weights_and_sleep.tensor_payload`); off unless asked for.
+    enable_weight_updates_from_tensor: bool = False
     # --lora-modules: adapters loaded at start-up, served by name (ids 1, 2, ... in order).
     lora_modules: list[LoRARequest] = field(default_factory=list)
 
@@ -289,6 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request's output constraint may take to check (API process) and to "
         "compile (rank 0); slower ones are answered 400, the other requests are unaffected",
     )  # fmt: skip
+    # Issue 44's flags (the RL routes' owner adds here).
+    p.add_argument(
+        "--enable-weight-updates-from-tensor", action="store_true",
+        help="also offer SGLang's /update_weights_from_tensor (slime's colocated weight sync): "
+        "its body is pickled tensor handles, read by an unpickler that admits only torch's "
+        "tensor rebuild functions; needs --enable-weight-updates",
+    )  # fmt: skip
     return p
 
 
@@ -370,6 +380,7 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_weight_updates=args.enable_weight_updates,
         enable_sleep_mode=args.enable_sleep_mode,
+        enable_weight_updates_from_tensor=args.enable_weight_updates_from_tensor,
         lora_modules=lora_modules,
         limits=RequestLimits(
             max_body_bytes=args.max_request_body_bytes,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from tp_engine.executor.control import EngineInconsistentError
 from tp_engine.failures import EngineDeadError
 from tp_engine.features.lora.registry import LoRAAdapterNotFoundError, LoRARequest
+from tp_engine.features.weights_and_sleep import weight_updates
 
 if TYPE_CHECKING:
     from tp_engine.engine import LLMEngine
@@ -45,7 +46,11 @@ def _weight_version(engine: LLMEngine, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reset_prefix_cache(engine: LLMEngine, args: dict[str, Any]) -> dict[str, Any]:
-    return {"num_dropped_blocks": engine.reset_prefix_cache()}
+    """How many unreferenced cached blocks were dropped, and whether nothing stays cached
+    (running requests keep theirs)."""
+    bm = engine.scheduler.block_manager
+    dropped = bm.reset_prefix_cache()
+    return {"num_dropped_blocks": dropped, "fully_reset": not bm.cached}
 
 
 def _update_from_disk(engine: LLMEngine, args: dict[str, Any]) -> None:
@@ -56,15 +61,27 @@ def _update_from_disk(engine: LLMEngine, args: dict[str, Any]) -> None:
     )
 
 
-def _init_group(engine: LLMEngine, args: dict[str, Any]) -> None:
-    engine.init_weights_update_group(
+def _start_group(engine: LLMEngine, args: dict[str, Any]) -> None:
+    """Only starts the ranks' joins: the route polls `_group_state` between steps, so that the
+    loop never waits for a trainer (`rank_worker.weight_group`)."""
+    weight_updates.start_weights_update_group(
+        engine,
         args["master_address"],
         args["master_port"],
         args["rank_offset"],
         args["world_size"],
         group_name=args.get("group_name", "weight_update_group"),
         backend=args.get("backend"),
+        timeout_s=args.get("timeout_s"),
     )
+
+
+def _group_state(engine: LLMEngine, args: dict[str, Any]) -> dict[str, Any]:
+    return weight_updates.weights_update_group_state(engine, args["group_name"])
+
+
+def _abandon_group(engine: LLMEngine, args: dict[str, Any]) -> None:
+    weight_updates.abandon_weights_update_group(engine, args["group_name"])
 
 
 def _update_from_group(engine: LLMEngine, args: dict[str, Any]) -> None:
@@ -75,6 +92,17 @@ def _update_from_group(engine: LLMEngine, args: dict[str, Any]) -> None:
         group_name=args.get("group_name", "weight_update_group"),
         weight_version=args.get("weight_version"),
         flush_cache=args.get("flush_cache", True),
+    )
+
+
+def _update_from_tensor(engine: LLMEngine, args: dict[str, Any]) -> None:
+    """SGLang's serialized named tensors, read here on rank 0 through the restricted unpickler
+    (`tp_engine.features.weights_and_sleep.tensor_payload`), then loaded as `LLM.load_weights` loads tensors."""
+    from tp_engine.features.weights_and_sleep.tensor_payload import decode_named_tensors
+
+    named = decode_named_tensors(args["payload"], args.get("load_format"))
+    engine.load_weights(
+        named, weight_version=args.get("weight_version"), flush_cache=args.get("flush_cache", True)
     )
 
 
@@ -114,9 +142,12 @@ OPS: dict[str, Callable[[LLMEngine, dict[str, Any]], dict[str, Any] | None]] = {
     "reset_prefix_cache": _reset_prefix_cache,
     "get_weight_version": _weight_version,
     "update_weights_from_disk": _update_from_disk,
-    "init_weights_update_group": _init_group,
+    "start_weights_update_group": _start_group,
+    "weights_update_group_state": _group_state,
+    "abandon_weights_update_group": _abandon_group,
     "update_weights_from_distributed": _update_from_group,
     "destroy_weights_update_group": _destroy_group,
+    "update_weights_from_tensor": _update_from_tensor,
     "get_weights_by_name": _weights_by_name,
     "sleep": _sleep,
     "wake_up": _wake_up,

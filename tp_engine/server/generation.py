@@ -117,6 +117,11 @@ class Generation:
         self.prompt_logprobs: list[list[Any] | None] = [None] * len(prompts)
         self._early: list[tuple[str, Any]] = []
 
+    def deliver(self, engine_id: str, event: Any) -> None:
+        """Hand this request an event as if rank 0 had sent it (SGLang's /abort_request ends
+        a sample that rank 0 then drops without a word)."""
+        self._queue.put_nowait((engine_id, event))
+
     # -- life --------------------------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -59,6 +59,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def _flag_for(path: str) -> str | None:
+    """The flag or variable that offers a route this server lacks (None: no such route)."""
+    from tp_engine.server.admin_routes import FLAGGED_ROUTES
+
+    return FLAGGED_ROUTES.get(path)
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -84,6 +91,9 @@ def install_handlers(app: FastAPI) -> None:
         message = str(exc.detail) if exc.detail else "error"
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
+            flag = _flag_for(request.url.path)
+            if flag is not None:
+                message += f" (offered only with {flag})"
         return APIError(exc.status_code, message).response()
 
     @app.exception_handler(RecursionError)

@@ -101,6 +101,8 @@ class Hello:
     # [name, lora_int_id, path, base_model_name]; the API process serves them by name.
     enable_lora: bool = False
     lora_modules: list[list[Any]] = field(default_factory=list)
+    # --enable-weight-updates-from-tensor: SGLang's /update_weights_from_tensor is offered.
+    enable_weight_updates_from_tensor: bool = False
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,7 @@ class Rank0Server:
                 limits=self.args.limits.to_wire(),
                 enable_weight_updates=self.args.enable_weight_updates,
                 enable_sleep_mode=self.args.enable_sleep_mode,
+                enable_weight_updates_from_tensor=self.args.enable_weight_updates_from_tensor,
                 supported_tasks=supported_tasks(engine.model_spec),
                 pooled_size=engine.model_spec.hidden_size,
                 is_matryoshka=engine.model_spec.is_matryoshka,

@@ -71,19 +71,26 @@ class OpenAIServing:
     # -- completions -------------------------------------------------------------------------------
 
     async def completion(self, req: CompletionRequest, request: Request) -> Response:
+        gen = await self.completion_generation(req)
+        return await self._respond(gen, req, request, chat=False)
+
+    async def completion_generation(
+        self, req: CompletionRequest, request_id: str | None = None
+    ) -> Generation:
+        """A checked completion request, ready to start (SGLang's /generate runs these too)."""
         adapter = self.check_model(req.model)
         refuse_unsupported(req)
         check_max_tokens(req)
         constraint = await self.work.constraint(output_constraint, req, None, self.work.limits)
         prompts, max_tokens, extra = await self.work.run(self._completion_inputs, req, constraint)
-        gen = self._generation(
+        return self._generation(
             "cmpl",
             req,
             prompts,
             lambda p: self.builder.sampling_params(req, max_tokens, extra),
             adapter,
+            request_id,
         )
-        return await self._respond(gen, req, request, chat=False)
 
     def _completion_inputs(
         self, req: CompletionRequest, constraint: StructuredOutputsParams | None
@@ -169,11 +176,12 @@ class OpenAIServing:
         prompts: list[PromptInput],
         params_for,
         adapter: LoRARequest | None,
+        request_id: str | None = None,
     ) -> Generation:
         return Generation(
             self.client,
             self.builder.tokenizer,
-            new_request_id(prefix),
+            request_id or new_request_id(prefix),
             prompts,
             params_for,
             req.n,

@@ -58,6 +58,8 @@ def server_info(hello: Hello) -> dict[str, Any]:
         "dp_size": 1,
         "max_model_len": hello.max_model_len,
         "context_length": hello.max_model_len,
+        # SGLang's name for sleep mode; slime checks it against its --offload-rollout.
+        "enable_memory_saver": hello.enable_sleep_mode,
     }
 
 

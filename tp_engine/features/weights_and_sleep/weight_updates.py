@@ -25,18 +25,15 @@ leaves those written, and the error says how many (the epoch advances, since wei
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from rank_worker.control_weights import (
-    DEFAULT_GROUP_TIMEOUT_S,
-    TensorMeta,
-    dtype_name,
-    stage_tensors,
-)
+from rank_worker.control_weights import TensorMeta, dtype_name, stage_tensors
+from rank_worker.weight_group import DEFAULT_JOIN_TIMEOUT_S
 from rank_worker.weight_map import expected_parts
 from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult
 
@@ -69,6 +66,10 @@ class UpdateHost(Protocol):
 # Bytes of tensors per broadcast from rank 0 (vLLM's packed transfer uses 1 GiB, TRL 256 MB).
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_GROUP_NAME = "weight_update_group"
+# A join's own timeout ends its wait on the rank; rank 0 gives the ranks this much longer to
+# report why before it gives up on them.
+JOIN_GRACE_S = 2.0
+JOIN_POLL_S = 0.05
 
 
 def _refused(result: ControlResult, op: str) -> ControlRefusedError:
@@ -196,6 +197,72 @@ def update_weights_from_disk(
     _committed(engine, weight_version, flush_cache)
 
 
+class GroupJoinError(ControlRefusedError):
+    """A trainer's group did not form (nobody listening, a rank failed, or the timeout): no rank
+    keeps it, and the engine is unchanged (a 400, as SGLang answers)."""
+
+
+def start_weights_update_group(
+    engine: UpdateHost,
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP_NAME,
+    backend: str | None = None,
+    *,
+    timeout_s: float | None = None,
+) -> None:
+    """Start joining a trainer's process group on every rank, in the background
+    (`rank_worker.weight_group`): the trainer is its rank 0 and hosts its TCPStore at
+    master_address:master_port; engine rank r becomes group rank `rank_offset + r`. `backend`
+    None means nccl on GPU, gloo on CPU; `timeout_s` None is `DEFAULT_JOIN_TIMEOUT_S`. Raises
+    `ControlRefusedError` for bad arguments (nothing started)."""
+    args = {
+        "master_address": master_address, "master_port": int(master_port),
+        "rank_offset": int(rank_offset), "world_size": int(world_size),
+        "group_name": group_name, "backend": backend,
+        "timeout_s": None if timeout_s is None else float(timeout_s),
+    }  # fmt: skip
+    result = engine.control.call(ControlOp.INIT_WEIGHTS_UPDATE_GROUP, args)
+    if not result.ok:
+        raise _refused(result, "init_weights_update_group")
+
+
+def weights_update_group_state(engine: UpdateHost, group_name: str) -> dict[str, Any]:
+    """`{"state": "joined" | "pending", "pending_ranks": [...]}`: joined once every rank has
+    joined; a join that failed on any rank is abandoned on every rank and raises
+    `GroupJoinError` with each rank's reason."""
+    args = {"group_name": group_name}
+    result = engine.control.call(ControlOp.WEIGHTS_UPDATE_GROUP_STATUS, args)
+    if not result.ok:
+        raise _refused(result, "init_weights_update_group")
+    errors = [f"rank {r.rank}: {r.result['error']}" for r in result.replies if r.result["error"]]
+    if errors:
+        abandon_weights_update_group(engine, group_name)
+        raise GroupJoinError(
+            f"init_weights_update_group {group_name!r} failed: {'; '.join(errors)}"
+        )
+    pending = [r.rank for r in result.replies if r.result["state"] != "joined"]
+    return {"state": "pending" if pending else "joined", "pending_ranks": pending}
+
+
+def join_timed_out(group_name: str, limit: float, pending_ranks: list[int]) -> str:
+    """The refusal of a join that did not form in time, naming the ranks still waiting (a rank's
+    own failure, when it comes in time, is reported instead, with its reason)."""
+    waiting = ", ".join(f"rank {rank}" for rank in pending_ranks)
+    return (
+        f"init_weights_update_group {group_name!r}: not every member joined within {limit:g} s"
+        + (f" (still joining: {waiting})" if waiting else "")
+    )
+
+
+def abandon_weights_update_group(engine: UpdateHost, group_name: str) -> None:
+    """Leave the group on every rank that formed it, and abandon the joins still under way."""
+    args = {"group_name": group_name, "missing_ok": True}
+    engine.control.call(ControlOp.DESTROY_WEIGHTS_UPDATE_GROUP, args)
+
+
 def init_weights_update_group(
     engine: UpdateHost,
     master_address: str,
@@ -205,27 +272,22 @@ def init_weights_update_group(
     group_name: str = DEFAULT_GROUP_NAME,
     backend: str | None = None,
     *,
-    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> None:
-    """Join a trainer's process group: the trainer is its rank 0 and hosts its TCPStore at
-    master_address:master_port; engine rank r becomes group rank `rank_offset + r`. `backend`
-    None means nccl on GPU, gloo on CPU. Blocks until the trainer and every rank have joined.
-    Raises `ControlRefusedError` for bad arguments and RuntimeError when the rendezvous fails
-    (then no rank keeps the group)."""
-    args = {
-        "master_address": master_address, "master_port": int(master_port),
-        "rank_offset": int(rank_offset), "world_size": int(world_size),
-        "group_name": group_name, "backend": backend, "timeout_s": float(timeout_s),
-    }  # fmt: skip
-    result = engine.control.call(ControlOp.INIT_WEIGHTS_UPDATE_GROUP, args)
-    if not result.ok:
-        raise _refused(result, "init_weights_update_group")
-    errors = [f"rank {r.rank}: {r.result['error']}" for r in result.replies if r.result["error"]]
-    if errors:
-        engine.control.call(
-            ControlOp.DESTROY_WEIGHTS_UPDATE_GROUP, {"group_name": group_name, "missing_ok": True}
-        )
-        raise RuntimeError(f"init_weights_update_group {group_name!r} failed: {'; '.join(errors)}")
+    """`start_weights_update_group`, then wait (no step runs meanwhile: the offline `LLM`'s
+    way; the server polls between steps instead) until every rank joined. `GroupJoinError`
+    when the group does not form within the timeout (no rank keeps it)."""
+    start_weights_update_group(
+        engine, master_address, master_port, rank_offset, world_size, group_name, backend,
+        timeout_s=timeout_s,
+    )  # fmt: skip
+    limit = DEFAULT_JOIN_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    deadline = time.monotonic() + limit + JOIN_GRACE_S
+    while (state := weights_update_group_state(engine, group_name))["state"] != "joined":
+        if time.monotonic() > deadline:
+            abandon_weights_update_group(engine, group_name)
+            raise GroupJoinError(join_timed_out(group_name, limit, state["pending_ranks"]))
+        time.sleep(JOIN_POLL_S)
 
 
 def update_weights_from_distributed(

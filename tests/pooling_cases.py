@@ -12,6 +12,8 @@
   label, `score.weight = W[yes] - W[no]` (what vLLM's `convert_model_to_seq_cls.py` and
   tomaarsen's `*-seq-cls` checkpoints do).
 - `reranker_reference`: the model card's formula with transformers.
+- `VLLM_EXAMPLE_*`, `vllm_formatted_pairs`: vLLM's own Qwen3-Reranker example, whose texts carry
+  the template already.
 
 The server tests import these too.
 """
@@ -36,6 +38,44 @@ _SMALL = dict(
     hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
     intermediate_size=128, max_position_embeddings=512,
 )  # fmt: skip
+
+
+# vLLM's documented way to call Qwen3-Reranker (vllm-project/vllm,
+# examples/offline_inference/qwen3_reranker.py; vLLM-Ascend's tutorial and most user code copy
+# it): the sender formats each query as prefix + "<Instruct>: ...\n<Query>: ...\n" and each
+# document as "<Document>: ..." + suffix, and passes those texts to `LLM.score` or `/score`.
+# The strings below are that example's, reproduced (not imported: vLLM is not installed here).
+VLLM_EXAMPLE_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    'and the Instruct provided. Note that the answer can only be "yes" or "no".'
+    "<|im_end|>\n<|im_start|>user\n"
+)
+VLLM_EXAMPLE_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+VLLM_EXAMPLE_INSTRUCTION = (
+    "Given a web search query, retrieve relevant passages that answer the query"
+)
+VLLM_EXAMPLE_QUERIES = ["What is the capital of China?", "Explain gravity"]
+VLLM_EXAMPLE_DOCUMENTS = [
+    "The capital of China is Beijing.",
+    "Gravity is a force that attracts two bodies towards each other. It gives weight to "
+    "physical objects and is responsible for the movement of planets around the sun.",
+]
+VLLM_QUERY_TEMPLATE = "{prefix}<Instruct>: {instruction}\n<Query>: {query}\n"
+VLLM_DOCUMENT_TEMPLATE = "<Document>: {doc}{suffix}"
+
+
+def vllm_formatted_pairs(
+    queries: list[str], documents: list[str], instruction: str = VLLM_EXAMPLE_INSTRUCTION
+) -> tuple[list[str], list[str]]:
+    """The texts the vLLM example sends for these queries and documents."""
+    formatted_queries = [
+        VLLM_QUERY_TEMPLATE.format(prefix=VLLM_EXAMPLE_PREFIX, instruction=instruction, query=q)
+        for q in queries
+    ]
+    formatted_docs = [
+        VLLM_DOCUMENT_TEMPLATE.format(doc=d, suffix=VLLM_EXAMPLE_SUFFIX) for d in documents
+    ]
+    return formatted_queries, formatted_docs
 
 
 def build_embedding_checkpoint(out_dir: Path, *, seed: int = 11) -> Path:

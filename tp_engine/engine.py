@@ -222,7 +222,7 @@ class LLMEngine:
             )
         model_dir = Path(config.model) if config.model else _demo_model_dir()
         hf_config = load_hf_config(model_dir, config.hf_overrides)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(model_dir))
         # Task, head and context length, decided once here and shipped to every rank.
         self.model_spec = ModelSpec.resolve(
             model_dir, hf_config, config.runner, config.convert, self._token_id

@@ -101,6 +101,10 @@ class Hello:
     # [name, lora_int_id, path, base_model_name]; the API process serves them by name.
     enable_lora: bool = False
     lora_modules: list[list[Any]] = field(default_factory=list)
+    # --tokenizer: the directory the tokenizer files come from (rank 0 loads the same one);
+    # None: model_dir. --chat-template: the template's text, replacing the tokenizer's.
+    tokenizer_dir: str | None = None
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)

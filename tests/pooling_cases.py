@@ -20,20 +20,18 @@ The server tests import these too.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-EMBED_QUERY_PROMPT = (
-    "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+from tp_engine.pooling_checkpoints import (  # noqa: F401 - re-exported for the tests
+    EMBED_QUERY_PROMPT,
+    RERANKER_OVERRIDES,
+    append_endoftext,
+    write_sentence_transformers_files,
 )
-RERANKER_OVERRIDES = {
-    "architectures": ["Qwen3ForSequenceClassification"],
-    "classifier_from_token": ["no", "yes"],
-    "is_original_qwen3_reranker": True,
-}
+
 _SMALL = dict(
     hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
     intermediate_size=128, max_position_embeddings=512,
@@ -89,57 +87,9 @@ def build_embedding_checkpoint(out_dir: Path, *, seed: int = 11) -> Path:
         return {} if name == "lm_head.weight" else {name.removeprefix("model."): t}
 
     out = _rewrite_checkpoint(src, out_dir, flat, lambda config: None)
-    _append_endoftext(out)
-    _write_sentence_transformers_files(out, hidden_size=_SMALL["hidden_size"])
+    append_endoftext(out)
+    write_sentence_transformers_files(out, hidden_size=_SMALL["hidden_size"])
     return out
-
-
-def _append_endoftext(model_dir: Path) -> None:
-    """Qwen3-Embedding's tokenizer.json: every encoding ends with `<|endoftext|>`."""
-    from tokenizers import Tokenizer, processors
-
-    path = model_dir / "tokenizer.json"
-    tok = Tokenizer.from_file(str(path))
-    eot = "<|endoftext|>"
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"$A:0 {eot}:0",
-        pair=f"$A:0 {eot}:0 $B:1 {eot}:1",
-        special_tokens=[(eot, tok.token_to_id(eot))],
-    )
-    tok.save(str(path))
-
-
-def _write_sentence_transformers_files(model_dir: Path, *, hidden_size: int) -> None:
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"},
-    ]  # fmt: skip
-    (model_dir / "modules.json").write_text(json.dumps(modules, indent=2))
-    pooling = {
-        "word_embedding_dimension": hidden_size,
-        "pooling_mode_cls_token": False,
-        "pooling_mode_mean_tokens": False,
-        "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False,
-        "pooling_mode_weightedmean_tokens": False,
-        "pooling_mode_lasttoken": True,
-        "include_prompt": True,
-    }
-    (model_dir / "1_Pooling").mkdir(exist_ok=True)
-    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
-    (model_dir / "2_Normalize").mkdir(exist_ok=True)
-    st_config = {
-        "prompts": {"query": EMBED_QUERY_PROMPT, "document": ""},
-        "default_prompt_name": None,
-        "similarity_fn_name": "cosine",
-    }
-    (model_dir / "config_sentence_transformers.json").write_text(json.dumps(st_config, indent=2))
-    (model_dir / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": 512, "do_lower_case": False})
-    )
 
 
 def build_reranker_checkpoint(out_dir: Path, *, tied: bool, seed: int = 21) -> Path:

@@ -82,3 +82,24 @@ def test_tokenizer_is_a_directory(tmp_path):
     assert engine_config(args, 1).tokenizer == str(tmp_path / "tok")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--tokenizer", str(tmp_path)])
+
+
+@pytest.mark.parametrize("script", ["launch.generate", "launch.bench"])
+def test_offline_scripts_explain_every_flag(script, monkeypatch):
+    """launch/generate.py and launch/bench.py declare engine flags too: same rule."""
+    import importlib
+
+    parsers: list[argparse.ArgumentParser] = []
+    real = argparse.ArgumentParser.parse_args
+
+    def capture(self, args=None, namespace=None):
+        parsers.append(self)
+        return real(self, args, namespace)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    importlib.import_module(script).parse_args([])
+    (parser,) = parsers
+    formatter = parser._get_formatter()
+    for action in flags(parser):
+        shown = formatter._get_help_string(action) or ""
+        assert action.help and "default" in shown.lower(), (action.option_strings[0], shown)

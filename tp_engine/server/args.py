@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rank_worker.lora.peft_adapter import LORA_DTYPES, MAX_LORA_RANKS
+from tp_engine.cli_help import HelpFormatter
 from tp_engine.config import (
     ATTENTION_BACKENDS,
     CONVERTS,
@@ -46,17 +47,6 @@ environment variables:
 # A --chat-template value holding one of these is the template itself, else a file's path
 # (vLLM's rule).
 _JINJA_CHARS = "{}\n"
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows each flag's default, "(default: X)", unless its help already says in words what
-    the default is (a None that means "the checkpoint's", or a value read from the
-    environment, which must not be printed); keeps the epilog's layout."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if "default" in (action.help or "").lower():
-            return action.help
-        return super()._get_help_string(action)
 
 
 def chat_template_arg(value: str) -> str:
@@ -299,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend",
         default="auto",
         choices=ATTENTION_BACKENDS,
-        help="attention kernels (auto: triton on a GPU, torch on CPU)",
+        help="attention kernels (auto: flash_attn when installed and --block-size is a multiple "
+        "of 256, else triton on a GPU, torch on CPU)",
     )
     p.add_argument(
         "--enable-expert-parallel", action="store_true", help="MoE: whole experts per rank"

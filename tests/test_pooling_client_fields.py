@@ -97,6 +97,13 @@ def test_documents_as_objects_and_max_tokens_per_doc(tokenizer):
     # The answer shows each document as sent, not as cut.
     by_index = {res["index"]: res["document"]["text"] for res in r.json()["results"]}
     assert by_index == {0: short_doc, 1: long_doc}
+    # A document far past what max_model_len could hold (refused unless cut) is cut too,
+    # without the tokenizer reading all of it.
+    huge = "the quick brown fox " * 20_000
+    r = client.post("/rerank", json={"query": "q", "documents": [huge], "max_tokens_per_doc": 5})
+    assert r.status_code == 200, r.json()
+    assert engine.sent[-1][0] == pair_tokens(tokenizer, "q", first5, None)
+    assert error_of(client.post("/rerank", json={"query": "q", "documents": [huge]}))[0] == 400
     for bad in (0, -3):
         status, param, _ = error_of(
             client.post("/rerank", json={**body, "max_tokens_per_doc": bad})

@@ -31,6 +31,9 @@ from tp_engine.server.pooling_protocol import (
 )
 from tp_engine.server.prompts import PromptBuilder
 
+# Unicode normalization (NFC) composes at most a few characters into one (`PromptBuilder`'s
+# length check allows as much).
+_NORMALIZING_SLACK = 4
 # A reranker's prompt of one (query, document, instruction) as token ids, made with the given
 # tokenizer (`tp_engine.rerank_prompt.rerank_token_ids`).
 PairTokens = Callable[[Any, str, str, str | None], list[int]]
@@ -234,16 +237,18 @@ class PoolingInputs:
                 f"max_tokens_per_doc must be at least 1, got {max_tokens_per_doc}",
                 "max_tokens_per_doc",
             )
-        for text in texts:
-            self.builder.check_text_length(text, "documents")
-            if "<|im_start|>" in text:
-                # Cutting such a document would cut the template's suffix off with it.
-                raise bad_request(
-                    "max_tokens_per_doc cannot cut a document that carries the reranker's "
-                    "template; cut the text before formatting it",
-                    "max_tokens_per_doc",
-                )
-        return [truncate_document(self.tokenizer, t, max_tokens_per_doc) for t in texts]
+        if any("<|im_start|>" in text for text in texts):
+            # Cutting such a document would cut the template's suffix off with it.
+            raise bad_request(
+                "max_tokens_per_doc cannot cut a document that carries the reranker's "
+                "template; cut the text before formatting it",
+                "max_tokens_per_doc",
+            )
+        # No token spans more than max_token_chars characters (`PromptBuilder`), so the first
+        # k + 1 tokens lie within this many: a long document is cut to it before tokenizing
+        # (the tokenizer never sees megabytes), the first k tokens unchanged.
+        chars = (max_tokens_per_doc + 1) * self.builder.max_token_chars * _NORMALIZING_SLACK
+        return [truncate_document(self.tokenizer, t[:chars], max_tokens_per_doc) for t in texts]
 
     def text_prompts(self, texts: list[str], keep_last: int | None = None) -> list[list[int]]:
         """Texts an embedding model scores against each other, one prompt each."""

@@ -40,18 +40,6 @@ def test_every_flag_has_help_and_shows_its_default(monkeypatch):
         assert name in text.split("environment variables:")[1], name
 
 
-def test_help_runs_as_the_readme_says():
-    out = subprocess.run(
-        [sys.executable, "launch/serve.py", "--help"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "--chat-template" in out.stdout and "(default: 16)" in out.stdout
-
-
 def test_chat_template_from_a_file_or_inline(tmp_path):
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     path = tmp_path / "template.jinja"
@@ -103,3 +91,5 @@ def test_each_script_explains_every_flag(script):
     assert len(entries) > 10
     for entry in entries:
         assert "default" in entry.lower(), entry
+    if script == "launch/serve.py":
+        assert "--chat-template" in options and "--tokenizer" in options

@@ -38,6 +38,7 @@ from benchmarks.results import environment, write_json
 from benchmarks.triton_launches import compiled_binaries
 from benchmarks.workload import NANO_VLLM_OUTPUT_TOKENS, random_workload, repetition_workload
 from tp_engine import LLM, SamplingParams
+from tp_engine.cli_help import HelpFormatter
 from tp_engine.config import KV_CACHE_DTYPES
 from tp_engine.step_timeline import StepTimeline
 
@@ -45,31 +46,69 @@ _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument(
         "--model",
         default=None,
         help="checkpoint dir or Qwen3 size (0.6B .. 32B, 30B-A3B, 235B-A22B); default demo",
     )
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-    p.add_argument("--dist-backend", choices=["nccl", "gloo"], default=None)
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--min-input-len", type=int, default=100)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--min-output-len", type=int, default=100)
-    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="ranks (default: torchrun's WORLD_SIZE, else 1)",
+    )
+    p.add_argument(
+        "--dist-backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="collectives between ranks (default: nccl with GPUs, gloo on CPU)",
+    )
+    p.add_argument("--num-seqs", type=int, default=256, help="requests in the workload")
+    p.add_argument("--min-input-len", type=int, default=100, help="shortest random prompt")
+    p.add_argument("--max-input-len", type=int, default=1024, help="longest random prompt")
+    p.add_argument("--min-output-len", type=int, default=100, help="fewest tokens to generate")
+    p.add_argument("--max-output-len", type=int, default=1024, help="most tokens to generate")
     p.add_argument("--seed", type=int, default=0, help="workload seed (nano-vllm: 0)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="most new tokens in one step (default: 8192 with chunked prefill)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output (default: the checkpoint's max_position_embeddings)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="fix the KV pool size, blocks per rank (default: measured from free memory)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of each GPU's memory the engine may use",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="parameter dtype (auto: the checkpoint's on a GPU, float32 on CPU)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="attention kernels (auto: flash_attn when installed and --block-size is a multiple "
+        "of 256, else triton on a GPU, torch on CPU)",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
@@ -87,7 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="schedule step t+1 while step t runs (default: on with a GPU, off on CPU)",
     )
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn off reusing full KV blocks across prompts that share a prefix (default: on)",
+    )
     p.add_argument(
         "--speculative-config",
         default=None,
@@ -101,8 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="random: nano-vllm's; repetition: each prompt a passage repeated --copies times "
         "(--num-seqs prompts of --passage-len tokens, --max-output-len tokens each)",
     )
-    p.add_argument("--passage-len", type=int, default=64)
-    p.add_argument("--copies", type=int, default=3)
+    p.add_argument("--passage-len", type=int, default=64, help="repetition: tokens per passage")
+    p.add_argument("--copies", type=int, default=3, help="repetition: passages per prompt")
     p.add_argument(
         "--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)"
     )

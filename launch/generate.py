@@ -15,6 +15,7 @@ import json
 import sys
 
 from tp_engine import LLM, SamplingParams
+from tp_engine.cli_help import HelpFormatter
 from tp_engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 
 DEFAULT_PROMPTS = [
@@ -26,21 +27,47 @@ DEFAULT_PROMPTS = [
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-    p.add_argument("--dist-backend", choices=["nccl", "gloo"], default=None)
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="ranks (default: torchrun's WORLD_SIZE, else 1; N > 1 without torchrun starts "
+        "N - 1 worker processes)",
+    )
+    p.add_argument(
+        "--dist-backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="collectives between ranks (default: nccl with GPUs, gloo on CPU)",
+    )
+    p.add_argument(
+        "--prompt", action="append", help="a prompt (repeatable; default: four sample prompts)"
+    )
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's random generators")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output (default: the checkpoint's max_position_embeddings)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="fix the KV pool size, blocks per rank (default: measured from free memory)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="parameter dtype (auto: the checkpoint's on a GPU, float32 on CPU)",
+    )
     p.add_argument(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
@@ -66,7 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="schedule step t+1 while step t runs (default: on with a GPU, off on CPU)",
     )
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn off reusing full KV blocks across prompts that share a prefix (default: on)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     return p.parse_args(argv)
 

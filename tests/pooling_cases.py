@@ -12,30 +12,68 @@
   label, `score.weight = W[yes] - W[no]` (what vLLM's `convert_model_to_seq_cls.py` and
   tomaarsen's `*-seq-cls` checkpoints do).
 - `reranker_reference`: the model card's formula with transformers.
+- `VLLM_EXAMPLE_*`, `vllm_formatted_pairs`: vLLM's own Qwen3-Reranker example, whose texts carry
+  the template already.
 
 The server tests import these too.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-EMBED_QUERY_PROMPT = (
-    "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+from tp_engine.testing.pooling_checkpoints import (  # noqa: F401 - re-exported for the tests
+    EMBED_QUERY_PROMPT,
+    RERANKER_OVERRIDES,
+    append_endoftext,
+    write_sentence_transformers_files,
 )
-RERANKER_OVERRIDES = {
-    "architectures": ["Qwen3ForSequenceClassification"],
-    "classifier_from_token": ["no", "yes"],
-    "is_original_qwen3_reranker": True,
-}
+
 _SMALL = dict(
     hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
     intermediate_size=128, max_position_embeddings=512,
 )  # fmt: skip
+
+
+# vLLM's documented way to call Qwen3-Reranker (vllm-project/vllm,
+# examples/offline_inference/qwen3_reranker.py; vLLM-Ascend's tutorial and most user code copy
+# it): the sender formats each query as prefix + "<Instruct>: ...\n<Query>: ...\n" and each
+# document as "<Document>: ..." + suffix, and passes those texts to `LLM.score` or `/score`.
+# The strings below are that example's, reproduced (not imported: vLLM is not installed here).
+VLLM_EXAMPLE_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    'and the Instruct provided. Note that the answer can only be "yes" or "no".'
+    "<|im_end|>\n<|im_start|>user\n"
+)
+VLLM_EXAMPLE_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+VLLM_EXAMPLE_INSTRUCTION = (
+    "Given a web search query, retrieve relevant passages that answer the query"
+)
+VLLM_EXAMPLE_QUERIES = ["What is the capital of China?", "Explain gravity"]
+VLLM_EXAMPLE_DOCUMENTS = [
+    "The capital of China is Beijing.",
+    "Gravity is a force that attracts two bodies towards each other. It gives weight to "
+    "physical objects and is responsible for the movement of planets around the sun.",
+]
+VLLM_QUERY_TEMPLATE = "{prefix}<Instruct>: {instruction}\n<Query>: {query}\n"
+VLLM_DOCUMENT_TEMPLATE = "<Document>: {doc}{suffix}"
+
+
+def vllm_formatted_pairs(
+    queries: list[str], documents: list[str], instruction: str = VLLM_EXAMPLE_INSTRUCTION
+) -> tuple[list[str], list[str]]:
+    """The texts the vLLM example sends for these queries and documents."""
+    formatted_queries = [
+        VLLM_QUERY_TEMPLATE.format(prefix=VLLM_EXAMPLE_PREFIX, instruction=instruction, query=q)
+        for q in queries
+    ]
+    formatted_docs = [
+        VLLM_DOCUMENT_TEMPLATE.format(doc=d, suffix=VLLM_EXAMPLE_SUFFIX) for d in documents
+    ]
+    return formatted_queries, formatted_docs
 
 
 def build_embedding_checkpoint(out_dir: Path, *, seed: int = 11) -> Path:
@@ -49,57 +87,9 @@ def build_embedding_checkpoint(out_dir: Path, *, seed: int = 11) -> Path:
         return {} if name == "lm_head.weight" else {name.removeprefix("model."): t}
 
     out = rewrite_checkpoint(src, out_dir, flat, lambda config: None)
-    _append_endoftext(out)
-    _write_sentence_transformers_files(out, hidden_size=_SMALL["hidden_size"])
+    append_endoftext(out)
+    write_sentence_transformers_files(out, hidden_size=_SMALL["hidden_size"])
     return out
-
-
-def _append_endoftext(model_dir: Path) -> None:
-    """Qwen3-Embedding's tokenizer.json: every encoding ends with `<|endoftext|>`."""
-    from tokenizers import Tokenizer, processors
-
-    path = model_dir / "tokenizer.json"
-    tok = Tokenizer.from_file(str(path))
-    eot = "<|endoftext|>"
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"$A:0 {eot}:0",
-        pair=f"$A:0 {eot}:0 $B:1 {eot}:1",
-        special_tokens=[(eot, tok.token_to_id(eot))],
-    )
-    tok.save(str(path))
-
-
-def _write_sentence_transformers_files(model_dir: Path, *, hidden_size: int) -> None:
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"},
-    ]  # fmt: skip
-    (model_dir / "modules.json").write_text(json.dumps(modules, indent=2))
-    pooling = {
-        "word_embedding_dimension": hidden_size,
-        "pooling_mode_cls_token": False,
-        "pooling_mode_mean_tokens": False,
-        "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False,
-        "pooling_mode_weightedmean_tokens": False,
-        "pooling_mode_lasttoken": True,
-        "include_prompt": True,
-    }
-    (model_dir / "1_Pooling").mkdir(exist_ok=True)
-    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
-    (model_dir / "2_Normalize").mkdir(exist_ok=True)
-    st_config = {
-        "prompts": {"query": EMBED_QUERY_PROMPT, "document": ""},
-        "default_prompt_name": None,
-        "similarity_fn_name": "cosine",
-    }
-    (model_dir / "config_sentence_transformers.json").write_text(json.dumps(st_config, indent=2))
-    (model_dir / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": 512, "do_lower_case": False})
-    )
 
 
 def build_reranker_checkpoint(out_dir: Path, *, tied: bool, seed: int = 21) -> Path:

@@ -17,11 +17,15 @@ import torch
 from tests.pooling_cases import (
     EMBED_QUERY_PROMPT,
     RERANKER_OVERRIDES,
+    VLLM_EXAMPLE_DOCUMENTS,
+    VLLM_EXAMPLE_INSTRUCTION,
+    VLLM_EXAMPLE_QUERIES,
     build_embedding_checkpoint,
     build_reranker_checkpoint,
     convert_reranker_to_seq_cls,
     reranker_reference,
     sentence_transformers_vectors,
+    vllm_formatted_pairs,
 )
 from tp_engine import LLM, LoRARequest, SamplingParams
 from tp_engine.features.pooling.params import PoolingParams
@@ -140,8 +144,12 @@ def rerankers(tmp_path_factory):
         original = build_reranker_checkpoint(root / form, tied=tied, seed=21 + tied)
         seq_cls = convert_reranker_to_seq_cls(original, root / f"{form}-seq-cls")
         pairs = [(PAIRS_QUERY, d) for d in PAIRS_DOCS]
+        vllm_pairs = list(zip(VLLM_EXAMPLE_QUERIES, VLLM_EXAMPLE_DOCUMENTS, strict=True))
         out[form] = dict(
-            original=original, seq_cls=seq_cls, ref=reranker_reference(original, pairs)
+            original=original,
+            seq_cls=seq_cls,
+            ref=reranker_reference(original, pairs),
+            vllm_ref=reranker_reference(original, vllm_pairs, VLLM_EXAMPLE_INSTRUCTION),
         )
     return out
 
@@ -167,6 +175,15 @@ def test_reranker_scores_equal_the_model_card(rerankers, form):
             outs = llm.score(PAIRS_QUERY, PAIRS_DOCS, use_tqdm=False)
             got = torch.tensor([o.outputs.score for o in outs])
             assert (got - ref).abs().max() <= SCORE_TOL, f"{kind}: {got} vs {ref}"
+            # vLLM's example formats the texts itself: scored as they are, they equal the
+            # card's formula on the raw texts (wrapped a second time, they did not).
+            queries, docs = vllm_formatted_pairs(VLLM_EXAMPLE_QUERIES, VLLM_EXAMPLE_DOCUMENTS)
+            outs = llm.score(queries, docs, use_tqdm=False)
+            got = torch.tensor([o.outputs.score for o in outs])
+            want = torch.tensor(case["vllm_ref"])
+            assert (got - want).abs().max() <= SCORE_TOL, f"{kind}, vLLM's form: {got} vs {want}"
+            with pytest.raises(ValueError, match="already carry the reranker's template"):
+                llm.score(queries, docs, instruction="x", use_tqdm=False)
             (probs,) = llm.classify("a", use_tqdm=False)
             assert probs.outputs.num_classes == 1
         finally:

@@ -37,6 +37,8 @@ class EngineConfig:
 
     # Checkpoint directory (config.json, *.safetensors, tokenizer files); None = the demo model.
     model: str | None = None
+    # Directory of the tokenizer files (vLLM's --tokenizer); None = the checkpoint's own.
+    tokenizer: str | None = None
     # Number of ranks that each hold a shard of every layer.
     tensor_parallel_size: int = 1
     # Longest sequence (prompt + output) served; None = the checkpoint's max_position_embeddings.

@@ -115,7 +115,7 @@ class LLMEngine(EngineCore):
             )
         model_dir = Path(config.model) if config.model else _demo_model_dir()
         hf_config = load_hf_config(model_dir, config.hf_overrides)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(model_dir))
         self.tokenizer = tokenizer
         # Task, head and context length, decided once here and shipped to every rank.
         model_spec = ModelSpec.resolve(

@@ -28,7 +28,7 @@ SGLang's routes answer `{"success": bool, "message": str}` (400 when refused), i
 `{"message", "status": "ok"}`; vLLM's answer JSON or the OpenAI error shape. Every route is
 behind the API key when one is set (the guard keys everything outside its open list), and each
 runs on rank 0 between two steps (`control_ops`); a refusal leaves the engine unchanged and
-serving. `FLAGGED_ROUTES` names the flag behind each route, for the 404 of a server without it.
+serving. `flagged_routes` names the flag behind each route, for the 404 of a server without it.
 
 Joining a trainer's group waits for the trainer (`rank_worker.weight_group`): the ranks join in
 the background and this route polls them between steps, so the engine serves meanwhile; a group
@@ -63,31 +63,6 @@ from tp_engine.server.messages import ControlReply
 _SGLANG_PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
 _GROUP = "weight_update_group"
 _MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU_MEMORY_TYPE_*
-
-WEIGHT_UPDATES_FLAG = "--enable-weight-updates"
-SLEEP_MODE_FLAG = "--enable-sleep-mode"
-# path -> the flag that offers it (for the 404 of a server started without it).
-FLAGGED_ROUTES: dict[str, str] = {
-    **dict.fromkeys(
-        ("/update_weights_from_disk", "/init_weights_update_group",
-         "/update_weights_from_distributed", "/destroy_weights_update_group",
-         "/get_weights_by_name", "/get_weight_version", "/flush_cache", "/reset_prefix_cache",
-         "/pause_generation", "/continue_generation", "/pause", "/resume", "/is_paused"),
-        WEIGHT_UPDATES_FLAG,
-    ),
-    **dict.fromkeys(
-        ("/sleep", "/wake_up", "/is_sleeping", "/release_memory_occupation",
-         "/resume_memory_occupation"),
-        SLEEP_MODE_FLAG,
-    ),
-    **dict.fromkeys(
-        ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"),
-        "--enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
-    ),
-    "/update_weights_from_tensor": (
-        "--enable-weight-updates and --enable-weight-updates-from-tensor"
-    ),
-}  # fmt: skip
 
 
 class _Body(BaseModel):

@@ -237,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     hello = _wait_for_hello(pipes, parent)
     if hello is None:
         return 1
-    tokenizer = AutoTokenizer.from_pretrained(hello.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(hello.tokenizer_dir or hello.model_dir)
+    if hello.chat_template is not None:  # --chat-template replaces the checkpoint's
+        tokenizer.chat_template = hello.chat_template
     try:
         parsing = ChatParsing.resolve(
             tokenizer, hello.reasoning_parser, hello.tool_call_parser, hello.enable_auto_tool_choice

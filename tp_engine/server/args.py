@@ -1,4 +1,8 @@
-"""Command-line flags of `launch/serve.py`, named as vLLM names them."""
+"""Command-line flags of `launch/serve.py`, named as vLLM names them.
+
+Every flag has help text and shows its default in `--help` (`HelpFormatter`); the environment
+variables the server reads are listed in the epilog (`ENVIRONMENT_HELP`).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,10 @@ import argparse
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rank_worker.lora.peft_adapter import LORA_DTYPES, MAX_LORA_RANKS
+from tp_engine.cli_help import HelpFormatter
 from tp_engine.config import (
     ATTENTION_BACKENDS,
     CONVERTS,
@@ -26,6 +32,54 @@ API_KEY_ENV = "TP_ENGINE_API_KEY"
 DEMO_MODEL_NAME = "tp-engine-demo"
 # sglang-router's --policy choices for a regular (not prefill/decode) deployment.
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+# What --help ends with: every environment variable the server reads.
+ENVIRONMENT_HELP = f"""\
+environment variables:
+  {API_KEY_ENV}          the API key, where --api-key is not given (keeps it out of `ps`)
+  TP_ENGINE_CACHE            where the demo model (and other built checkpoints) are written on
+                             first use (default: ~/.cache/tp_engine)
+  VLLM_ALLOW_RUNTIME_LORA_UPDATING
+                             "true" (or 1) offers /v1/load_lora_adapter and
+                             /v1/unload_lora_adapter (with --enable-lora); 404 otherwise
+  TP_ENGINE_ROUTER_ADMIN_KEY the sglang-router admin key with --data-parallel-size (default: a
+                             random key per run)
+"""
+# A --chat-template value holding one of these is the template itself, else a file's path
+# (vLLM's rule).
+_JINJA_CHARS = "{}\n"
+
+
+def chat_template_arg(value: str) -> str:
+    """vLLM's --chat-template: the template itself, or the path of a file holding it; checked
+    to parse as Jinja, so that a broken template fails the start, not every request."""
+    text = value
+    if not any(c in value for c in _JINJA_CHARS):
+        try:
+            text = Path(value).read_text()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} looks like a file path, but it cannot be read ({exc.strerror}); "
+                "give a template file or the template itself"
+            ) from None
+    import jinja2  # transformers renders templates with it
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise argparse.ArgumentTypeError(
+            f"the chat template does not parse: {exc.message} (line {exc.lineno})"
+        ) from None
+    return text
+
+
+def tokenizer_dir(value: str) -> str:
+    """vLLM's --tokenizer, as a local directory (nothing is downloaded)."""
+    if not (Path(value) / "tokenizer_config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a tokenizer directory (no tokenizer_config.json; "
+            "save one with tokenizer.save_pretrained(DIR))"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -50,6 +104,8 @@ class ServerArgs:
     enable_weight_updates_from_tensor: bool = False
     # --lora-modules: adapters loaded at start-up, served by name (ids 1, 2, ... in order).
     lora_modules: list[LoRARequest] = field(default_factory=list)
+    # --chat-template: the template's text (read from its file), replacing the tokenizer's.
+    chat_template: str | None = None
 
 
 def lora_module(item: str) -> LoRARequest:
@@ -71,15 +127,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="serve.py",
         description="OpenAI-compatible server for Qwen3 on N tensor-parallel ranks.",
+        epilog=ENVIRONMENT_HELP,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
     p.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
-        help="names clients use in 'model' (default: --model as given); the first is reported",
+        help="names clients use in 'model' (default: --model as given, as vLLM serves it); the "
+        "first is reported",
     )
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--tokenizer",
+        type=tokenizer_dir,
+        default=None,
+        metavar="DIR",
+        help="directory of the tokenizer files (default: the checkpoint's own)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=chat_template_arg,
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="Jinja chat template for chat completions and chat embeddings: a file, or the "
+        "template itself (default: the tokenizer's)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged)")
     p.add_argument(
         "--api-key",
@@ -95,7 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranks; default torchrun's WORLD_SIZE, else 1 (N > 1 without torchrun starts N - 1 "
         "worker processes)",
     )
-    p.add_argument("--dist-backend", choices=["nccl", "gloo"], default=None)
+    p.add_argument(
+        "--dist-backend",
+        choices=["nccl", "gloo"],
+        default=None,
+        help="collectives between ranks (default: nccl with GPUs, gloo on CPU or when ranks "
+        "share a GPU)",
+    )
     dp = p.add_argument_group(
         "data parallelism",
         "N replicas of the engine (each a tensor-parallel group of --tensor-parallel-size "
@@ -151,12 +231,34 @@ def build_parser() -> argparse.ArgumentParser:
         'or a Qwen3-Reranker\'s \'{"architectures": ["Qwen3ForSequenceClassification"], '
         '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'',
     )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the checkpoint's "
+        "max_position_embeddings, or its YaRN length)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="most new tokens in one step (default: 8192 with chunked prefill, else "
+        "max(max_model_len, 8192))",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse full KV blocks across requests that share a prefix",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts into chunks that fit the token budget, batched with decodes",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     p.add_argument(
         "--async-scheduling",
@@ -171,14 +273,37 @@ def build_parser() -> argparse.ArgumentParser:
         help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
     )
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of each GPU's memory the engine may use (weights, activations, KV cache)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="parameter dtype (auto: the checkpoint's torch_dtype on a GPU, float32 on CPU)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the random generators on every rank"
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="attention kernels (auto: flash_attn when installed and --block-size is a multiple "
+        "of 256, else triton on a GPU, torch on CPU)",
+    )
     p.add_argument(
         "--enable-expert-parallel", action="store_true", help="MoE: whole experts per rank"
     )
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV-cache storage (auto: the model's dtype; fp8: e4m3 with per-layer scales)",
+    )
     p.add_argument(
         "--num-kv-blocks", type=int, default=None, help="fix the KV pool size (blocks per rank)"
     )
@@ -258,8 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-dtype", default="auto", choices=LORA_DTYPES,
         help="adapter weights' dtype (auto: the model's)",
     )  # fmt: skip
-    p.add_argument("--uvicorn-log-level", default="info")
-    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--uvicorn-log-level", default="info", help="the HTTP server's log level")
+    p.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no log line per request"
+    )
     limits = p.add_argument_group(
         "request limits and access", "what one request may cost, and who may send one"
     )
@@ -306,6 +433,7 @@ def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
     """The engine's config; raises ValueError (before any process starts) on a bad value."""
     return EngineConfig(
         model=args.model,
+        tokenizer=args.tokenizer,
         tensor_parallel_size=tp_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -382,6 +510,7 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
         enable_sleep_mode=args.enable_sleep_mode,
         enable_weight_updates_from_tensor=args.enable_weight_updates_from_tensor,
         lora_modules=lora_modules,
+        chat_template=args.chat_template,
         limits=RequestLimits(
             max_body_bytes=args.max_request_body_bytes,
             allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),

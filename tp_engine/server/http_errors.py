@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tp_engine.server.flagged_routes import FLAGGED_ROUTES
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
@@ -61,8 +63,6 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def _flag_for(path: str) -> str | None:
     """The flag or variable that offers a route this server lacks (None: no such route)."""
-    from tp_engine.server.admin_routes import FLAGGED_ROUTES
-
     return FLAGGED_ROUTES.get(path)
 
 

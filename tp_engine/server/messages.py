@@ -103,6 +103,10 @@ class Hello:
     lora_modules: list[list[Any]] = field(default_factory=list)
     # --enable-weight-updates-from-tensor: SGLang's /update_weights_from_tensor is offered.
     enable_weight_updates_from_tensor: bool = False
+    # --tokenizer: the directory the tokenizer files come from (rank 0 loads the same one);
+    # None: model_dir. --chat-template: the template's text, replacing the tokenizer's.
+    tokenizer_dir: str | None = None
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,16 @@
 pool (`request_work`), so that a refusal is a 400 naming its field before rank 0 sees anything.
 
     input (text, texts, token ids)  → prompts: token id lists, each within max_model_len
+    messages (chat embeddings)      → one prompt: the chat template's text, tokenized
     truncate_prompt_tokens          → each prompt cut to its last k tokens before that check
     dimensions, encoding_format,    → `PoolingParams` fields (a Matryoshka cut only where the
     normalize, use_activation         model was trained for it)
     queries × documents             → pairs: one query against every document, or pairwise;
                                       a cross-encoder reads each pair as one prompt, filled
                                       into the reranker's template with the instruction
+                                      (or taken as they are where they carry it already)
+    documents as {"text": ...},     → texts; each cut to its first k tokens (Cohere's
+    max_tokens_per_doc                max_tokens_per_doc) before it is scored
 """
 
 from __future__ import annotations
@@ -15,15 +19,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tp_engine.features.pooling.rerank_prompt import truncate_document
 from tp_engine.server.http_errors import bad_request
 from tp_engine.server.pooling_protocol import (
     ENCODING_FORMATS,
     ActivationChoice,
+    EmbeddingRequest,
     PoolingInput,
+    RerankDocument,
     ScoreRequest,
 )
 from tp_engine.server.prompts import PromptBuilder
 
+# Unicode normalization (NFC) composes at most a few characters into one (`PromptBuilder`'s
+# length check allows as much).
+_NORMALIZING_SLACK = 4
 # A reranker's prompt of one (query, document, instruction) as token ids, made with the given
 # tokenizer (`tp_engine.features.pooling.rerank_prompt.rerank_token_ids`).
 PairTokens = Callable[[Any, str, str, str | None], list[int]]
@@ -64,6 +74,50 @@ class PoolingInputs:
         prompts = truncated(prompts, keep_last)
         self.check_lengths(prompts, "input")
         return prompts
+
+    def embedding_prompts(
+        self, req: EmbeddingRequest, keep_last: int | None = None
+    ) -> list[list[int]]:
+        """An embedding request's prompts: its `input`, or its `messages` as one prompt."""
+        if (req.input is None) == (req.messages is None):
+            raise bad_request("give either input or messages (vLLM's chat embedding)", "input")
+        if req.input is not None:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            return self.prompts(req.input, add, keep_last)
+        return [self.chat_prompt(req, keep_last)]
+
+    def chat_prompt(self, req: EmbeddingRequest, keep_last: int | None) -> list[int]:
+        """vLLM's chat embedding: the messages through the chat template (no generation prompt
+        unless asked), the text tokenized without adding special tokens unless asked (the
+        template wrote its own), cut and checked as `prompts` does."""
+        if req.chat_template is not None:
+            raise bad_request(
+                "a per-request chat_template is not served; start the server with "
+                "--chat-template (a file or an inline template)",
+                "chat_template",
+            )
+        if not req.messages:
+            raise bad_request("messages must not be empty", "messages")
+        if req.add_generation_prompt and req.continue_final_message:
+            raise bad_request(
+                "add_generation_prompt and continue_final_message cannot both be true",
+                "continue_final_message",
+            )
+        text = self.builder.render_chat(
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            kwargs=req.chat_template_kwargs,
+        )
+        self.builder.check_text_length(text, "messages")
+        ids = list(
+            self.tokenizer(text, add_special_tokens=bool(req.add_special_tokens))["input_ids"]
+        )
+        if not ids:
+            raise bad_request("the messages encode to no tokens", "messages")
+        prompts = truncated([ids], keep_last)
+        self.check_lengths(prompts, "messages")
+        return prompts[0]
 
     def tokenize(self, texts: list[str], add_special_tokens: bool, param: str) -> list[list[int]]:
         for text in texts:
@@ -157,13 +211,44 @@ class PoolingInputs:
             raise bad_request("this model cannot score pairs of texts")
         for text in (*dict.fromkeys(queries), *documents, instruction or ""):
             self.builder.check_text_length(text, "documents")
-        prompts = [
-            self.pair_tokens(self.tokenizer, q, d, instruction)
-            for q, d in zip(queries, documents, strict=True)
-        ]
+        try:
+            prompts = [
+                self.pair_tokens(self.tokenizer, q, d, instruction)
+                for q, d in zip(queries, documents, strict=True)
+            ]
+        except ValueError as exc:  # an instruction beside texts that carry the template
+            raise bad_request(str(exc), "instruction") from None
         prompts = truncated(prompts, keep_last)
         self.check_lengths(prompts, "documents")
         return prompts
+
+    def rerank_documents(
+        self, documents: list[str | RerankDocument], max_tokens_per_doc: int | None
+    ) -> list[str]:
+        """The texts a rerank request scores: objects read for their `text`, each cut to its
+        first `max_tokens_per_doc` tokens (Cohere's field; a document longer than the context
+        is then served, where it was a 400)."""
+        texts = [d if isinstance(d, str) else d.text for d in documents]
+        check_documents(texts)
+        if max_tokens_per_doc is None:
+            return texts
+        if max_tokens_per_doc < 1:
+            raise bad_request(
+                f"max_tokens_per_doc must be at least 1, got {max_tokens_per_doc}",
+                "max_tokens_per_doc",
+            )
+        if any("<|im_start|>" in text for text in texts):
+            # Cutting such a document would cut the template's suffix off with it.
+            raise bad_request(
+                "max_tokens_per_doc cannot cut a document that carries the reranker's "
+                "template; cut the text before formatting it",
+                "max_tokens_per_doc",
+            )
+        # No token spans more than max_token_chars characters (`PromptBuilder`), so the first
+        # k + 1 tokens lie within this many: a long document is cut to it before tokenizing
+        # (the tokenizer never sees megabytes), the first k tokens unchanged.
+        chars = (max_tokens_per_doc + 1) * self.builder.max_token_chars * _NORMALIZING_SLACK
+        return [truncate_document(self.tokenizer, t[:chars], max_tokens_per_doc) for t in texts]
 
     def text_prompts(self, texts: list[str], keep_last: int | None = None) -> list[list[int]]:
         """Texts an embedding model scores against each other, one prompt each."""

@@ -1,10 +1,12 @@
 """Request bodies of the pooling routes, in vLLM's shapes (validated as `protocol` validates).
 
-    /v1/embeddings, /pooling   EmbeddingRequest   OpenAI's: input as text(s) or token ids
+    /v1/embeddings, /pooling   EmbeddingRequest   OpenAI's: input as text(s) or token ids;
+                                                  or vLLM's chat form, messages
     /classify                  ClassifyRequest    input as text(s) or token ids
     /score                     ScoreRequest       pairs: queries × documents (also vLLM's older
                                                   text_1/text_2 and data_1/data_2 spellings)
-    /rerank, /v1/rerank,       RerankRequest      one query against documents (Jina and Cohere)
+    /rerank, /v1/rerank,       RerankRequest      one query against documents, as texts or
+                                                  {"text": ...} objects (Jina and Cohere)
     /v2/rerank
 
 Only the types are checked here; what a value means (empty input, `dimensions` out of range,
@@ -19,7 +21,9 @@ the `PoolingParams` fields of those names; unset: the model's default.
 
 from __future__ import annotations
 
-from tp_engine.server.protocol import _Strict
+from typing import Any
+
+from tp_engine.server.protocol import ChatMessage, _Strict
 
 # What `input` may be: one text, texts, one prompt's token ids, or several prompts' token ids.
 PoolingInput = str | list[str] | list[int] | list[list[int]]
@@ -27,7 +31,10 @@ PoolingInput = str | list[str] | list[int] | list[list[int]]
 
 class EmbeddingRequest(_Strict):
     model: str | None = None
-    input: PoolingInput
+    # One of the two: `input` (OpenAI's), or `messages` (vLLM's chat embedding: the messages
+    # through the chat template, the resulting text pooled as one prompt).
+    input: PoolingInput | None = None
+    messages: list[ChatMessage] | None = None
     # "base64": little-endian float32 bytes, what the official client asks for by default.
     # Any other value is a 400 naming the field (a `str` here so that the message says which
     # values are known, rather than pydantic's literal error).
@@ -36,10 +43,20 @@ class EmbeddingRequest(_Strict):
     dimensions: int | None = None
     user: str | None = None
     # vLLM's extra: whether the tokenizer adds its special tokens (Qwen3-Embedding's appends
-    # the <|endoftext|> it pools at). Token-id input is used as given.
-    add_special_tokens: bool = True
+    # the <|endoftext|> it pools at). Token-id input is used as given. Unset: true for
+    # `input`, false for `messages` (the template holds its own special tokens), vLLM's
+    # defaults for its two request kinds.
+    add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
+    # With `messages`, the template's inputs (vLLM's chat-embedding defaults: no generation
+    # prompt).
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's per-request template: refused by name (the server's is --chat-template), rather
+    # than silently ignored.
+    chat_template: str | None = None
 
 
 class ActivationChoice(_Strict):
@@ -74,10 +91,16 @@ class ScoreRequest(ActivationChoice):
     truncate_prompt_tokens: int | None = None
 
 
+class RerankDocument(_Strict):
+    """A document as an object (Jina's and Cohere's clients may send `{"text": ...}`)."""
+
+    text: str
+
+
 class RerankRequest(ActivationChoice):
     model: str | None = None
     query: str
-    documents: list[str]
+    documents: list[str | RerankDocument]
     # How many of the best documents to return; 0 (or unset): all of them.
     top_n: int | None = None
     instruction: str | None = None
@@ -85,6 +108,9 @@ class RerankRequest(ActivationChoice):
     return_documents: bool = True
     user: str | None = None
     truncate_prompt_tokens: int | None = None
+    # Cohere's: each document cut to its first k tokens before it is scored (the prompt's end,
+    # where the reranker reads its answer, stays whole).
+    max_tokens_per_doc: int | None = None
 
 
 ENCODING_FORMATS: tuple[str, ...] = ("float", "base64")

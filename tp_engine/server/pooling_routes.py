@@ -4,6 +4,8 @@ Which routes exist follows the tasks the model supports (`Hello.supported_tasks`
 
     route                                   task      what rank 0 computes per prompt
     /v1/embeddings                          embed     the (normalised, maybe cut) embedding
+                                                      of each input, or of the messages
+                                                      through the chat template
     /pooling                                any       the model's own pooled output
     /classify                               classify  class probabilities
     /score, /rerank, /v1/rerank, /v2/rerank score     an embedding model: both texts'
@@ -33,7 +35,6 @@ from tp_engine.server.pooling_batch import PoolingBatch
 from tp_engine.server.pooling_inputs import (
     PoolingInputs,
     activation_fields,
-    check_documents,
     check_top_n,
     score_pairs,
 )
@@ -129,17 +130,20 @@ class PoolingServing:
 
     async def rerank(self, request: Request) -> Response:
         req = await self._parse(request, RerankRequest)
-        check_documents(req.documents)
         top_n = check_top_n(req.top_n)
         if not req.query:
             raise APIError(400, "query must not be empty", param="query")
+        originals = [d if isinstance(d, str) else d.text for d in req.documents]
+        scored = await self.work.run(
+            self.inputs.rerank_documents, req.documents, req.max_tokens_per_doc
+        )
         request_id = new_request_id("rerank")
-        queries = [req.query] * len(req.documents)
+        queries = [req.query] * len(scored)
         scores, num_tokens = await self._scores(
             request,
             request_id,
             queries,
-            req.documents,
+            scored,
             req.instruction,
             req.truncate_prompt_tokens,
             activation_fields(req),
@@ -148,7 +152,7 @@ class PoolingServing:
             lambda: rerank_body(
                 request_id,
                 self.model_name,
-                req.documents,
+                originals,
                 scores,
                 top_n,
                 req.return_documents,
@@ -174,9 +178,7 @@ class PoolingServing:
         params = self.inputs.embed_fields(req.dimensions, req.encoding_format, req.normalize)
         params["task"] = task
         keep_last = self.inputs.truncation(req.truncate_prompt_tokens)
-        prompts = await self.work.run(
-            self.inputs.prompts, req.input, req.add_special_tokens, keep_last
-        )
+        prompts = await self.work.run(self.inputs.embedding_prompts, req, keep_last)
         request_id = new_request_id(prefix)
         vectors = await self._pooled(request, request_id, prompts, params)
 

@@ -208,6 +208,8 @@ class Rank0Server:
                     [m.lora_name, m.lora_int_id, m.lora_path, m.base_model_name]
                     for m in self.args.lora_modules
                 ],
+                tokenizer_dir=self.config.tokenizer,
+                chat_template=self.args.chat_template,
             ),
             keep_waiting=lambda: (
                 api.poll() is None and self._stop_signal is None and self._launcher_gone is None

@@ -53,7 +53,7 @@ def _point(llm: Any, batch: int, length: int, repeats: int) -> dict[str, Any]:
 def main() -> None:
     from benchmarks.results import REPO_ROOT, environment, write_json
     from tp_engine import LLM
-    from tp_engine.testing import demo_checkpoint_dir
+    from tp_engine.demo import demo_checkpoint_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the demo)")

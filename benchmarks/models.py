@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tp_engine.testing import build_random_qwen3_moe, cached_random_qwen3, demo_checkpoint_dir
+from tp_engine.demo import demo_checkpoint_dir
+from tp_engine.testing import build_random_qwen3_moe, cached_random_qwen3
 
 # Real Qwen3 dense shapes (from the released config.json files), for benchmarks.
 QWEN3_PRESETS: dict[str, dict[str, Any]] = {

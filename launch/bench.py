@@ -38,10 +38,12 @@ from benchmarks.results import environment, write_json
 from benchmarks.triton_launches import compiled_binaries
 from benchmarks.workload import NANO_VLLM_OUTPUT_TOKENS, random_workload, repetition_workload
 from tp_engine import LLM, SamplingParams
-from tp_engine.cli_help import HelpFormatter
-from tp_engine.config import KV_CACHE_DTYPES
+from tp_engine.config.flags import add_engine_flags, engine_kwargs
+from tp_engine.config.help_format import HelpFormatter
 from tp_engine.step_timeline import StepTimeline
 
+# `--seed` is the workload's here (nano-vllm's); the engine keeps its default seed.
+ENGINE_FLAGS_SPELT_HERE = ("seed",)
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -71,73 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-output-len", type=int, default=100, help="fewest tokens to generate")
     p.add_argument("--max-output-len", type=int, default=1024, help="most tokens to generate")
     p.add_argument("--seed", type=int, default=0, help="workload seed (nano-vllm: 0)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="most new tokens in one step (default: 8192 with chunked prefill)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output (default: the checkpoint's max_position_embeddings)",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="fix the KV pool size, blocks per rank (default: measured from free memory)",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of each GPU's memory the engine may use",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        help="parameter dtype (auto: the checkpoint's on a GPU, float32 on CPU)",
-    )
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        help="attention kernels (auto: flash_attn when installed and --block-size is a multiple "
-        "of 256, else triton on a GPU, torch on CPU)",
-    )
-    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="fp8: an e4m3 KV cache with per-layer scales (the limit then counts 1 byte a value)",
-    )
-    p.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="MoE models: whole experts per rank instead of a slice of every expert",
-    )
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule step t+1 while step t runs (default: on with a GPU, off on CPU)",
-    )
-    p.add_argument(
-        "--no-enable-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="turn off reusing full KV blocks across prompts that share a prefix (default: on)",
-    )
-    p.add_argument(
-        "--speculative-config",
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
-    )
+    # The engine's flags: the one table every script reads (`tp_engine.config.flags`).
+    add_engine_flags(p, exclude=ENGINE_FLAGS_SPELT_HERE)
     p.add_argument(
         "--workload",
         choices=["random", "repetition"],
@@ -252,20 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         str(model_dir),
         tensor_parallel_size=args.tensor_parallel_size,
         dist_backend=args.dist_backend,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        enable_expert_parallel=args.enable_expert_parallel,
-        kv_cache_dtype=args.kv_cache_dtype,
-        async_scheduling=args.async_scheduling,
-        enable_prefix_caching=args.enable_prefix_caching,
-        speculative_config=args.speculative_config,
+        **engine_kwargs(args, exclude=ENGINE_FLAGS_SPELT_HERE),
     )  # ranks other than 0 serve inside this call and exit
     startup = startup_record(llm, time.perf_counter() - startup_start)
     binaries_after_startup = compiled_binaries()

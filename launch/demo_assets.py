@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tp_engine.testing import demo_checkpoint_dir
+from tp_engine.demo import demo_checkpoint_dir
 from tp_engine.testing.pooling_checkpoints import embedding_layout, reranker_layout
 
 # name -> (rank, alpha, target modules, seed): different ranks and modules, so the three

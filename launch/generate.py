@@ -15,8 +15,8 @@ import json
 import sys
 
 from tp_engine import LLM, SamplingParams
-from tp_engine.cli_help import HelpFormatter
-from tp_engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
+from tp_engine.config.flags import add_engine_flags, engine_kwargs
+from tp_engine.config.help_format import HelpFormatter
 
 DEFAULT_PROMPTS = [
     "Hello, my name is",
@@ -49,56 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--seed", type=int, default=0, help="seed of the engine's random generators")
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output (default: the checkpoint's max_position_embeddings)",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="fix the KV pool size, blocks per rank (default: measured from free memory)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        help="parameter dtype (auto: the checkpoint's on a GPU, float32 on CPU)",
-    )
-    p.add_argument(
-        "--attention-backend",
-        choices=ATTENTION_BACKENDS,
-        default="auto",
-        help="auto: flash_attn when installed and --block-size is a multiple of 256, else "
-        "triton on GPU, torch on CPU",
-    )
-    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="fp8: an e4m3 KV cache with per-layer scales (half the bytes of bf16)",
-    )
-    p.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="MoE models: whole experts per rank instead of a slice of every expert",
-    )
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule step t+1 while step t runs (default: on with a GPU, off on CPU)",
-    )
-    p.add_argument(
-        "--no-enable-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="turn off reusing full KV blocks across prompts that share a prefix (default: on)",
-    )
+    # The engine's flags: the one table every script reads (`tp_engine.config.flags`).
+    add_engine_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     return p.parse_args(argv)
 
@@ -109,17 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model,
         tensor_parallel_size=args.tensor_parallel_size,
         dist_backend=args.dist_backend,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        dtype=args.dtype,
-        seed=args.seed,
-        enable_prefix_caching=args.enable_prefix_caching,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        enable_expert_parallel=args.enable_expert_parallel,
-        kv_cache_dtype=args.kv_cache_dtype,
-        async_scheduling=args.async_scheduling,
+        **engine_kwargs(args),
     )
     prompts = args.prompt or DEFAULT_PROMPTS
     if args.chat:

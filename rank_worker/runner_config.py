@@ -25,7 +25,7 @@ class RunnerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     # Most logits rows a step may ask for: its sampled rows plus the prompt-logprob rows the
-    # scheduler lets in (rank 0 knows its rule: `tp_engine.engine.max_logits_rows_per_step`).
+    # scheduler lets in (rank 0 knows its rule: `tp_engine.executor.rank_config.max_logits_rows_per_step`).
     # The warm-up computes exactly this many. None: every token of the largest step.
     max_num_logits_rows: int | None = None
     # Most of those rows sampled in one step (one per sequence, more with speculative decoding:

@@ -25,7 +25,7 @@ LONG = 200  # tokens: the demo model on CPU takes a second or more for them
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     os.environ.setdefault("TP_ENGINE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    from tp_engine.testing import demo_checkpoint_dir
+    from tp_engine.demo import demo_checkpoint_dir
 
     log = tmp_path_factory.mktemp("log") / "server.log"
     yield from serving(
@@ -180,7 +180,8 @@ def test_update_from_a_trainer_then_completions_on_the_new_weights(server, tmp_p
 
     from tests.tp_cases import hf_greedy
     from tests.weight_trainer import checkpoint_metas, spawn_trainer
-    from tp_engine.testing import DEMO_SHAPE, build_random_qwen3
+    from tp_engine.demo import DEMO_SHAPE
+    from tp_engine.testing import build_random_qwen3
 
     b = build_random_qwen3(tmp_path / "b", **{**DEMO_SHAPE, "seed": 11})
     metas = checkpoint_metas(b)

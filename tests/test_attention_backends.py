@@ -96,7 +96,7 @@ def test_engine_config_checks_the_name_and_flash_attn_block_size():
 
 def test_runner_config_carries_the_choice_to_every_rank():
     from rank_worker.runner_config import RunnerConfig
-    from tp_engine.engine import runner_config_for
+    from tp_engine.executor.rank_config import runner_config_for
 
     config = EngineConfig(attention_backend="triton", max_model_len=64)
     runner_config = runner_config_for(config)

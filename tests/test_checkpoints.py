@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from benchmarks.models import QWEN3_PRESETS
-from tp_engine.testing import build_random_qwen3, build_tokenizer, demo_checkpoint_dir
+from tp_engine.demo import demo_checkpoint_dir
+from tp_engine.testing import build_random_qwen3, build_tokenizer
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
             intermediate_size=128, max_position_embeddings=128)  # fmt: skip

@@ -62,7 +62,7 @@ def test_demo_reranker_equals_the_card(assets):
 def test_demo_adapters_equal_peft(assets):
     from tests.lora_cases import peft_logits
     from tp_engine import LLM, LoRARequest, SamplingParams
-    from tp_engine.testing import demo_checkpoint_dir
+    from tp_engine.demo import demo_checkpoint_dir
 
     base = demo_checkpoint_dir()
     names = ["sql", "chat", "math"]

@@ -54,7 +54,7 @@ def cache(tmp_path_factory):
     old = os.environ.get("TP_ENGINE_CACHE")
     os.environ["TP_ENGINE_CACHE"] = str(cache)
     try:
-        from tp_engine.testing import demo_checkpoint_dir
+        from tp_engine.demo import demo_checkpoint_dir
 
         demo_checkpoint_dir()  # built once here; every server finds it
     finally:

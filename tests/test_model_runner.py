@@ -100,7 +100,7 @@ def test_warmup_budgets_the_largest_logits_a_step_can_produce(model_dir: Path, c
     decodes beside a prompt asking for prompt logprobs (chunked: 4 of its rows, the scheduler's
     cap; whole prompts: all its tokens' rows, up to the token budget)."""
     from tp_engine import LLM, SamplingParams
-    from tp_engine.engine import max_logits_rows_per_step, runner_config_for
+    from tp_engine.executor.rank_config import max_logits_rows_per_step, runner_config_for
 
     budget = 16 if chunked else 64
     llm = LLM(

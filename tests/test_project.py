@@ -54,6 +54,15 @@ def _project_imports() -> dict[str, set[str]]:
                         deps.add(submodule)  # `from pkg import module`
                     elif node.module in modules:
                         deps.add(node.module)
+        # Importing `a.b.c` runs package `a.b`'s __init__ first: an edge to every package on the
+        # way, except the importer's own (whose __init__ is already under way).
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
+        for dep in list(deps):
+            parts = dep.split(".")
+            for i in range(1, len(parts)):
+                package = ".".join(parts[:i])
+                if package in modules and package not in own:
+                    deps.add(package)
         deps.discard(name)
         graph[name] = deps
     return graph

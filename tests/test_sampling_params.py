@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tp_engine.generation_config import eos_token_ids, sampling_defaults
+from tp_engine.config.generation import eos_token_ids, sampling_defaults
 from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
 
 

@@ -52,7 +52,7 @@ def demo_dir(env):
     old = os.environ.get("TP_ENGINE_CACHE")
     os.environ["TP_ENGINE_CACHE"] = env["TP_ENGINE_CACHE"]
     try:
-        from tp_engine.testing import demo_checkpoint_dir
+        from tp_engine.demo import demo_checkpoint_dir
 
         return demo_checkpoint_dir()  # built here first; the server finds it
     finally:

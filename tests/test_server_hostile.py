@@ -42,7 +42,7 @@ PROMPT_S = 5.0
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     os.environ.setdefault("TP_ENGINE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    from tp_engine.testing import demo_checkpoint_dir
+    from tp_engine.demo import demo_checkpoint_dir
 
     log = tmp_path_factory.mktemp("log") / "server.log"
     yield from serving(

@@ -42,7 +42,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     os.environ.setdefault("TP_ENGINE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    from tp_engine.testing import demo_checkpoint_dir
+    from tp_engine.demo import demo_checkpoint_dir
 
     env = dict(os.environ)
     env.pop("TP_ENGINE_FAULT", None)
@@ -59,7 +59,8 @@ def server(tmp_path_factory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def checkpoint_b(tmp_path_factory):
-    from tp_engine.testing import DEMO_SHAPE, build_random_qwen3
+    from tp_engine.demo import DEMO_SHAPE
+    from tp_engine.testing import build_random_qwen3
 
     return build_random_qwen3(tmp_path_factory.mktemp("b"), **{**DEMO_SHAPE, "seed": 11})
 
@@ -157,7 +158,8 @@ def test_slime_offload_onload_round(server, tmp_path):
     """slime's colocated round: release (flush with GET first) → resume ["weights"] → update
     from disk → resume ["kv_cache", "cuda_graph"]; then transformers' tokens on the new weights."""
     from tests.tp_cases import hf_greedy
-    from tp_engine.testing import DEMO_SHAPE, build_random_qwen3
+    from tp_engine.demo import DEMO_SHAPE
+    from tp_engine.testing import build_random_qwen3
 
     c = build_random_qwen3(tmp_path / "c", **{**DEMO_SHAPE, "seed": 23})
     assert call(server, "GET", "/flush_cache")[0] == 200
@@ -184,7 +186,8 @@ def test_slime_update_from_tensor(server, tmp_path):
 
     from tests.sglang_helper import flattened_payload, sglang_serialize
     from tests.tp_cases import hf_greedy
-    from tp_engine.testing import DEMO_SHAPE, build_random_qwen3
+    from tp_engine.demo import DEMO_SHAPE
+    from tp_engine.testing import build_random_qwen3
 
     d = build_random_qwen3(tmp_path / "d", **{**DEMO_SHAPE, "seed": 31})
     named = list(load_file(str(d) + "/model.safetensors").items())
@@ -348,7 +351,7 @@ def test_sigterm_while_a_join_waits_stops_the_server(tmp_path):
     nor the shutdown: SIGTERM stops the server within its shutdown timeout, nothing left."""
     import signal
 
-    from tp_engine.testing import demo_checkpoint_dir
+    from tp_engine.demo import demo_checkpoint_dir
 
     env = dict(os.environ)
     env.pop("TP_ENGINE_FAULT", None)

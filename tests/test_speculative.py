@@ -184,7 +184,7 @@ def test_speculative_config_is_checked():
 def test_detokenizer_stops_within_a_multi_token_update():
     from transformers import AutoTokenizer
 
-    from tp_engine.testing import demo_checkpoint_dir
+    from tp_engine.demo import demo_checkpoint_dir
 
     tok = AutoTokenizer.from_pretrained(str(demo_checkpoint_dir()))
     ids = tok("hello there world again")["input_ids"]

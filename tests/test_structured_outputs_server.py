@@ -71,7 +71,8 @@ def model_dir(tmp_path_factory):
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
-    from tp_engine.testing import DEMO_SHAPE, build_random_qwen3
+    from tp_engine.demo import DEMO_SHAPE
+    from tp_engine.testing import build_random_qwen3
 
     # Rows for the markup tokens (added below), as Qwen3's vocabulary exceeds its tokenizer.
     out = build_random_qwen3(tmp_path_factory.mktemp("model"), vocab_size=704, **DEMO_SHAPE)

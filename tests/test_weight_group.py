@@ -129,9 +129,10 @@ def test_offline_join_with_nobody_listening_fails_within_its_timeout(tmp_path):
     import time
 
     from tp_engine import LLM, SamplingParams
+    from tp_engine.demo import DEMO_SHAPE
     from tp_engine.executor.control import ControlRefusedError
     from tp_engine.features.weights_and_sleep.weight_updates import JOIN_GRACE_S, GroupJoinError
-    from tp_engine.testing import DEMO_SHAPE, build_random_qwen3
+    from tp_engine.testing import build_random_qwen3
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,83 +21,26 @@ from pathlib import Path
 from typing import Any
 
 from rank_worker.fault_injection import Fault
-from rank_worker.model_spec import HeadSpec, ModelSpec, load_hf_config
-from rank_worker.runner_config import RunnerConfig
+from rank_worker.model_spec import ModelSpec, load_hf_config
 from rank_worker.tp import TPInfo
 from tp_engine.config import EngineConfig
+from tp_engine.config.generation import eos_token_ids, sampling_defaults
 from tp_engine.core.engine_core import EngineCore
 from tp_engine.core.hooks import CoreHooks
 from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.executor.control import EngineControl
+from tp_engine.executor.rank_config import draft_model_dir, runner_config_for
 from tp_engine.executor.tp import TPExecutor
 from tp_engine.failures import EngineDeadError
 from tp_engine.features.lora import control as lora_control
 from tp_engine.features.lora.registry import LoRARequest
 from tp_engine.features.weights_and_sleep import weight_updates
 from tp_engine.features.weights_and_sleep.sleep import EngineSleep
-from tp_engine.generation_config import eos_token_ids, sampling_defaults
 from tp_engine.sampling.profiling import profile_sampling
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineDeadError", "LLMEngine", "RequestRejectedError"]
-
-
-def max_logits_rows_per_step(config: EngineConfig) -> int:
-    """The most logits rows the scheduler can put in one step (what the memory warm-up must
-    budget). A sequence asking for prompt logprobs takes a row per token it computes (its
-    prompt rows, then its sampled row), any other a row if it samples. With chunked prefill the
-    scheduler gives prompt logprobs at most max_num_seqs tokens per step, and such a sequence
-    is one of the max_num_seqs: at most max_num_seqs + (max_num_seqs - 1) rows. Without it, a
-    whole prompt's rows: up to every token of the step. Speculative decoding adds a row per
-    draft: up to k more per sequence."""
-    budget = config.resolved_max_num_batched_tokens
-    if not config.enable_chunked_prefill:
-        return budget
-    return min(budget, (2 + _num_drafts(config)) * config.max_num_seqs - 1)
-
-
-def max_sampled_rows_per_step(config: EngineConfig) -> int:
-    """The most rows one step samples: one per sequence, and one per draft it verifies."""
-    rows = (1 + _num_drafts(config)) * config.max_num_seqs
-    return min(rows, config.resolved_max_num_batched_tokens)
-
-
-def _num_drafts(config: EngineConfig) -> int:
-    spec = config.speculative_config
-    return 0 if spec is None else spec.num_speculative_tokens
-
-
-def runner_config_for(config: EngineConfig, head: HeadSpec | None = None) -> RunnerConfig:
-    """What every rank is told of `config`; `head`: the model's output head (None: LM head)."""
-    if config.max_model_len is None:
-        raise ValueError("max_model_len is not resolved yet; call with_model_defaults first")
-    return RunnerConfig(
-        max_model_len=config.max_model_len,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.resolved_max_num_batched_tokens,
-        max_num_logits_rows=max_logits_rows_per_step(config),
-        max_num_sampled_rows=max_sampled_rows_per_step(config),
-        dtype=config.dtype,
-        seed=config.seed,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        num_kv_blocks=config.num_kv_blocks,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        enforce_eager=config.enforce_eager,
-        attention_backend=config.attention_backend,
-        enable_expert_parallel=config.enable_expert_parallel,
-        kv_cache_dtype=config.kv_cache_dtype,
-        gpu_data_paths=config.gpu_data_paths,
-        draft_model=_draft_model_dir(config),
-        hf_overrides=config.hf_overrides,
-        head=None if head is None else head.to_dict(),
-        enable_lora=config.enable_lora,
-        max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank,
-        max_cpu_loras=config.max_cpu_loras,
-        lora_dtype=config.lora_dtype,
-    )
 
 
 class LLMEngine(EngineCore):
@@ -128,7 +71,7 @@ class LLMEngine(EngineCore):
         self.model_dir = model_dir
         self.tp = tp
         vocab_size = int(hf_config.vocab_size)
-        draft_dir = _draft_model_dir(config)
+        draft_dir = draft_model_dir(config)
         if draft_dir is not None:
             check_draft_model(draft_dir, vocab_size, tokenizer)
         # A pooling model samples nothing: no sampler to leave room for.
@@ -241,13 +184,6 @@ def _check_pooling_config(spec: ModelSpec, config: EngineConfig) -> None:
             f"speculative decoding cannot run with a pooling model (it serves {spec.task!r} "
             "and generates no tokens); leave speculative_config unset"
         )
-
-
-def _draft_model_dir(config: EngineConfig) -> str | None:
-    spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
-        return None
-    return spec.model
 
 
 def check_draft_model(draft_dir: str, vocab_size: int, tokenizer: Any) -> None:

@@ -117,7 +117,7 @@ class SamplingParams:
         cls, defaults: Mapping[str, Any] | None = None, **fields: Any
     ) -> SamplingParams:
         """Parameters where a field given as None is unset: it takes its value from `defaults`
-        (e.g. `tp_engine.generation_config.sampling_defaults`), else the class default.
+        (e.g. `tp_engine.config.generation.sampling_defaults`), else the class default.
 
         Unknown names in `fields` raise ValueError; unknown names in `defaults` are ignored.
         """

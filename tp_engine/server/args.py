@@ -1,4 +1,5 @@
-"""Command-line flags of `launch/serve.py`, named as vLLM names them.
+"""Command-line flags of `launch/serve.py`, named as vLLM names them: the server's own here, the
+engine's from the one table every script reads (`tp_engine.config.flags`).
 
 Every flag has help text and shows its default in `--help` (`HelpFormatter`); the environment
 variables the server reads are listed in the epilog (`ENVIRONMENT_HELP`).
@@ -12,16 +13,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rank_worker.lora.peft_adapter import LORA_DTYPES, MAX_LORA_RANKS
-from tp_engine.cli_help import HelpFormatter
-from tp_engine.config import (
-    ATTENTION_BACKENDS,
-    CONVERTS,
-    DTYPES,
-    KV_CACHE_DTYPES,
-    RUNNERS,
-    EngineConfig,
-)
+from tp_engine.config import EngineConfig
+from tp_engine.config.flags import add_engine_flags, engine_kwargs
+from tp_engine.config.help_format import HelpFormatter
 from tp_engine.features.lora.registry import LoRARequest
 from tp_engine.server.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.engine_loop import LoopOptions
@@ -70,16 +64,6 @@ def chat_template_arg(value: str) -> str:
             f"the chat template does not parse: {exc.message} (line {exc.lineno})"
         ) from None
     return text
-
-
-def tokenizer_dir(value: str) -> str:
-    """vLLM's --tokenizer, as a local directory (nothing is downloaded)."""
-    if not (Path(value) / "tokenizer_config.json").is_file():
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a tokenizer directory (no tokenizer_config.json; "
-            "save one with tokenizer.save_pretrained(DIR))"
-        )
-    return value
 
 
 @dataclass(frozen=True)
@@ -137,13 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="names clients use in 'model' (default: --model as given, as vLLM serves it); the "
         "first is reported",
-    )
-    p.add_argument(
-        "--tokenizer",
-        type=tokenizer_dir,
-        default=None,
-        metavar="DIR",
-        help="directory of the tokenizer files (default: the checkpoint's own)",
     )
     p.add_argument(
         "--chat-template",
@@ -210,107 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
     # run if the launcher is gone (as torchrun's ranks do).
     p.add_argument("--replica-index", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
-        "--runner",
-        choices=RUNNERS,
-        default="auto",
-        help="generate (completions, chat) or pooling (embeddings, scores); auto: pooling for "
-        "a sentence-transformers checkpoint (modules.json) or a *ForSequenceClassification one",
-    )
-    p.add_argument(
-        "--convert",
-        choices=CONVERTS,
-        default="auto",
-        help="what a pooling runner makes of the model: embed (last-token embedding) or "
-        "classify (scores); auto: classify for *ForSequenceClassification, else embed",
-    )
-    p.add_argument(
-        "--hf-overrides",
-        default=None,
-        metavar="JSON",
-        help="config.json fields to override, one JSON object, e.g. '{\"is_matryoshka\": true}' "
-        'or a Qwen3-Reranker\'s \'{"architectures": ["Qwen3ForSequenceClassification"], '
-        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'',
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output in tokens (default: the checkpoint's "
-        "max_position_embeddings, or its YaRN length)",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="most new tokens in one step (default: 8192 with chunked prefill, else "
-        "max(max_model_len, 8192))",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse full KV blocks across requests that share a prefix",
-    )
-    p.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split long prompts into chunks that fit the token budget, batched with decodes",
-    )
-    p.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule step t+1 while step t runs (default: on with a GPU, off on CPU)",
-    )
-    p.add_argument(
-        "--speculative-config",
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of each GPU's memory the engine may use (weights, activations, KV cache)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPES,
-        help="parameter dtype (auto: the checkpoint's torch_dtype on a GPU, float32 on CPU)",
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of the random generators on every rank"
-    )
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=ATTENTION_BACKENDS,
-        help="attention kernels (auto: flash_attn when installed and --block-size is a multiple "
-        "of 256, else triton on a GPU, torch on CPU)",
-    )
-    p.add_argument(
-        "--enable-expert-parallel", action="store_true", help="MoE: whole experts per rank"
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="KV-cache storage (auto: the model's dtype; fp8: e4m3 with per-layer scales)",
-    )
-    p.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="fix the KV pool size (blocks per rank)"
-    )
-    p.add_argument(
-        "--kv-cache-memory-bytes", type=int, default=None, help="KV bytes per rank (CPU path)"
-    )
-    p.add_argument(
         "--engine-iteration-timeout",
         type=float,
         default=120.0,
@@ -359,29 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="offer /sleep, /wake_up, /is_sleeping (and SGLang's /release_memory_occupation, "
         "/resume_memory_occupation): give the GPU's memory back while a trainer runs",
     )
-    lora = p.add_argument_group(
-        "LoRA adapters", "serve PEFT adapters on the base model, mixed in one batch (vLLM's flags)"
-    )
-    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
-    lora.add_argument(
+    # The engine's own flags: one table (`tp_engine.config.flags`) for every script.
+    groups = add_engine_flags(p)
+    groups["lora"].add_argument(
         "--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
         help='adapters a request picks by its "model": name=path, or JSON \'{"name": ..., '
         '"path": ..., "base_model_name": ...}\'',
-    )  # fmt: skip
-    lora.add_argument(
-        "--max-loras", type=int, default=1, help="most distinct adapters in one batch (slots)"
-    )
-    lora.add_argument(
-        "--max-lora-rank", type=int, default=16, choices=MAX_LORA_RANKS,
-        help="largest adapter rank served",
-    )  # fmt: skip
-    lora.add_argument(
-        "--max-cpu-loras", type=int, default=None,
-        help="adapters kept in host memory (default: --max-loras)",
-    )  # fmt: skip
-    lora.add_argument(
-        "--lora-dtype", default="auto", choices=LORA_DTYPES,
-        help="adapter weights' dtype (auto: the model's)",
     )  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="info", help="the HTTP server's log level")
     p.add_argument(
@@ -414,12 +273,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-constraint-depth", type=int, default=defaults.max_constraint_depth,
         help="deepest nesting of a JSON schema or tool parameter schema",
     )  # fmt: skip
-    limits.add_argument(
-        "--structured-outputs-timeout", type=float, default=defaults.constraint_timeout_s,
-        help="seconds a request's output constraint may take to check (API process) and to "
-        "compile (rank 0); slower ones are answered 400, the other requests are unaffected",
-    )  # fmt: skip
-    # Issue 44's flags (the RL routes' owner adds here).
     p.add_argument(
         "--enable-weight-updates-from-tensor", action="store_true",
         help="also offer SGLang's /update_weights_from_tensor (slime's colocated weight sync): "
@@ -431,37 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
     """The engine's config; raises ValueError (before any process starts) on a bad value."""
-    return EngineConfig(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        tensor_parallel_size=tp_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        dtype=args.dtype,
-        seed=args.seed,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        attention_backend=args.attention_backend,
-        enable_expert_parallel=args.enable_expert_parallel,
-        kv_cache_dtype=args.kv_cache_dtype,
-        structured_outputs_timeout_s=args.structured_outputs_timeout,
-        speculative_config=args.speculative_config,
-        runner=args.runner,
-        convert=args.convert,
-        hf_overrides=args.hf_overrides,
-        enable_lora=args.enable_lora or bool(args.lora_modules),
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras,
-        lora_dtype=args.lora_dtype,
-    )
+    kwargs = engine_kwargs(args)
+    # --lora-modules serves adapters, so it turns LoRA on as vLLM's does.
+    kwargs["enable_lora"] = args.enable_lora or bool(args.lora_modules)
+    return EngineConfig(model=args.model, tensor_parallel_size=tp_size, **kwargs)
 
 
 def server_args(args: argparse.Namespace) -> ServerArgs:
@@ -481,7 +307,7 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
     for name in ("max_request_body_bytes", "max_constraint_bytes", "max_constraint_depth"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.structured_outputs_timeout <= 0:
+    if args.structured_outputs_timeout_s <= 0:
         raise ValueError("--structured-outputs-timeout must be > 0")
     lora_modules = [
         LoRARequest(m.lora_name, i, m.lora_path, m.base_model_name)
@@ -517,7 +343,7 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
             protect_metrics_and_docs=args.protect_metrics_and_docs,
             max_constraint_bytes=args.max_constraint_bytes,
             max_constraint_depth=args.max_constraint_depth,
-            constraint_timeout_s=args.structured_outputs_timeout,
+            constraint_timeout_s=args.structured_outputs_timeout_s,
         ),
     )
 

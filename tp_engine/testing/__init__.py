@@ -2,7 +2,8 @@
 their tokenizers, and checkpoints rewritten from others (FP8, fewer layers, scaled RoPE).
 
 Tests and benchmarks build every model they run from here, since nothing downloads at run time.
-The runtime itself uses it for one thing, the built-in demo model (`tp_engine.demo`).
+The runtime itself uses it for one thing, the built-in demo model (`tp_engine.demo`, which
+imports `checkpoints` from here; this package imports nothing back).
 
 | module | what it writes |
 | --- | --- |
@@ -11,7 +12,6 @@ The runtime itself uses it for one thing, the built-in demo model (`tp_engine.de
 | `rewrites` | FP8 quantized and dequantized copies, layer-dropped drafts, RoPE-scaled copies |
 """
 
-from tp_engine.demo import DEMO_SHAPE, demo_checkpoint_dir
 from tp_engine.testing.checkpoints import (
     ROUTER_SCALE,
     build_random_qwen3,
@@ -42,7 +42,6 @@ from tp_engine.testing.tokenizers import (
 
 __all__ = [
     "CHAT_TEMPLATE",
-    "DEMO_SHAPE",
     "ENDOFTEXT",
     "FP8_QUANTIZATION_CONFIG",
     "IM_END",
@@ -57,7 +56,6 @@ __all__ = [
     "build_tokenizer",
     "cache_dir",
     "cached_random_qwen3",
-    "demo_checkpoint_dir",
     "dequantize_checkpoint_fp8",
     "quantize_checkpoint_fp8",
     "qwen_tiktoken_path",

@@ -16,7 +16,7 @@ server itself lives in `tp_engine.server`.
 
 from __future__ import annotations
 
-from tp_engine.server.rank0 import main
+from tp_engine.server.rank0.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -23,13 +23,13 @@ from tests.scripted_model import (
 )
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.server.chat_output import ChatOutputParser
-from tp_engine.server.chat_parsers import ChatParsing
-from tp_engine.server.http_errors import APIError
+from tp_engine.server.api.chat_output import ChatOutputParser
+from tp_engine.server.api.chat_parsers import ChatParsing
+from tp_engine.server.api.http_errors import APIError
+from tp_engine.server.api.prompts import PromptBuilder
+from tp_engine.server.api.protocol import ChatCompletionRequest
+from tp_engine.server.api.tool_calls import ToolCallBlock, ToolPlan, serialize, tool_plan
 from tp_engine.server.messages import Hello
-from tp_engine.server.prompts import PromptBuilder
-from tp_engine.server.protocol import ChatCompletionRequest
-from tp_engine.server.tool_calls import ToolCallBlock, ToolPlan, serialize, tool_plan
 from tp_engine.thinking import (
     ThinkingState,
     forced_think_end,

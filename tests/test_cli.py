@@ -33,7 +33,7 @@ def test_positional_model_becomes_the_model_flag() -> None:
 
 def test_serve_reaches_the_server_with_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
-    monkeypatch.setattr("tp_engine.server.rank0.main", lambda argv: seen.append(argv) or 7)
+    monkeypatch.setattr("tp_engine.server.rank0.main.main", lambda argv: seen.append(argv) or 7)
     assert cli.main(["serve", "/ckpt", "--tensor-parallel-size", "2"]) == 7
     assert seen == [["--model", "/ckpt", "--tensor-parallel-size", "2"]]
 

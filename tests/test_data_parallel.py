@@ -38,11 +38,11 @@ import pytest
 
 from shm_ipc.liveness import ProcessWatch
 from tests.server_harness import Server, port_is_free, shm_entries, wait_until
+from tp_engine.server.api.worker_routes import checkpoint_facts, model_info, server_info
 from tp_engine.server.args import build_parser
 from tp_engine.server.messages import Hello
-from tp_engine.server.replicas import Replica, device_slices, free_port, replica_command
-from tp_engine.server.router_process import ROUTER_ADMIN_KEY_ENV
-from tp_engine.server.worker_routes import checkpoint_facts, model_info, server_info
+from tp_engine.server.rank0.replicas import Replica, device_slices, free_port, replica_command
+from tp_engine.server.rank0.router_process import ROUTER_ADMIN_KEY_ENV
 
 MODEL = "tp-engine-demo"
 ROUTER_READY = re.compile(r"router \(\w+\) serving .*? on http://([^\s;]+):(\d+);")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from tp_engine.features.lora.registry import LoRARequest
+from tp_engine.server.api.http_errors import APIError
+from tp_engine.server.api.models import ServedModels, wire
 from tp_engine.server.args import build_parser, engine_config, server_args
-from tp_engine.server.control_ops import run_op
-from tp_engine.server.http_errors import APIError
 from tp_engine.server.messages import AddRequest, Hello, decode, encode
-from tp_engine.server.models import ServedModels, wire
+from tp_engine.server.rank0.control_ops import run_op
 
 
 def test_lora_flags_and_modules_parse_as_vllm():
@@ -106,7 +106,7 @@ def test_lora_control_ops_answer_vllm_statuses():
 def test_runtime_routes_exist_only_when_the_env_allows(env, monkeypatch, tmp_path):
     from fastapi.testclient import TestClient
 
-    from tp_engine.server.api_server import build_app
+    from tp_engine.server.api.app import build_app
     from tp_engine.testing import build_tokenizer
 
     if env is None:
@@ -129,7 +129,7 @@ def test_an_unload_rank_0_fails_keeps_the_name_served(monkeypatch, tmp_path):
     adapter no more) leaves it forgotten."""
     from fastapi.testclient import TestClient
 
-    from tp_engine.server.api_server import build_app
+    from tp_engine.server.api.app import build_app
     from tp_engine.server.messages import ControlReply
     from tp_engine.testing import build_tokenizer
 

@@ -133,7 +133,7 @@ def test_vllm_formatted_texts_on_the_routes(tokenizer):
     from starlette.testclient import TestClient
 
     from tests.test_pooling_routes import ScriptedEngine, hello
-    from tp_engine.server.api_server import build_app
+    from tp_engine.server.api.app import build_app
 
     # The card's prompt is ~280 tokens of this test vocabulary: a longer context.
     engine = ScriptedEngine(

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from tp_engine.server.api_server import build_app
-from tp_engine.server.engine_client import ACCEPTED
+from tp_engine.server.api.app import build_app
+from tp_engine.server.api.engine_client import ACCEPTED
+from tp_engine.server.api.metrics import ServerMetrics
 from tp_engine.server.messages import Delta, Hello, Rejected
-from tp_engine.server.metrics import ServerMetrics
 
 SIZE = 8  # pooled size (the hidden size of the scripted model)
 MAX_LEN = 48
@@ -371,7 +371,7 @@ def test_rerank_and_score_shapes(tokenizer):
 def test_tasks_rank_0_announces():
     from rank_worker.layers.rope_spec import RopeSpec
     from rank_worker.model_spec import HeadSpec, ModelSpec
-    from tp_engine.server.rank0 import supported_tasks
+    from tp_engine.server.rank0.main import supported_tasks
 
     rope = RopeSpec("default", 16, 10000.0, 512)
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.server_harness import Server, serving
-from tp_engine.server.guards import (
+from tp_engine.server.api.guards import (
     RequestGuard,
     RequestLimits,
     allowed_hosts,
@@ -327,8 +327,8 @@ def test_limits_survive_the_trip_to_the_api_process():
 def test_a_constraint_check_past_its_time_limit_is_a_400_and_frees_the_loop():
     import asyncio
 
-    from tp_engine.server.http_errors import APIError
-    from tp_engine.server.request_work import RequestWork
+    from tp_engine.server.api.http_errors import APIError
+    from tp_engine.server.api.request_work import RequestWork
 
     work = RequestWork(RequestLimits(constraint_timeout_s=0.2))
 
@@ -355,10 +355,10 @@ def test_a_constraint_check_past_its_time_limit_is_a_400_and_frees_the_loop():
 
 
 def test_the_length_check_does_not_tokenize(tmp_path: Path):
-    from tp_engine.server.http_errors import APIError
+    from tp_engine.server.api.http_errors import APIError
+    from tp_engine.server.api.prompts import PromptBuilder
+    from tp_engine.server.api.protocol import CompletionRequest
     from tp_engine.server.messages import Hello
-    from tp_engine.server.prompts import PromptBuilder
-    from tp_engine.server.protocol import CompletionRequest
 
     class Counting:
         calls = 0

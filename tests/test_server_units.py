@@ -9,8 +9,11 @@ import msgpack
 import pytest
 
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
-from tp_engine.server.http_errors import APIError
-from tp_engine.server.logprob_format import LogprobFormatter, cut_top
+from tp_engine.server.api.http_errors import APIError
+from tp_engine.server.api.logprob_format import LogprobFormatter, cut_top
+from tp_engine.server.api.metrics import ServerMetrics
+from tp_engine.server.api.prompts import PromptBuilder, check_max_tokens
+from tp_engine.server.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from tp_engine.server.messages import (
     AbortRequest,
     AddRequest,
@@ -29,9 +32,6 @@ from tp_engine.server.messages import (
     decode,
     encode,
 )
-from tp_engine.server.metrics import ServerMetrics
-from tp_engine.server.prompts import PromptBuilder, check_max_tokens
-from tp_engine.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 
 @pytest.fixture(scope="module")
@@ -301,8 +301,8 @@ def test_token_metrics_count_output_tokens_one_by_one(tokenizer, monkeypatch):
     not those after a stop string, and inter-token latency is observed once per token after
     the first (a delta's gap spread over its tokens), summing to the decode time."""
     from tp_engine.sampling_params import SamplingParams
-    from tp_engine.server import generation
-    from tp_engine.server.generation import Generation, PromptInput, StopOptions
+    from tp_engine.server.api import generation
+    from tp_engine.server.api.generation import Generation, PromptInput, StopOptions
 
     ids = tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
     clock = [100.0]
@@ -366,7 +366,7 @@ def test_control_ops_answer_refusals_400_and_an_inconsistent_engine_503():
 
     from tp_engine.executor.control import ControlRefusedError, EngineInconsistentError
     from tp_engine.failures import EngineDeadError
-    from tp_engine.server.control_ops import run_op
+    from tp_engine.server.rank0.control_ops import run_op
 
     def engine_raising(exc):
         def update(*args, **kwargs):

@@ -17,16 +17,16 @@ from hypothesis import strategies as st
 from tests.scripted_model import END_THINK, IM_END, THINK, build_tokenizer
 from tp_engine.features.structured.grammar import StructuredOutputsParams
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
-from tp_engine.server.chat_output import ChatOutputParser
-from tp_engine.server.chat_parsers import ChatParsing
-from tp_engine.server.constraints import output_constraint
-from tp_engine.server.forced_tool_calls import ForcedToolCalls, tool_choice_schema
-from tp_engine.server.generation import PromptInput
-from tp_engine.server.http_errors import APIError
+from tp_engine.server.api.chat_output import ChatOutputParser
+from tp_engine.server.api.chat_parsers import ChatParsing
+from tp_engine.server.api.constraints import output_constraint
+from tp_engine.server.api.forced_tool_calls import ForcedToolCalls, tool_choice_schema
+from tp_engine.server.api.generation import PromptInput
+from tp_engine.server.api.http_errors import APIError
+from tp_engine.server.api.prompts import PromptBuilder
+from tp_engine.server.api.protocol import ChatCompletionRequest, CompletionRequest, Tool, parse_body
+from tp_engine.server.api.tool_calls import ToolChoice, ToolPlan, tool_plan
 from tp_engine.server.messages import Hello
-from tp_engine.server.prompts import PromptBuilder
-from tp_engine.server.protocol import ChatCompletionRequest, CompletionRequest, Tool, parse_body
-from tp_engine.server.tool_calls import ToolChoice, ToolPlan, tool_plan
 from tp_engine.thinking import ThinkingState
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -132,7 +132,7 @@ def test_a_flagged_route_names_its_flag_in_the_404():
     from fastapi import FastAPI
     from starlette.testclient import TestClient
 
-    from tp_engine.server.http_errors import install_handlers
+    from tp_engine.server.api.http_errors import install_handlers
 
     app = FastAPI()
     install_handlers(app)

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if command != "serve":
         print(f"tp-engine: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
         return 2
-    from tp_engine.server.rank0 import main as serve
+    from tp_engine.server.rank0.main import main as serve
 
     return serve(serve_argv(rest))
 

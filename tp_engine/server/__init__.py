@@ -1,26 +1,19 @@
-"""The OpenAI-compatible HTTP server (`launch/serve.py`).
+"""The OpenAI-compatible HTTP server (`launch/serve.py`, `tp-engine serve`): two processes.
 
-    HTTP client ─► API process (api_server: FastAPI/uvicorn; prompts, detokenizer, metrics)
-                      │ ZeroMQ ipc, msgpack (messages): Add / Abort ▼   Outputs / Drain / Dead ▲
-    rank 0 ───────► engine_loop: LLMEngine.step() one at a time ─► ranks 1..N-1 (worker loop)
+    HTTP client ─► API process (`api`: FastAPI/uvicorn; prompts, detokenizer, metrics)
+                      │ ZeroMQ ipc, msgpack (`messages`): Add / Abort ▼   Outputs / Drain / Dead ▲
+    rank 0 ───────► `rank0.engine_loop`: LLMEngine.step() one at a time ─► ranks 1..N-1
 
-Modules, by process:
+| package or module | what it is |
+| --- | --- |
+| `rank0/` | rank 0's process: start-up and clean-up of every process (`main`), the serving loop (`engine_loop`), the admin operations it runs between steps (`control_ops`), the watchdog, and `--data-parallel-size`'s replicas behind sglang-router (`replicas`, `router_process`) |
+| `api/` | the API process (`app`: the FastAPI app and the process entry): the request guards, prompts and sampling parameters, completions and chat (`serving`, `streaming`, `generation`), Qwen3's reasoning and tool calls (`chat_output`, `chat_parsers`, `tool_calls`, `forced_tool_calls`), structured-output constraints, the pooling routes (`pooling_*`), the admin, LoRA, SGLang and router-facing routes, metrics and OpenAI's error envelope |
+| `messages` | the typed msgpack messages between the two processes (never pickle) |
+| `ipc` | the two ZeroMQ pipes and their private directory |
+| `args` | the server's flags (the engine's come from `tp_engine.config.flags`) |
 
-- rank 0: `launcher` (what each rank runs, start-up and clean-up), `args` (vLLM's flags),
-  `engine_loop` (the loop, graceful drain), `watchdog`;
-- between them: `messages` (the typed msgpack messages), `ipc` (the sockets and their private
-  directory);
-- API process: `api_server` (app, routes, process entry), `engine_client` (routing rank 0's
-  messages to requests), `serving` (completions and chat), `streaming` (their SSE chunks),
-  `generation` (one request's engine sequences), `prompts` (validation, prompts and
-  SamplingParams), `detokenizer` (incremental text and stop strings), `logprobs` (their JSON
-  shapes), `protocol` (request bodies), `responses` (response bodies, disconnects), `errors`
-  (OpenAI's error envelope), `metrics` (Prometheus, vLLM's names), `chat_parsers` (which
-  reasoning and tool-call parsers run, and their marker tokens), `chat_output` (a chat choice
-  split into reasoning, content and tool calls by token ids), `tool_calls` (tools and
-  tool_choice, Hermes blocks to OpenAI tool calls, streamed arguments), `constraints` (the
-  request's structured-output constraint, from whichever field carried it), `forced_tool_calls`
-  (tool_choice "required" or named: the schema built from the tools, the answer as calls).
-
-Nothing here is imported by `tp_engine` itself: the offline API never needs FastAPI.
+`api` never imports `rank0`; `rank0` starts the API process as `python -m
+tp_engine.server.api.app` and imports from `api` only what its flags name (the request limits
+and their checks in `guards`, the parsers' names in `chat_parsers`). Nothing in `tp_engine`
+outside this package imports it: the offline API never needs FastAPI.
 """

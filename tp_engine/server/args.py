@@ -17,9 +17,9 @@ from tp_engine.config import EngineConfig
 from tp_engine.config.flags import add_engine_flags, engine_kwargs
 from tp_engine.config.help_format import HelpFormatter
 from tp_engine.features.lora.registry import LoRARequest
-from tp_engine.server.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
-from tp_engine.server.engine_loop import LoopOptions
-from tp_engine.server.guards import RequestLimits, allowed_hosts
+from tp_engine.server.api.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from tp_engine.server.api.guards import RequestLimits, allowed_hosts
+from tp_engine.server.rank0.engine_loop import LoopOptions
 
 # The API key may come from the environment, so that it does not show in `ps`.
 API_KEY_ENV = "TP_ENGINE_API_KEY"
@@ -80,7 +80,7 @@ class ServerArgs:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     limits: RequestLimits = field(default_factory=RequestLimits)
-    # Admin routes (`tp_engine.server.admin_routes`): RL weight sync and pause; sleep and wake.
+    # Admin routes (`tp_engine.server.api.admin_routes`): RL weight sync and pause; sleep and wake.
     enable_weight_updates: bool = False
     enable_sleep_mode: bool = False
     # SGLang's /update_weights_from_tensor: pickled tensor handles, read by a restricted

@@ -21,7 +21,7 @@ A request's life, seen from the API process:
 A pooling request (AddRequest with pooling_params) has one sample and one Delta: no tokens,
 finish_reason "stop" and the pooled vector.
 
-Control calls (pause, resume, weight updates, sleep: `tp_engine.server.control_ops`) are the
+Control calls (pause, resume, weight updates, sleep: `tp_engine.server.rank0.control_ops`) are the
 one request/reply exchange: `Control(call_id, op, args)` runs on rank 0 between two steps and
 `ControlReply(call_id, ...)` answers it once it is done (a pause in "wait" mode: once the
 running requests have finished).
@@ -149,7 +149,7 @@ class Control:
     KIND: ClassVar[Kind] = Kind.CONTROL
     # Unique per API process; the reply carries it back.
     call_id: int
-    # An operation of `tp_engine.server.control_ops.OPS` (refused by name otherwise).
+    # An operation of `tp_engine.server.rank0.control_ops.OPS` (refused by name otherwise).
     op: str
     # Its arguments, msgpack data, checked by the operation.
     args: dict[str, Any]

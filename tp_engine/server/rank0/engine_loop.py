@@ -46,7 +46,6 @@ from tp_engine.features.pooling.params import PoolingParams
 from tp_engine.features.weights_and_sleep.sleep import WeightsNotLoadedError
 from tp_engine.outputs import SequenceOutput
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.server.control_ops import run_op
 from tp_engine.server.ipc import EnginePipes
 from tp_engine.server.messages import (
     AbortRequest,
@@ -61,7 +60,8 @@ from tp_engine.server.messages import (
     Exit,
     Rejected,
 )
-from tp_engine.server.watchdog import Watchdog
+from tp_engine.server.rank0.control_ops import run_op
+from tp_engine.server.rank0.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 

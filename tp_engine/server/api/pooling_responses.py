@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from tp_engine.server.pooling_batch import POOLED_DTYPE
-from tp_engine.server.responses import now_s
+from tp_engine.server.api.pooling_batch import POOLED_DTYPE
+from tp_engine.server.api.responses import now_s
 
 
 def usage(num_prompt_tokens: int) -> dict[str, int]:

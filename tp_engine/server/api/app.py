@@ -1,4 +1,4 @@
-"""The API process: FastAPI + uvicorn, started by rank 0 as `python -m tp_engine.server.api_server`.
+"""The API process: FastAPI + uvicorn, started by rank 0 as `python -m tp_engine.server.api.app`.
 
 It holds no engine state: it tokenizes, sends requests to rank 0, detokenizes what comes back
 and applies stop strings, so that HTTP and text work never take the engine loop's interpreter
@@ -33,30 +33,30 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shm_ipc.liveness import ProcessWatch
 from tp_engine.features.pooling.rerank_prompt import rerank_token_ids
-from tp_engine.server.admin_routes import build_admin_router
-from tp_engine.server.chat_parsers import ChatParsing
-from tp_engine.server.engine_client import EngineClient
-from tp_engine.server.guards import RequestGuard, RequestLimits
-from tp_engine.server.http_errors import APIError, install_handlers
-from tp_engine.server.ipc import ApiPipes
-from tp_engine.server.lora_routes import build_lora_router, runtime_lora_updating
-from tp_engine.server.messages import Exit, Hello, Ready
-from tp_engine.server.metrics import ServerMetrics
-from tp_engine.server.models import ServedModels
-from tp_engine.server.pooling_inputs import PairTokens, PoolingInputs
-from tp_engine.server.pooling_routes import PoolingServing, build_pooling_router
-from tp_engine.server.prompts import PromptBuilder
-from tp_engine.server.protocol import (
+from tp_engine.server.api.admin_routes import build_admin_router
+from tp_engine.server.api.chat_parsers import ChatParsing
+from tp_engine.server.api.engine_client import EngineClient
+from tp_engine.server.api.guards import RequestGuard, RequestLimits
+from tp_engine.server.api.http_errors import APIError, install_handlers
+from tp_engine.server.api.lora_routes import build_lora_router, runtime_lora_updating
+from tp_engine.server.api.metrics import ServerMetrics
+from tp_engine.server.api.models import ServedModels
+from tp_engine.server.api.pooling_inputs import PairTokens, PoolingInputs
+from tp_engine.server.api.pooling_routes import PoolingServing, build_pooling_router
+from tp_engine.server.api.prompts import PromptBuilder
+from tp_engine.server.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     parse_body,
 )
-from tp_engine.server.request_work import RequestWork
-from tp_engine.server.serving import OpenAIServing
-from tp_engine.server.sglang_routes import build_sglang_router
-from tp_engine.server.worker_routes import build_router
+from tp_engine.server.api.request_work import RequestWork
+from tp_engine.server.api.serving import OpenAIServing
+from tp_engine.server.api.sglang_routes import build_sglang_router
+from tp_engine.server.api.worker_routes import build_router
+from tp_engine.server.ipc import ApiPipes
+from tp_engine.server.messages import Exit, Hello, Ready
 
 logger = logging.getLogger("tp_engine.server.api")
 

@@ -56,8 +56,8 @@ from tp_engine.features.weights_and_sleep.weight_updates import (
     JOIN_POLL_S,
     join_timed_out,
 )
-from tp_engine.server.engine_client import EngineClient
-from tp_engine.server.http_errors import APIError
+from tp_engine.server.api.engine_client import EngineClient
+from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.messages import ControlReply
 
 _SGLANG_PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tp_engine.server.flagged_routes import FLAGGED_ROUTES
+from tp_engine.server.api.flagged_routes import FLAGGED_ROUTES
 
 logger = logging.getLogger(__name__)
 

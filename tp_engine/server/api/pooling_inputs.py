@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tp_engine.features.pooling.rerank_prompt import truncate_document
-from tp_engine.server.http_errors import bad_request
-from tp_engine.server.pooling_protocol import (
+from tp_engine.server.api.http_errors import bad_request
+from tp_engine.server.api.pooling_protocol import (
     ENCODING_FORMATS,
     ActivationChoice,
     EmbeddingRequest,
@@ -29,7 +29,7 @@ from tp_engine.server.pooling_protocol import (
     RerankDocument,
     ScoreRequest,
 )
-from tp_engine.server.prompts import PromptBuilder
+from tp_engine.server.api.prompts import PromptBuilder
 
 # Unicode normalization (NFC) composes at most a few characters into one (`PromptBuilder`'s
 # length check allows as much).

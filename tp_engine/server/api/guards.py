@@ -37,7 +37,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tp_engine.server.http_errors import APIError, bad_request
+from tp_engine.server.api.http_errors import APIError, bad_request
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _WILDCARD_BINDS = ("0.0.0.0", "::", "")

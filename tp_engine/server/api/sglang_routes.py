@@ -43,13 +43,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tp_engine.server.engine_client import EngineClient
-from tp_engine.server.generation import Generation
-from tp_engine.server.http_errors import APIError
+from tp_engine.server.api.engine_client import EngineClient
+from tp_engine.server.api.generation import Generation
+from tp_engine.server.api.http_errors import APIError
+from tp_engine.server.api.protocol import CompletionRequest
+from tp_engine.server.api.responses import ClientGone, until_disconnect
+from tp_engine.server.api.serving import OpenAIServing
 from tp_engine.server.messages import Delta
-from tp_engine.server.protocol import CompletionRequest
-from tp_engine.server.responses import ClientGone, until_disconnect
-from tp_engine.server.serving import OpenAIServing
 
 # SGLang's sampling_params names -> /v1/completions' (the same meaning).
 _RENAMED = {

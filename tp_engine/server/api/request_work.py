@@ -25,8 +25,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from tp_engine.server.guards import RequestLimits
-from tp_engine.server.http_errors import bad_request
+from tp_engine.server.api.guards import RequestLimits
+from tp_engine.server.api.http_errors import bad_request
 
 T = TypeVar("T")
 

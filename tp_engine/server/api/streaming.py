@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from tp_engine.server.chat_output import ChatOutputParser
-from tp_engine.server.generation import ChoiceUpdate, EngineDiedError, Generation, PromptInput
-from tp_engine.server.http_errors import error_body
-from tp_engine.server.logprob_format import LogprobFormatter
-from tp_engine.server.responses import (
+from tp_engine.server.api.chat_output import ChatOutputParser
+from tp_engine.server.api.generation import ChoiceUpdate, EngineDiedError, Generation, PromptInput
+from tp_engine.server.api.http_errors import error_body
+from tp_engine.server.api.logprob_format import LogprobFormatter
+from tp_engine.server.api.responses import (
     SSE_DONE,
     chat_chunk_choice,
     completion_choice,

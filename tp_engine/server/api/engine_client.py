@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shm_ipc.liveness import ProcessWatch
+from tp_engine.server.api.metrics import ServerMetrics
 from tp_engine.server.ipc import ApiPipes, RunDir
 from tp_engine.server.messages import (
     AbortRequest,
@@ -38,7 +39,6 @@ from tp_engine.server.messages import (
     Hello,
     decode,
 )
-from tp_engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class EngineClient:
         self._owners.pop(request_id, None)
 
     async def control(self, op: str, args: dict[str, Any] | None = None) -> ControlReply:
-        """Run an operation on the engine (`tp_engine.server.control_ops`) and wait for its
+        """Run an operation on the engine (`tp_engine.server.rank0.control_ops`) and wait for its
         reply; a dead or exiting engine answers 503 at once."""
         if self.dead is not None or self.exit_code is not None:
             return ControlReply(0, 503, f"the engine is not serving: {self.dead or 'exiting'}", {})

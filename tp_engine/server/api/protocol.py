@@ -4,7 +4,7 @@ Strict types: a string where a number belongs, a float where an integer belongs 
 where a number belongs is a 400, as OpenAI answers, not silently coerced. Unknown fields are
 ignored (OpenAI clients send fields this server has no use for, such as `user`). Ranges are not
 checked here but by `SamplingParams`, so the HTTP API and `LLM.generate` refuse the same values
-with the same messages. Responses are built as plain dicts in `tp_engine.server.responses`.
+with the same messages. Responses are built as plain dicts in `tp_engine.server.api.responses`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tp_engine.server.http_errors import APIError
+from tp_engine.server.api.http_errors import APIError
 
 
 class _Strict(BaseModel):
@@ -93,7 +93,7 @@ class _GenerationRequest(_Strict):
     prompt_logprobs: int | None = None
     # vLLM: also return the prompt's and each choice's token ids.
     return_token_ids: bool = False
-    # What the output must match (at most one source; see tp_engine/server/constraints.py).
+    # What the output must match (at most one source; see tp_engine/server/api/constraints.py).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # vLLM's older names for structured_outputs' fields.

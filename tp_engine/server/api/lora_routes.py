@@ -25,9 +25,9 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from tp_engine.server.engine_client import EngineClient
-from tp_engine.server.http_errors import APIError
-from tp_engine.server.models import ServedModels
+from tp_engine.server.api.engine_client import EngineClient
+from tp_engine.server.api.http_errors import APIError
+from tp_engine.server.api.models import ServedModels
 
 logger = logging.getLogger(__name__)
 

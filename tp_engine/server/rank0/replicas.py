@@ -42,7 +42,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from tp_engine.server.args import DEMO_MODEL_NAME
-from tp_engine.server.router_process import (
+from tp_engine.server.rank0.router_process import (
     RouterAdmin,
     die_with_parent,
     new_admin_key,
@@ -50,7 +50,7 @@ from tp_engine.server.router_process import (
     router_installed,
 )
 
-logger = logging.getLogger("tp_engine.server.replicas")
+logger = logging.getLogger("tp_engine.server.rank0.replicas")
 
 _POLL_S = 0.1
 # A model can take long to load; the launcher waits as long as the router would.

@@ -23,11 +23,11 @@ from typing import Any
 from tp_engine.features.lora.registry import LoRARequest
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.sampling_params import SamplingParams
-from tp_engine.server.engine_client import ACCEPTED, EngineClient, EngineDied
-from tp_engine.server.http_errors import APIError
-from tp_engine.server.logprob_format import Entry, cut_top
+from tp_engine.server.api.engine_client import ACCEPTED, EngineClient, EngineDied
+from tp_engine.server.api.http_errors import APIError
+from tp_engine.server.api.logprob_format import Entry, cut_top
+from tp_engine.server.api.models import wire
 from tp_engine.server.messages import Delta, Rejected
-from tp_engine.server.models import wire
 
 
 class EngineDiedError(RuntimeError):

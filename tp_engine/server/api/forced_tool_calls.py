@@ -31,9 +31,9 @@ from typing import Any
 
 from partial_json_parser import loads as partial_loads
 
-from tp_engine.server.http_errors import bad_request
-from tp_engine.server.protocol import Tool
-from tp_engine.server.tool_calls import (
+from tp_engine.server.api.http_errors import bad_request
+from tp_engine.server.api.protocol import Tool
+from tp_engine.server.api.tool_calls import (
     PARTIAL_ARGUMENTS,
     PARTIAL_NAME,
     ToolCall,

@@ -29,22 +29,22 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from tp_engine.server.engine_client import EngineClient
-from tp_engine.server.http_errors import APIError, bad_request
-from tp_engine.server.pooling_batch import PoolingBatch
-from tp_engine.server.pooling_inputs import (
+from tp_engine.server.api.engine_client import EngineClient
+from tp_engine.server.api.http_errors import APIError, bad_request
+from tp_engine.server.api.pooling_batch import PoolingBatch
+from tp_engine.server.api.pooling_inputs import (
     PoolingInputs,
     activation_fields,
     check_top_n,
     score_pairs,
 )
-from tp_engine.server.pooling_protocol import (
+from tp_engine.server.api.pooling_protocol import (
     ClassifyRequest,
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
 )
-from tp_engine.server.pooling_responses import (
+from tp_engine.server.api.pooling_responses import (
     classify_data,
     cosine,
     embedding_data,
@@ -52,10 +52,10 @@ from tp_engine.server.pooling_responses import (
     rerank_body,
     score_data,
 )
-from tp_engine.server.protocol import parse_body
-from tp_engine.server.request_work import RequestWork
-from tp_engine.server.responses import ClientGone, new_request_id, until_disconnect
-from tp_engine.server.serving import OpenAIServing
+from tp_engine.server.api.protocol import parse_body
+from tp_engine.server.api.request_work import RequestWork
+from tp_engine.server.api.responses import ClientGone, new_request_id, until_disconnect
+from tp_engine.server.api.serving import OpenAIServing
 
 POOLING_TASKS = frozenset(("embed", "classify", "score"))
 # Answered to a client that went away (only the access log sees it), as `serving` does.

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from tp_engine.features.lora.registry import LoRARequest
-from tp_engine.server.http_errors import APIError
+from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.messages import Hello
 
 

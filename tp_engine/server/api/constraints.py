@@ -28,11 +28,11 @@ import re
 from typing import Any
 
 from tp_engine.features.structured.grammar import KINDS, StructuredOutputsParams
-from tp_engine.server.forced_tool_calls import tool_choice_schema
-from tp_engine.server.guards import RequestLimits, check_nesting
-from tp_engine.server.http_errors import bad_request
-from tp_engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from tp_engine.server.tool_calls import ToolChoice, ToolPlan
+from tp_engine.server.api.forced_tool_calls import tool_choice_schema
+from tp_engine.server.api.guards import RequestLimits, check_nesting
+from tp_engine.server.api.http_errors import bad_request
+from tp_engine.server.api.protocol import ChatCompletionRequest, CompletionRequest
+from tp_engine.server.api.tool_calls import ToolChoice, ToolPlan
 
 # vLLM's older top-level names -> the StructuredOutputsParams field each one sets.
 GUIDED_FIELDS = {

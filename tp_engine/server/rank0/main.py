@@ -45,6 +45,7 @@ from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
 from rank_worker.model_spec import ModelSpec
 from shm_ipc.liveness import ParentWatch
 from tp_engine.config import EngineConfig
+from tp_engine.server.api.guards import exposure_warning
 from tp_engine.server.args import (
     ServerArgs,
     build_parser,
@@ -52,10 +53,9 @@ from tp_engine.server.args import (
     served_names,
     server_args,
 )
-from tp_engine.server.engine_loop import EXIT_FAILED, EngineLoop, stop_api_process
-from tp_engine.server.guards import exposure_warning
 from tp_engine.server.ipc import EnginePipes, RunDir
 from tp_engine.server.messages import Dead, Exit, Hello, Ready
+from tp_engine.server.rank0.engine_loop import EXIT_FAILED, EngineLoop, stop_api_process
 
 if TYPE_CHECKING:
     from tp_engine.engine import LLMEngine
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_parallel_size is not None and args.replica_index is None:
         if launcher is not None:
             parser.error("--data-parallel-size starts its own replicas: run it with python")
-        from tp_engine.server.replicas import ReplicaSet
+        from tp_engine.server.rank0.replicas import ReplicaSet
 
         try:
             replicas = ReplicaSet(args, argv, tp_size)
@@ -260,7 +260,7 @@ class Rank0Server:
         cmd = [
             sys.executable,
             "-m",
-            "tp_engine.server.api_server",
+            "tp_engine.server.api.app",
             "--run-dir",
             run_dir.path,
             "--parent-pid",

@@ -39,10 +39,10 @@ from jsonschema.validators import validator_for
 from partial_json_parser import Allow
 from partial_json_parser import loads as partial_loads
 
-from tp_engine.server.chat_parsers import ChatParsing
-from tp_engine.server.guards import RequestLimits, check_nesting
-from tp_engine.server.http_errors import bad_request
-from tp_engine.server.protocol import ChatCompletionRequest
+from tp_engine.server.api.chat_parsers import ChatParsing
+from tp_engine.server.api.guards import RequestLimits, check_nesting
+from tp_engine.server.api.http_errors import bad_request
+from tp_engine.server.api.protocol import ChatCompletionRequest
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from tp_engine.server.engine_client import ACCEPTED, EngineClient, EngineDied
-from tp_engine.server.http_errors import APIError
+from tp_engine.server.api.engine_client import ACCEPTED, EngineClient, EngineDied
+from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.messages import Delta, Rejected
 
 # Little-endian float32: the byte order of `Delta.pooled`, whatever the machines' order.

@@ -18,22 +18,22 @@ from fastapi.responses import JSONResponse, Response
 
 from tp_engine.features.lora.registry import LoRARequest
 from tp_engine.features.structured.grammar import StructuredOutputsParams
-from tp_engine.server.chat_output import ChatOutputParser
-from tp_engine.server.constraints import output_constraint
-from tp_engine.server.engine_client import EngineClient
-from tp_engine.server.generation import EngineDiedError, Generation, PromptInput
-from tp_engine.server.http_errors import APIError
-from tp_engine.server.logprob_format import LogprobFormatter
-from tp_engine.server.models import ServedModels
-from tp_engine.server.prompts import (
+from tp_engine.server.api.chat_output import ChatOutputParser
+from tp_engine.server.api.constraints import output_constraint
+from tp_engine.server.api.engine_client import EngineClient
+from tp_engine.server.api.generation import EngineDiedError, Generation, PromptInput
+from tp_engine.server.api.http_errors import APIError
+from tp_engine.server.api.logprob_format import LogprobFormatter
+from tp_engine.server.api.models import ServedModels
+from tp_engine.server.api.prompts import (
     PromptBuilder,
     check_choices,
     check_max_tokens,
     refuse_unsupported,
 )
-from tp_engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from tp_engine.server.request_work import RequestWork
-from tp_engine.server.responses import (
+from tp_engine.server.api.protocol import ChatCompletionRequest, CompletionRequest
+from tp_engine.server.api.request_work import RequestWork
+from tp_engine.server.api.responses import (
     CancellableStream,
     ClientGone,
     chat_choice,
@@ -43,8 +43,8 @@ from tp_engine.server.responses import (
     now_s,
     until_disconnect,
 )
-from tp_engine.server.streaming import SSEStream
-from tp_engine.server.tool_calls import ToolPlan, tool_plan
+from tp_engine.server.api.streaming import SSEStream
+from tp_engine.server.api.tool_calls import ToolPlan, tool_plan
 from tp_engine.thinking import ThinkingState
 
 logger = logging.getLogger(__name__)

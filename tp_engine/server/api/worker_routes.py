@@ -27,11 +27,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from tp_engine.server.engine_client import EngineClient
-from tp_engine.server.http_errors import APIError
+from tp_engine.server.api.engine_client import EngineClient
+from tp_engine.server.api.http_errors import APIError
+from tp_engine.server.api.protocol import CompletionRequest
+from tp_engine.server.api.serving import OpenAIServing
 from tp_engine.server.messages import Hello
-from tp_engine.server.protocol import CompletionRequest
-from tp_engine.server.serving import OpenAIServing
 
 logger = logging.getLogger("tp_engine.server.api")
 

@@ -41,9 +41,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from tp_engine.server.chat_parsers import ChatParsing
-from tp_engine.server.forced_tool_calls import ForcedToolCalls
-from tp_engine.server.tool_calls import ToolCall, ToolCallBlock, ToolChoice, ToolPlan
+from tp_engine.server.api.chat_parsers import ChatParsing
+from tp_engine.server.api.forced_tool_calls import ForcedToolCalls
+from tp_engine.server.api.tool_calls import ToolCall, ToolCallBlock, ToolChoice, ToolPlan
 from tp_engine.thinking import ThinkingState
 
 logger = logging.getLogger(__name__)

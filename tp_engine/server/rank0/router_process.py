@@ -2,7 +2,7 @@
 
 The router is a Rust load balancer in the `sglang-router` package (`pip install
 'tp-engine[router]'`); `python -m sglang_router.launch_router` runs it in that Python process.
-We never route ourselves: the data-parallel launcher (`tp_engine.server.replicas`) starts it in
+We never route ourselves: the data-parallel launcher (`tp_engine.server.rank0.replicas`) starts it in
 front of the replicas and tells it, through its HTTP admin API (`/workers`), when a replica
 has died or come back, which is faster and surer than its own periodic health checks.
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tp_engine.server.protocol import ChatMessage, _Strict
+from tp_engine.server.api.protocol import ChatMessage, _Strict
 
 # What `input` may be: one text, texts, one prompt's token ids, or several prompts' token ids.
 PoolingInput = str | list[str] | list[int] | list[list[int]]

@@ -13,17 +13,17 @@ import re
 from typing import Any
 
 from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
-from tp_engine.server.chat_parsers import ChatParsing
-from tp_engine.server.generation import PromptInput, StopOptions
-from tp_engine.server.http_errors import APIError, bad_request
-from tp_engine.server.messages import Hello
-from tp_engine.server.protocol import (
+from tp_engine.server.api.chat_parsers import ChatParsing
+from tp_engine.server.api.generation import PromptInput, StopOptions
+from tp_engine.server.api.http_errors import APIError, bad_request
+from tp_engine.server.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     Tool,
 )
-from tp_engine.server.tool_calls import history_tool_calls
+from tp_engine.server.api.tool_calls import history_tool_calls
+from tp_engine.server.messages import Hello
 from tp_engine.thinking import budget_fields
 
 # Most choices one request may ask for (prompts × n), so that one request cannot fill the queue.

@@ -34,9 +34,9 @@ def time_sample_batch(
     disturbed figure."""
     import numpy as np
 
-    from tp_engine.sampling import SamplingMetadata, sample_batch
-    from tp_engine.sampling.filters import apply_top_k_top_p
-    from tp_engine.sampling.groups import cpu_put, plan_groups
+    from tp_engine.core.sampling import SamplingMetadata, sample_batch
+    from tp_engine.core.sampling.filters import apply_top_k_top_p
+    from tp_engine.core.sampling.groups import cpu_put, plan_groups
 
     gen = torch.Generator().manual_seed(seed)
     logits = (4.0 * torch.randn(rows, vocab, generator=gen)).to(device)  # [rows, vocab] fp32

@@ -18,7 +18,7 @@ real batch does; a matcher that completes starts again). Timed per step, over th
     fill          GrammarState.fill for every constrained row, one after another (even steps)
     fill_batched  the rows through the engine's batched fill, `fill_bitmasks`, which spreads
                   them over xgrammar's threads (odd steps)
-    apply         tp_engine.sampling.grammar_mask.apply_token_bitmask on [B, V] fp32 logits,
+    apply         tp_engine.core.sampling.grammar_mask.apply_token_bitmask on [B, V] fp32 logits,
                   B = 256 rows of which `rows` are constrained; with `--device cuda` this
                   includes the bitmask's copy to the GPU, and ends with a synchronisation
 """
@@ -37,9 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tp_engine.core.sampling import GrammarMask
+from tp_engine.core.sampling.grammar_mask import apply_token_bitmask
 from tp_engine.features.structured.grammar import GrammarState, fill_bitmasks
-from tp_engine.sampling import GrammarMask
-from tp_engine.sampling.grammar_mask import apply_token_bitmask
 from tp_engine.transfers import to_device_async
 
 VOCAB_SIZE = 151_936

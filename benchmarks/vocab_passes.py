@@ -128,7 +128,7 @@ SCENARIOS: dict[str, list[dict[str, Any]]] = {
 def _kernel_path(kernels: bool) -> Any:
     if not kernels:
         return contextlib.nullcontext()
-    from tp_engine.sampling.sampler import sampling_kernels
+    from tp_engine.core.sampling.sampler import sampling_kernels
 
     return sampling_kernels()
 
@@ -144,9 +144,9 @@ def count_step(
     import numpy as np
 
     from tp_engine.core.running_batch import RunningBatch
+    from tp_engine.core.sampling import sample_batch
+    from tp_engine.core.sampling.batch import SamplingBatchBuilder
     from tp_engine.core.sequence import Sequence
-    from tp_engine.sampling import sample_batch
-    from tp_engine.sampling.batch import SamplingBatchBuilder
     from tp_engine.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(0)

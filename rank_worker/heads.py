@@ -12,7 +12,7 @@ with the same rows; a head's collectives (if any) then match.
 | `ClassifierHead`  | num_labels  | none                | `score.weight @ hidden` (class logits)  |
 
 Activations (normalisation, sigmoid, softmax, Matryoshka cuts) are per request and stay on
-rank 0 (`tp_engine.features.pooling.records`); the heads return raw numbers.
+rank 0 (`tp_engine.core.pooled_records`); the heads return raw numbers.
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ class ModelRunner:
 
         `profile_sampling(logits, num_sampled)`: rank 0's sampler at its most memory-hungry,
         run on the warm-up's logits so that the measurement leaves room for it (the sampler is
-        rank 0's alone, `tp_engine.sampling`; the other ranks pass None).
+        rank 0's alone, `tp_engine.core.sampling`; the other ranks pass None).
         """
         start = time.perf_counter()
         try:

@@ -13,7 +13,8 @@ import pytest
 from tests.control_plane import Stepper, expected_output, make_scheduler, make_seq
 from tp_engine.core.engine_states import Gate
 from tp_engine.core.sequence import SequenceStatus
-from tp_engine.features.lora.registry import AdapterRegistry, LoRAAdapterNotFoundError, LoRARequest
+from tp_engine.features.lora.registry import AdapterRegistry, LoRAAdapterNotFoundError
+from tp_engine.lora_request import LoRARequest
 
 
 class FakeLoader:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tp_engine.features.lora.registry import LoRARequest
+from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.api.models import ServedModels, wire
 from tp_engine.server.args import build_parser, engine_config, server_args

@@ -14,7 +14,7 @@ from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 from shm_ipc.step_plan import Command, StepPlan
 from tests.tp_cases import BLOCK_SIZE, MAX_MODEL_LEN, make_scenario
-from tp_engine.sampling.profiling import profile_sampling
+from tp_engine.core.sampling.profiling import profile_sampling
 from tp_engine.testing import build_random_qwen3
 
 

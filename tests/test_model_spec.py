@@ -1,6 +1,6 @@
 """`ModelSpec`: what a checkpoint is served as, from config.json, hf_overrides and the
 sentence-transformers files, as vLLM's --runner / --convert decide it; and `PoolingParams`'
-defaults and refusals against it, and what they do to a head row (`tp_engine.features.pooling.records`). No
+defaults and refusals against it, and what they do to a head row (`tp_engine.core.pooled_records`). No
 engine: configs and files only."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from rank_worker.model_spec import HeadSpec, ModelSpec, load_hf_config
 from tp_engine.config import EngineConfig
 from tp_engine.engine import _check_pooling_config
-from tp_engine.features.pooling.params import PoolingParams
+from tp_engine.pooling_params import PoolingParams
 
 TOKENS = {"no": 5, "yes": 9}
 
@@ -177,7 +177,7 @@ def test_pooling_params_defaults_and_refusals(causal_dir):
 def test_finish_pooled_applies_the_request_params():
     import torch
 
-    from tp_engine.features.pooling.records import finish_pooled
+    from tp_engine.core.pooled_records import finish_pooled
 
     row = torch.tensor([3.0, 4.0, 12.0])
     cut = finish_pooled(row, PoolingParams("embed", 2, True, True))
@@ -198,8 +198,8 @@ def test_a_result_is_recorded_only_for_a_sequence_still_running():
     import torch
 
     from tp_engine.core.plan_builder import PooledRow
+    from tp_engine.core.pooled_records import record_pooled
     from tp_engine.core.sequence import Sequence, SequenceStatus
-    from tp_engine.features.pooling.records import record_pooled
     from tp_engine.sampling_params import SamplingParams
 
     seqs = [Sequence(name, [1, 2], SamplingParams(max_tokens=0), 0.0) for name in "abc"]

@@ -1,5 +1,5 @@
 """One-pass sampling: the Gumbel-max draw with counter-based noise (`kernels.gumbel_sample`)
-and the grouped paths of `tp_engine.sampling.sampler`.
+and the grouped paths of `tp_engine.core.sampling.sampler`.
 
 - Distributions, by chi-square at a fixed seed on a small vocabulary: each path's frequencies
   against the softmax of what `process_logits` says the row samples from (temperature, min-p,
@@ -30,9 +30,9 @@ from kernels.gumbel_sample import (
     row_keys_ref,
     uniform_bits_ref,
 )
-from tp_engine.sampling import SamplingMetadata, process_logits, sample_batch
-from tp_engine.sampling.groups import cpu_put, plan_groups
-from tp_engine.sampling.sampler import sampling_kernels
+from tp_engine.core.sampling import SamplingMetadata, process_logits, sample_batch
+from tp_engine.core.sampling.groups import cpu_put, plan_groups
+from tp_engine.core.sampling.sampler import sampling_kernels
 
 
 def chisquare(observed, expected=None) -> tuple[float, float]:

@@ -28,7 +28,7 @@ from tests.pooling_cases import (
     vllm_formatted_pairs,
 )
 from tp_engine import LLM, LoRARequest, SamplingParams
-from tp_engine.features.pooling.params import PoolingParams
+from tp_engine.pooling_params import PoolingParams
 
 pytestmark = pytest.mark.slow
 

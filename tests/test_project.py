@@ -91,3 +91,54 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module)
+
+
+def test_no_import_cycles_between_packages():
+    """Package by package, imports run one way: a feature package imports the core, the core
+    never imports it back (it plugs in through `CoreHooks`); the same for every pair of packages
+    in the tree. A module counts for the package that holds it; a package and the packages
+    inside it are one family, whose mutual imports are not counted."""
+    graph = _project_imports()
+
+    def package(module: str) -> str:
+        if (REPO_ROOT / module.replace(".", "/")).is_dir():
+            return module
+        return module.rsplit(".", 1)[0] if "." in module else module
+
+    edges: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        a = package(module)
+        for dep in deps:
+            b = package(dep)
+            if a != b and not b.startswith(a + ".") and not a.startswith(b + "."):
+                edges.setdefault(a, set()).add(b)
+    assert "tp_engine.core" in edges["tp_engine.features.lora"]
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(pkg: str) -> None:
+        state[pkg] = 1
+        path.append(pkg)
+        for dep in sorted(edges.get(pkg, ())):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep) :] + [dep]
+                raise AssertionError("packages import each other: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[pkg] = 2
+
+    for pkg in sorted(edges):
+        if pkg not in state:
+            visit(pkg)
+
+
+def test_no_runtime_module_is_large():
+    """Small modules about one thing: none in tp_engine/ or rank_worker/ past 600 lines."""
+    sizes = {
+        str(path.relative_to(REPO_ROOT)): len(path.read_text().splitlines())
+        for package in ("tp_engine", "rank_worker")
+        for path in (REPO_ROOT / package).rglob("*.py")
+    }
+    assert len(sizes) > 100
+    assert {name: n for name, n in sizes.items() if n > 600} == {}

@@ -1,7 +1,7 @@
 """Rank 0's sampler against plain-torch references computed row by row.
 
 The batch side (`SamplingBatchBuilder` turning sequences into per-step tensors, and the batched
-pipeline in `tp_engine.sampling`) must agree, row by row, with a straightforward reference
+pipeline in `tp_engine.core.sampling`) must agree, row by row, with a straightforward reference
 written from the documented semantics: penalties, min_tokens bans, temperature, min-p, top-k,
 top-p, each alone and combined, in batches that mix them with greedy rows. Sampling itself is
 checked exactly for seeded rows (same generator, same draws) and statistically otherwise.
@@ -21,11 +21,11 @@ from torch.overrides import TorchFunctionMode
 
 from kernels.gumbel_sample import gumbel_ref, row_keys_ref
 from tp_engine.core.running_batch import RunningBatch
+from tp_engine.core.sampling import SamplingMetadata, process_logits, sample_batch
+from tp_engine.core.sampling.batch import SamplingBatch, SamplingBatchBuilder
+from tp_engine.core.sampling.groups import cpu_put, plan_groups, seed_bits
+from tp_engine.core.sampling.profiling import profile_sampling, sample_for_profiling
 from tp_engine.core.sequence import Sequence
-from tp_engine.sampling import SamplingMetadata, process_logits, sample_batch
-from tp_engine.sampling.batch import SamplingBatch, SamplingBatchBuilder
-from tp_engine.sampling.groups import cpu_put, plan_groups, seed_bits
-from tp_engine.sampling.profiling import profile_sampling, sample_for_profiling
 from tp_engine.sampling_params import SamplingParams
 
 V = 40
@@ -372,7 +372,7 @@ def test_temperature_follows_the_distribution() -> None:
 
 
 def test_logprob_rank_counts_ties_ahead_like_vllm() -> None:
-    from tp_engine.sampling.logprob_tensors import gather_logprobs
+    from tp_engine.core.sampling.logprob_tensors import gather_logprobs
 
     logprobs = torch.log_softmax(torch.tensor([[2.0, 2.0, 1.0, 0.0]]), dim=-1)
     # Token 0 is tied with token 1 for first place: vLLM ranks it 2 (tokens at least as likely).
@@ -401,7 +401,7 @@ def _truncation_case(num_rows: int, vocab: int, seed: int, ties: bool) -> tuple[
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("seed", range(3))
 def test_bounded_top_k_top_p_equals_the_full_sort(seed: int, ties: bool) -> None:
-    from tp_engine.sampling.filters import apply_top_k_top_p, top_k_top_p_full_sort
+    from tp_engine.core.sampling.filters import apply_top_k_top_p, top_k_top_p_full_sort
 
     logits, top_k, top_p = _truncation_case(64, 500, seed, ties)
     with _Calls() as calls:
@@ -415,7 +415,7 @@ def test_bounded_top_k_top_p_equals_the_full_sort(seed: int, ties: bool) -> None
 def test_bounded_top_k_top_p_follows_the_documented_semantics_with_ties() -> None:
     """Row by row against the reference: ties at the k-th value kept by top-k, then top-p over
     equally likely tokens in increasing id, the most likely token always kept."""
-    from tp_engine.sampling.filters import apply_top_k_top_p
+    from tp_engine.core.sampling.filters import apply_top_k_top_p
 
     rows = [
         # (logits, top_k, top_p): a tie group of 6 at the 2nd value, cut inside by top-p
@@ -451,8 +451,8 @@ def test_bounded_top_k_top_p_follows_the_documented_semantics_with_ties() -> Non
 def test_qwen3_defaults_sample_without_sorting_the_vocabulary() -> None:
     """temperature 0.6, top_k 20, top_p 0.95 on Qwen3's vocabulary: top-k slice only, and the
     result equals the full sort's."""
-    from tp_engine.sampling import SamplingMetadata
-    from tp_engine.sampling.filters import top_k_top_p_full_sort
+    from tp_engine.core.sampling import SamplingMetadata
+    from tp_engine.core.sampling.filters import top_k_top_p_full_sort
 
     rows, vocab = 4, 151_936
     logits = 4.0 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4))

@@ -14,7 +14,7 @@ from tests.control_plane import (
 )
 from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.core.sequence import SequenceStatus
-from tp_engine.features.pooling.params import PoolingParams
+from tp_engine.pooling_params import PoolingParams
 
 
 def batch(out) -> list[tuple[str, int]]:

@@ -110,9 +110,9 @@ def test_verification_keeps_the_target_distribution():
     """The first emitted token of a verify entry, over many seeds, against the target's
     probabilities (temperature 0.7, top-k 6 of a 12-token vocabulary), for a likely draft, an
     unlikely one and one the truncation drops."""
-    from tp_engine.sampling import process_logits, sample_batch
-    from tp_engine.sampling.groups import cpu_put, plan_groups
-    from tp_engine.sampling.tensors import SamplingMetadata
+    from tp_engine.core.sampling import process_logits, sample_batch
+    from tp_engine.core.sampling.groups import cpu_put, plan_groups
+    from tp_engine.core.sampling.tensors import SamplingMetadata
 
     vocab, num = 12, 6000
     g = torch.Generator().manual_seed(3)

@@ -23,14 +23,14 @@ import torch
 from tests.scripted_model import END_THINK, IM_END, THINK, Script, build_scripted_checkpoint
 from tests.tp_cases import CHECKPOINTS
 from tp_engine import LLM, SamplingParams
+from tp_engine.core.sampling import GrammarMask
+from tp_engine.core.sampling.grammar_mask import apply_token_bitmask, apply_token_bitmask_reference
 from tp_engine.features.structured.grammar import (
     GrammarCompiler,
     GrammarState,
     StructuredOutputsParams,
     fill_bitmasks,
 )
-from tp_engine.sampling import GrammarMask
-from tp_engine.sampling.grammar_mask import apply_token_bitmask, apply_token_bitmask_reference
 from tp_engine.thinking import ThinkingState
 
 SCHEMA = {

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tp_engine.sampling import LogprobsTensors
+from tp_engine.core.sampling import LogprobsTensors
 from tp_engine.transfers import HostCopies, to_device_async
 
 

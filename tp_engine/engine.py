@@ -27,16 +27,17 @@ from tp_engine.config import EngineConfig
 from tp_engine.config.generation import eos_token_ids, sampling_defaults
 from tp_engine.core.engine_core import EngineCore
 from tp_engine.core.hooks import CoreHooks
+from tp_engine.core.sampling.profiling import profile_sampling
 from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.executor.control import EngineControl
 from tp_engine.executor.rank_config import draft_model_dir, runner_config_for
 from tp_engine.executor.tp import TPExecutor
 from tp_engine.failures import EngineDeadError
+from tp_engine.features import speculative
 from tp_engine.features.lora import control as lora_control
-from tp_engine.features.lora.registry import LoRARequest
 from tp_engine.features.weights_and_sleep import weight_updates
 from tp_engine.features.weights_and_sleep.sleep import EngineSleep
-from tp_engine.sampling.profiling import profile_sampling
+from tp_engine.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class LLMEngine(EngineCore):
         self.lora = lora = lora_control.build_registry(config, self.control)
         if lora is not None:
             lora_control.plug_in(lora, self, hooks)
+        # Speculative decoding's proposer (`tp_engine.features.speculative`).
+        if config.speculative_config is not None:
+            speculative.plug_in(config.speculative_config, hooks)
         # The label of the weights in use (SGLang's `weight_version`); set by weight updates.
         self.weight_version = "default"
         super().__init__(

@@ -47,7 +47,7 @@ class SequenceOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None
     queue_time_s: float | None = None
-    # A pooling request's result once it finished (`tp_engine.features.pooling.records`): `[dimensions or
+    # A pooling request's result once it finished (`tp_engine.core.pooled_records`): `[dimensions or
     # hidden]` for an embedding, `[num_labels]` probabilities (a reranker: `[1]`), float32 on
     # the host. None for generation and for an aborted pooling request.
     pooled: torch.Tensor | None = None

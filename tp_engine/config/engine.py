@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tp_engine.features.speculative.config import SpeculativeConfig
+from tp_engine.config.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # The `attention_backend` values a user may give (the command lines offer these). Each rank

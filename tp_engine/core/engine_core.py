@@ -36,14 +36,14 @@ from tp_engine.core.hooks import CoreHooks
 from tp_engine.core.intake import RequestIntake
 from tp_engine.core.kv.block_manager import BlockManager
 from tp_engine.core.pipeline import SampledStep, StepPipeline
+from tp_engine.core.sampling.batch import SamplingBatchBuilder
+from tp_engine.core.scheduled_step import DraftProposer
 from tp_engine.core.scheduler import Scheduler
 from tp_engine.core.sequence import Sequence
+from tp_engine.core.spec_metrics import SpecDecodeStats
 from tp_engine.failures import EngineDeadError
-from tp_engine.features.speculative import NgramProposer, SpecDecodeStats
-from tp_engine.features.speculative.draft_model import DraftModelProposer
 from tp_engine.features.structured.grammar import GrammarCompiler
 from tp_engine.outputs import EngineStats, StepOutputs
-from tp_engine.sampling.batch import SamplingBatchBuilder
 from tp_engine.step_timeline import StepTimeline
 from tp_engine.thinking import ThinkTokens
 
@@ -292,19 +292,17 @@ class EngineCore(RequestIntake, StepPipeline):
             follow(scheduler.batch)
         return scheduler
 
-    def _build_proposer(self) -> NgramProposer | DraftModelProposer | None:
-        """The draft proposer of `speculative_config` (None without one)."""
-        spec = self.spec
-        if spec is None:
+    def _build_proposer(self) -> DraftProposer | None:
+        """The draft proposer of `speculative_config`, from the speculative feature's hook
+        (None without speculative decoding)."""
+        if self.spec is None:
             return None
-        if spec.method == "draft_model":
-            return DraftModelProposer(
-                spec.num_speculative_tokens, self._run_draft_plan, may_draft=self._may_draft
+        if self.hooks.build_proposer is None:
+            raise ValueError(
+                "speculative_config is set but no proposer is plugged in "
+                "(tp_engine.features.speculative.plug_in)"
             )
-        return NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
-            may_draft=self._may_draft,
-        )  # fmt: skip
+        return self.hooks.build_proposer(self._run_draft_plan, self._may_draft)
 
     def _may_draft(self, rows: np.ndarray) -> np.ndarray:
         return self.sampling.may_draft(rows)

@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from tp_engine.core.running_batch import RunningBatch
+    from tp_engine.core.scheduled_step import DraftProposer
     from tp_engine.core.sequence import Sequence
-    from tp_engine.features.lora.registry import LoRARequest
+    from tp_engine.lora_request import LoRARequest
 
 __all__ = ["CoreHooks"]
 
@@ -44,3 +47,9 @@ class CoreHooks:
     admits: Callable[[Sequence], bool] | None = None
     # Extra `EngineStats` fields (LoRA's adapters).
     stats: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
+    # Speculative decoding: make the proposer the step pipeline asks for drafts, given the
+    # core's `run_draft_plan` (a draft model's forward passes on every rank) and `may_draft`
+    # (which rows' sampling allows drafts). None: no speculative decoding.
+    build_proposer: (
+        Callable[[Callable[..., Any], Callable[[np.ndarray], np.ndarray]], DraftProposer] | None
+    ) = None

@@ -18,11 +18,11 @@ with `Scheduler.discard`.
 
 Sampling stays on rank 0: `SamplingBatchBuilder` turns the running batch's parameter arrays and
 its logits processors' per-row state (it follows the batch's rows) into one step's tensors, and
-`tp_engine.sampling` draws from the executor's logits rows. Logprobs (raw: log_softmax of the
+`tp_engine.core.sampling` draws from the executor's logits rows. Logprobs (raw: log_softmax of the
 model's logits) are recorded on the sequences; prompt logprobs ask the plan for more logits rows
 (every prompt position of the chunk), placed after the sampled ones. A pooling model's head rows
 are copied to the host with the step's other results and finished per request
-(`tp_engine.features.pooling.records`).
+(`tp_engine.core.pooled_records`).
 
 Ownership: a mixin of `EngineCore` (`tp_engine.core.engine_core`), whose attributes it uses;
 the executor (`tp_engine.executor.base.Executor`) runs the plans.
@@ -42,18 +42,18 @@ import torch
 from shm_ipc import StepPlan
 from tp_engine.core.drafting import schedule_step
 from tp_engine.core.plan_builder import LogitsLayout, plan_step
-from tp_engine.core.scheduled_step import ScheduledStep
-from tp_engine.core.sequence import Sequence, SequenceStatus
-from tp_engine.failures import EngineDeadError
-from tp_engine.features.pooling.records import record_pooled
-from tp_engine.features.speculative import accept_drafts
-from tp_engine.outputs import SequenceOutput, StepOutputs
-from tp_engine.sampling import LogprobsTensors, sample_batch
-from tp_engine.sampling.logprob_records import (
+from tp_engine.core.pooled_records import record_pooled
+from tp_engine.core.sampling import LogprobsTensors, sample_batch
+from tp_engine.core.sampling.logprob_records import (
     prompt_logprob_tensors,
     record_prompt_logprobs,
     record_sample_logprobs,
 )
+from tp_engine.core.scheduled_step import ScheduledStep
+from tp_engine.core.sequence import Sequence, SequenceStatus
+from tp_engine.core.spec_verify import accept_drafts
+from tp_engine.failures import EngineDeadError
+from tp_engine.outputs import SequenceOutput, StepOutputs
 from tp_engine.step_timeline import phase_or_null
 from tp_engine.transfers import HostCopies
 

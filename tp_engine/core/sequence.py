@@ -44,8 +44,8 @@ from tp_engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from tp_engine.features.pooling.params import PoolingParams
     from tp_engine.features.structured.grammar import GrammarState
+    from tp_engine.pooling_params import PoolingParams
 
 # Serials start at 1: a RunningBatch row whose serial is 0 is free.
 _serials = itertools.count(1)
@@ -160,14 +160,14 @@ class Sequence:
         # Output tokens already in an output (a speculative step can add several at once).
         self.num_reported_tokens = 0
         # The seed of its sampling noise (int64 holding 64 bits): its request's seed, or one
-        # drawn for it, set at its first row (`tp_engine.sampling.batch`) and kept for its life.
+        # drawn for it, set at its first row (`tp_engine.core.sampling.batch`) and kept for its life.
         self.noise_seed: int | None = None
         # Its structured-output matcher (`tp_engine.features.structured.grammar.GrammarState`) when its
         # request has a constraint, set once the constraint is compiled.
         self.grammar: GrammarState | None = None
         # A pooling request's params (it samples nothing: `max_tokens` 0), and, once the step
         # that computes its last prompt token is applied, its result on the host (float32:
-        # `tp_engine.features.pooling.records.finish_pooled`).
+        # `tp_engine.core.pooled_records.finish_pooled`).
         self.pooling_params: PoolingParams | None = None
         self.pooled: torch.Tensor | None = None
         # One entry per output token when `logprobs` is set, and their sum (chosen tokens).

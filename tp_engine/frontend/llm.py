@@ -37,14 +37,14 @@ from tp_engine.config import EngineConfig
 from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
 from tp_engine.engine import EngineDeadError, LLMEngine
 from tp_engine.executor.control import EngineInconsistentError
-from tp_engine.features.lora.registry import LoRARequest
-from tp_engine.features.pooling.params import PoolingParams
 from tp_engine.features.weights_and_sleep import weight_updates
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.frontend.llm_pooling import PoolingMethods
 from tp_engine.frontend.metrics_reader import Metric, engine_metrics
 from tp_engine.frontend.per_prompt import per_prompt
+from tp_engine.lora_request import LoRARequest
 from tp_engine.outputs import CompletionOutput, RequestOutput, SequenceOutput, logprob_dicts
+from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-from tp_engine.features.pooling.params import PoolingParams, PoolingTask
 from tp_engine.features.pooling.rerank_prompt import rerank_token_ids
 from tp_engine.frontend.per_prompt import per_prompt
 from tp_engine.frontend.pooling_outputs import (
@@ -40,6 +39,7 @@ from tp_engine.frontend.pooling_outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from tp_engine.pooling_params import PoolingParams, PoolingTask
 
 if TYPE_CHECKING:
     from tp_engine.engine import LLMEngine

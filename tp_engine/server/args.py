@@ -16,7 +16,7 @@ from pathlib import Path
 from tp_engine.config import EngineConfig
 from tp_engine.config.flags import add_engine_flags, engine_kwargs
 from tp_engine.config.help_format import HelpFormatter
-from tp_engine.features.lora.registry import LoRARequest
+from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.api.guards import RequestLimits, allowed_hosts
 from tp_engine.server.rank0.engine_loop import LoopOptions

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult, EngineControl
-from tp_engine.features.lora.registry import AdapterRegistry, LoRARequest
+from tp_engine.features.lora.registry import AdapterRegistry
+from tp_engine.lora_request import LoRARequest
 
 if TYPE_CHECKING:
     from tp_engine.config import EngineConfig

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from tp_engine.core.running_batch import RowFollower
+from tp_engine.lora_request import LoRARequest
 
 if TYPE_CHECKING:
     from tp_engine.core.sequence import Sequence
@@ -52,23 +53,6 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 class LoRAAdapterNotFoundError(ValueError):
     """No adapter at a path, or none of a name (vLLM answers both 404)."""
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """Which adapter a request runs with (vLLM's `LoRARequest`): `lora_int_id` (>= 1) names
-    the adapter to the engine; `lora_path` is a PEFT directory every rank can read."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-    base_model_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"id must be > 0, got {self.lora_int_id}")
-        if not self.lora_name:
-            raise ValueError("a LoRA adapter needs a name")
 
 
 class SlotLoader(Protocol):

@@ -15,7 +15,7 @@ Three parts, in the order a request meets them:
 - `GrammarState` is one sequence's matcher. It follows the sequence's output tokens (`advance`,
   after each step's tokens are applied) and fills the sequence's row of the next step's token
   bitmask (`fill`); the sampler sets every token the row may not take to -inf
-  (`tp_engine.sampling.grammar_mask`). The matcher follows the sequence's tokens, whatever
+  (`tp_engine.core.sampling.grammar_mask`). The matcher follows the sequence's tokens, whatever
   happened to it: a preempted sequence keeps its tokens and its matcher, and a sequence whose
   output got shorter would roll its matcher back with it. Once the constraint is complete, only
   the stop tokens (the engine's EOS ids) remain allowed.

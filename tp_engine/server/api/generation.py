@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tp_engine.features.lora.registry import LoRARequest
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
+from tp_engine.lora_request import LoRARequest
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.server.api.engine_client import ACCEPTED, EngineClient, EngineDied
 from tp_engine.server.api.http_errors import APIError

@@ -14,7 +14,7 @@ import itertools
 import time
 from typing import Any
 
-from tp_engine.features.lora.registry import LoRARequest
+from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.messages import Hello
 

@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tp_engine.features.lora.registry import LoRARequest
 from tp_engine.features.structured.grammar import StructuredOutputsParams
+from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.chat_output import ChatOutputParser
 from tp_engine.server.api.constraints import output_constraint
 from tp_engine.server.api.engine_client import EngineClient

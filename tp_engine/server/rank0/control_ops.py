@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from tp_engine.executor.control import EngineInconsistentError
 from tp_engine.failures import EngineDeadError
-from tp_engine.features.lora.registry import LoRAAdapterNotFoundError, LoRARequest
+from tp_engine.features.lora.registry import LoRAAdapterNotFoundError
 from tp_engine.features.weights_and_sleep import weight_updates
+from tp_engine.lora_request import LoRARequest
 
 if TYPE_CHECKING:
     from tp_engine.engine import LLMEngine

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.sampling.tensors import LogprobsTensors
+from tp_engine.core.sampling.tensors import LogprobsTensors
 
 
 def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: int) -> LogprobsTensors:

@@ -1,6 +1,6 @@
 """Top-k, top-p and min-p sampling from the top-(max_k + 1) slice of each row.
 
-Same semantics as `tp_engine.sampling.filters` (min-p, then top-k with ties at the k-th value
+Same semantics as `tp_engine.core.sampling.filters` (min-p, then top-k with ties at the k-th value
 kept, then top-p over what is kept in decreasing probability, equal ones in increasing id; the
 most likely token always kept), then a Gumbel-max draw with the rows' counter-based noise
 (`kernels.gumbel_sample`), so that a row samples the token `argmax(kept scaled logits + G)`
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.sampling.filters import slice_nucleus
+from tp_engine.core.sampling.filters import slice_nucleus
 
 _NEG_INF = float("-inf")
 

@@ -1,7 +1,7 @@
 """What a pooling request asks for instead of sampling: vLLM's `PoolingParams`.
 
 A pooling request computes its prompt and ends: no token is sampled. Its head's row (the last
-prompt token's) becomes one result on rank 0 (`tp_engine.features.pooling.records.finish_pooled`):
+prompt token's) becomes one result on rank 0 (`tp_engine.core.pooled_records.finish_pooled`):
 
     task "embed"      the hidden state, cut to `dimensions` (Matryoshka) and then
                       L2-normalised when `normalize` (default: True, as vLLM's, unless

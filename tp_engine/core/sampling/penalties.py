@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.sampling.tensors import PenaltyTensors
+from tp_engine.core.sampling.tensors import PenaltyTensors
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> None:

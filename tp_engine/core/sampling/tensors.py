@@ -1,7 +1,7 @@
 """What the sampler needs for one step, as tensors built once per step on rank 0.
 
 Rank 0's engine turns its sequences' `SamplingParams` into one `SamplingMetadata` per step
-(`tp_engine.sampling.batch`); the sampler sees only tensors, never a request. The rows are
+(`tp_engine.core.sampling.batch`); the sampler sees only tensors, never a request. The rows are
 split into groups that each take their cheapest path (`SampleGroup`); a part that only some
 rows use carries the indices of those rows and tensors for them alone, and is None or empty
 when no row uses it, so a batch that does not ask for a feature pays nothing for it.
@@ -52,7 +52,7 @@ class GrammarMask:
 
 
 class LogitsEdit(Protocol):
-    """One logits processor's change of one step's logits (`tp_engine.sampling.edits`)."""
+    """One logits processor's change of one step's logits (`tp_engine.core.sampling.edits`)."""
 
     def apply(self, logits: torch.Tensor) -> None:
         """Change `logits [E, V]` (float32: the edited rows' copy) in place, on this edit's rows
@@ -60,14 +60,14 @@ class LogitsEdit(Protocol):
 
 
 class SamplePath(enum.Enum):
-    """How a group of rows is sampled, cheapest first (`tp_engine.sampling.groups` chooses)."""
+    """How a group of rows is sampled, cheapest first (`tp_engine.core.sampling.groups` chooses)."""
 
     # Greedy rows only: `argmax`, one read.
     ARGMAX = "argmax"
     # Greedy, temperature and min-p rows: `kernels.gumbel_sample`, one read (two for min-p).
     ONE_PASS = "one_pass"
     # Rows with a top-k bound (with or without top-p and min-p): the top-(max_k + 1) slice
-    # (`tp_engine.sampling.top_k_slice`).
+    # (`tp_engine.core.sampling.top_k_slice`).
     TOP_K = "top_k"
     # Rows with top-p and no top-k: a sort of the whole row (exact), then one pass.
     FULL_SORT = "full_sort"
@@ -111,13 +111,13 @@ class SamplingMetadata:
     """One step's sampling controls for a batch of B rows."""
 
     num_rows: int
-    # Every row in exactly one group (`tp_engine.sampling.groups.plan_groups`).
+    # Every row in exactly one group (`tp_engine.core.sampling.groups.plan_groups`).
     groups: tuple[SampleGroup, ...] = ()
     # [E] int64: the rows some logits processor changes this step, in increasing order; they
     # alone are copied (float32 [E, V]) and edited. None when no row asks for a change.
     edited_rows: torch.Tensor | None = None
     # The logits processors' edits of this step, in the order they apply, on the edited copy
-    # (their rows are rows of it: `tp_engine.sampling.processors`).
+    # (their rows are rows of it: `tp_engine.core.sampling.processors`).
     logits_edits: tuple[LogitsEdit, ...] = ()
     # Rows that want logprobs of their sampled token, [L] int64, and the most top-k entries any
     # of them wants (each row slices its own k out of it).

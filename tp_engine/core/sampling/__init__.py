@@ -16,9 +16,9 @@ rather than in `rank_worker`. Two layers:
   `logprob_records` turns logprob tensors into entries on the sequences.
 """
 
-from tp_engine.sampling.logprob_tensors import compute_logprobs, gather_logprobs
-from tp_engine.sampling.sampler import GREEDY_EPSILON, process_logits, sample_batch
-from tp_engine.sampling.tensors import (
+from tp_engine.core.sampling.logprob_tensors import compute_logprobs, gather_logprobs
+from tp_engine.core.sampling.sampler import GREEDY_EPSILON, process_logits, sample_batch
+from tp_engine.core.sampling.tensors import (
     MAX_NUM_LOGPROBS,
     GrammarMask,
     LogprobsTensors,

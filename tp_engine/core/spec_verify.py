@@ -3,7 +3,7 @@
 A verify entry computes `[last token, d_1 .. d_n]` in one forward pass, so the target's logits at
 its `n + 1` positions are those it would have at output positions `c .. c + n` had it produced
 `d_1 .. d_j` itself. Every position is sampled exactly as without speculation (same processors,
-same counter-based noise, keyed by output position: `tp_engine.sampling.batch`), giving
+same counter-based noise, keyed by output position: `tp_engine.core.sampling.batch`), giving
 `y_0 .. y_n`; then `y_0 .. y_a` are emitted, where `a` is the number of leading drafts with
 `y_j == d_{j+1}`.
 

@@ -4,7 +4,7 @@ Each edit names the rows of the batch it touches and carries tensors for those r
 a row that asks for nothing is never read or written and costs nothing; an edit is one or two
 batched tensor operations whatever the number of its rows (no Python loop over rows on the
 device path). `apply` writes into float32 logits `[B, V]` in place. The sampler applies a step's
-edits in the order the processors made them (`tp_engine.sampling.processors`).
+edits in the order the processors made them (`tp_engine.core.sampling.processors`).
 
 N below is the number of (row, token) pairs of an edit, R the number of its rows.
 """
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tp_engine.sampling.grammar_mask import apply_token_bitmask
-from tp_engine.sampling.penalties import apply_penalties
-from tp_engine.sampling.tensors import GrammarMask, LogitsEdit, PenaltyTensors
+from tp_engine.core.sampling.grammar_mask import apply_token_bitmask
+from tp_engine.core.sampling.penalties import apply_penalties
+from tp_engine.core.sampling.tensors import GrammarMask, LogitsEdit, PenaltyTensors
 
 _NEG_INF = float("-inf")
 
@@ -75,7 +75,7 @@ class AddBias:
 
 @dataclass(frozen=True)
 class Penalize:
-    """Repetition, frequency and presence penalties (`tp_engine.sampling.penalties`)."""
+    """Repetition, frequency and presence penalties (`tp_engine.core.sampling.penalties`)."""
 
     tensors: PenaltyTensors
 

@@ -8,7 +8,7 @@ starts running, whether that row asks; each step it says which of the step's row
 edit (`edit`, addressed to the copy's rows), from its state and, where it depends on them, its
 sequences' tokens so far (read on the host for its rows only: bad words, min_tokens, the
 thinking budget; penalties read only the tokens new since their last step). A processor with no rows costs a truth test per step; the edits' tensors
-cover their own rows only (`tp_engine.sampling.edits`).
+cover their own rows only (`tp_engine.core.sampling.edits`).
 
 Order, as vLLM's sampler (allowed_token_ids, bad_words, then the processors that can move the
 argmax: min_tokens, logit_bias; then penalties), with structured-output masks and the forced
@@ -30,9 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tp_engine.core.sequence import Sequence
-from tp_engine.features.structured.grammar import Phase, fill_bitmasks
-from tp_engine.sampling.edits import (
+from tp_engine.core.sampling.edits import (
     AddBias,
     AllowOnly,
     BanTokens,
@@ -41,7 +39,9 @@ from tp_engine.sampling.edits import (
     MaskByGrammar,
     Penalize,
 )
-from tp_engine.sampling.tensors import GrammarMask, PenaltyTensors
+from tp_engine.core.sampling.tensors import GrammarMask, PenaltyTensors
+from tp_engine.core.sequence import Sequence
+from tp_engine.features.structured.grammar import Phase, fill_bitmasks
 from tp_engine.thinking import forced_think_end, thinking_over
 from tp_engine.transfers import to_device_async
 

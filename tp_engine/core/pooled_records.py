@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tp_engine.core.plan_builder import PooledRow
 from tp_engine.core.sequence import SequenceStatus
-from tp_engine.features.pooling.params import PoolingParams
+from tp_engine.pooling_params import PoolingParams
 
 
 def finish_pooled(row: torch.Tensor, params: PoolingParams) -> torch.Tensor:

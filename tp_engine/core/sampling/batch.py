@@ -2,8 +2,8 @@
 
 The common parameters (temperature, top-k, top-p, min-p) are arrays of the `RunningBatch`, so
 they are gathered for the step's rows with numpy and the rows grouped by the path each takes
-(`tp_engine.sampling.groups`). Every other change of the logits is a logits processor
-(`tp_engine.sampling.processors`) with its own per-row state: the builder follows the batch's
+(`tp_engine.core.sampling.groups`). Every other change of the logits is a logits processor
+(`tp_engine.core.sampling.processors`) with its own per-row state: the builder follows the batch's
 rows (it is the batch's row listener) and forwards their comings and goings to the processors,
 and each step asks each processor which rows it changes and for its edit of them. Rows that
 want logprobs (`RunningBatch.needs_python`) are visited in Python. Nothing loops over tokens or
@@ -29,15 +29,15 @@ import numpy as np
 import torch
 
 from tp_engine.core.running_batch import RowFollower, RunningBatch
-from tp_engine.core.sequence import Sequence
-from tp_engine.sampling import SamplingMetadata
-from tp_engine.sampling.groups import plan_groups, seed_bits
-from tp_engine.sampling.processors import (
+from tp_engine.core.sampling import SamplingMetadata
+from tp_engine.core.sampling.groups import plan_groups, seed_bits
+from tp_engine.core.sampling.processors import (
     DraftsAhead,
     LogitsProcessor,
     Tensors,
     builtin_processors,
 )
+from tp_engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

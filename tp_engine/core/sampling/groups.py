@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tp_engine.sampling.tensors import SampleGroup, SamplePath
+from tp_engine.core.sampling.tensors import SampleGroup, SamplePath
 from tp_engine.sampling_params import GREEDY_EPSILON
 
 _SEED_MASK = (1 << 64) - 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tp_engine.sampling.tensors import GrammarMask
+from tp_engine.core.sampling.tensors import GrammarMask
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: GrammarMask) -> None:

@@ -1,7 +1,7 @@
 """Rank 0's logprob bookkeeping: which extra logits rows prompt logprobs need, and recording
 sampled and prompt logprobs on the sequences.
 
-Device tensors (`tp_engine.sampling.LogprobsTensors`) -> one `TokenLogprobs` per position on
+Device tensors (`tp_engine.core.sampling.LogprobsTensors`) -> one `TokenLogprobs` per position on
 the sequence, copied to the host once per step. Prompt logprobs ask the StepPlan for the logits
 of every prompt position a chunk computes (after the rows that are sampled); each such row adds
 `[1, V]` fp32 logits on rank 0. With chunked prefill the scheduler gives a step at most
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from tp_engine.core.plan_builder import PromptLogprobRows
+from tp_engine.core.sampling import LogprobsTensors, compute_logprobs
 from tp_engine.core.sequence import Sequence, TokenLogprobs
-from tp_engine.sampling import LogprobsTensors, compute_logprobs
 from tp_engine.transfers import to_device_async
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tp_engine.sampling.groups import cpu_put, plan_groups
-from tp_engine.sampling.logprob_tensors import compute_logprobs
-from tp_engine.sampling.sampler import sample_batch
-from tp_engine.sampling.tensors import MAX_NUM_LOGPROBS, SamplingMetadata
+from tp_engine.core.sampling.groups import cpu_put, plan_groups
+from tp_engine.core.sampling.logprob_tensors import compute_logprobs
+from tp_engine.core.sampling.sampler import sample_batch
+from tp_engine.core.sampling.tensors import MAX_NUM_LOGPROBS, SamplingMetadata
 
 
 def sample_for_profiling(logits: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,13 @@ Order, as in vLLM's v1 sampler:
 
 1. raw logprobs (log_softmax of the untouched logits) for the rows that asked for logprobs;
 2. the logits processors' edits (allowed_token_ids, bad_words, min_tokens, logit_bias,
-   penalties, structured-output masks, a forced token; `tp_engine.sampling.processors`), on a
+   penalties, structured-output masks, a forced token; `tp_engine.core.sampling.processors`), on a
    float32 copy of the rows they change (`edited_rows`) and nothing else: each can move the
    argmax, so greedy rows get them too;
-3. each group of rows (`tp_engine.sampling.groups`) along its own path: greedy rows take the
+3. each group of rows (`tp_engine.core.sampling.groups`) along its own path: greedy rows take the
    argmax; temperature and min-p rows one Gumbel-max pass (`kernels.gumbel_sample`: the kernel
    on a GPU, its plain-torch reference on CPU); rows with top-k the top-k slice
-   (`tp_engine.sampling.top_k_slice`); rows with top-p and no top-k a sort of the row.
+   (`tp_engine.core.sampling.top_k_slice`); rows with top-p and no top-k a sort of the row.
 
 Every random path samples `argmax_t(x_t / T + G_t)` over the tokens its truncation keeps, with
 `G_t` the Gumbel noise of (the row's seed, its counter, t): a seeded request's tokens depend on
@@ -28,10 +28,10 @@ from collections.abc import Iterator
 
 import torch
 
-from tp_engine.sampling.filters import apply_min_p, apply_top_k_top_p, top_k_top_p_full_sort
-from tp_engine.sampling.logprob_tensors import gather_logprobs
-from tp_engine.sampling.tensors import SampleGroup, SamplePath, SamplerOutput, SamplingMetadata
-from tp_engine.sampling.top_k_slice import sample_top_k
+from tp_engine.core.sampling.filters import apply_min_p, apply_top_k_top_p, top_k_top_p_full_sort
+from tp_engine.core.sampling.logprob_tensors import gather_logprobs
+from tp_engine.core.sampling.tensors import SampleGroup, SamplePath, SamplerOutput, SamplingMetadata
+from tp_engine.core.sampling.top_k_slice import sample_top_k
 from tp_engine.sampling_params import GREEDY_EPSILON
 
 __all__ = ["GREEDY_EPSILON", "process_logits", "sample_batch", "sampling_kernels"]

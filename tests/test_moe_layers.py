@@ -297,8 +297,11 @@ def test_a_dense_model_ignores_expert_parallelism(tmp_path: Path):
 def test_the_flag_reaches_the_runner_from_every_front_end(moe_dir: Path):
     import dataclasses
 
+    import importlib.util
+
     from tp_engine.config import EngineConfig
-    from tp_engine.engine import runner_config_for
+    from tp_engine.config.flags import engine_kwargs
+    from tp_engine.executor.rank_config import runner_config_for
     from tp_engine.server.args import build_parser, engine_config
 
     assert EngineConfig().enable_expert_parallel is False
@@ -307,9 +310,16 @@ def test_the_flag_reaches_the_runner_from_every_front_end(moe_dir: Path):
     assert config.enable_expert_parallel is True
     resolved = dataclasses.replace(config, max_model_len=64)
     assert runner_config_for(resolved).enable_expert_parallel is True
+    # The offline scripts read the same flag table (`tp_engine.config.flags`) and hand the
+    # parsed values to `LLM(...)` with `engine_kwargs`.
     for script in ("launch/generate.py", "launch/bench.py"):
-        text = (Path(__file__).resolve().parents[1] / script).read_text()
-        assert "enable_expert_parallel=args.enable_expert_parallel" in text, script
+        path = Path(__file__).resolve().parents[1] / script
+        spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        parsed = module.parse_args(["--model", str(moe_dir), "--enable-expert-parallel"])
+        exclude = getattr(module, "ENGINE_FLAGS_SPELT_HERE", ())
+        assert engine_kwargs(parsed, exclude=exclude)["enable_expert_parallel"] is True, script
 
 
 def test_config_json_is_as_published(moe_dir: Path):

@@ -1,18 +1,13 @@
 """The engine's flags are one table (`tp_engine.config.flags`): every `EngineConfig` field has a
 flag or a stated reason not to, every script that starts an engine offers the same flags with
-the same defaults, parsed values reach `EngineConfig` unchanged, and `RunnerConfig` is derived
+the same defaults (`tests/test_serve_help.py` reads each script's `--help`), parsed values reach `EngineConfig` unchanged, and `RunnerConfig` is derived
 from `EngineConfig` by one function that copies every shared field."""
 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
-
-import pytest
 
 from rank_worker.runner_config import RunnerConfig
-from tests.server_harness import REPO_ROOT
 from tp_engine.config import EngineConfig
 from tp_engine.config.flags import ENGINE_FLAGS, FIELDS_WITHOUT_FLAGS
 from tp_engine.executor.rank_config import runner_config_for
@@ -80,17 +75,6 @@ def test_defaults_are_the_configs() -> None:
     args = build_parser().parse_args([])
     for flag in ENGINE_FLAGS:
         assert getattr(args, flag.field) == FIELDS[flag.field].default, flag.option
-
-
-@pytest.mark.parametrize("script", ["launch/generate.py", "launch/bench.py"])
-def test_offline_scripts_offer_the_same_engine_flags(script: str) -> None:
-    out = subprocess.run(
-        [sys.executable, script, "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    missing = [flag.option for flag in ENGINE_FLAGS if flag.option not in out.stdout]
-    assert missing == []
 
 
 def test_runner_config_copies_every_shared_field() -> None:

@@ -296,7 +296,6 @@ def test_a_dense_model_ignores_expert_parallelism(tmp_path: Path):
 
 def test_the_flag_reaches_the_runner_from_every_front_end(moe_dir: Path):
     import dataclasses
-
     import importlib.util
 
     from tp_engine.config import EngineConfig

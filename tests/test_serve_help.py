@@ -93,3 +93,7 @@ def test_each_script_explains_every_flag(script):
         assert "default" in entry.lower(), entry
     if script == "launch/serve.py":
         assert "--chat-template" in options and "--tokenizer" in options
+    # Every script offers the engine's whole flag table (`tp_engine.config.flags`).
+    from tp_engine.config.flags import ENGINE_FLAGS
+
+    assert [flag.option for flag in ENGINE_FLAGS if flag.option not in out.stdout] == []

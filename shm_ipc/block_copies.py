@@ -7,7 +7,8 @@ into freshly allocated device blocks. Every rank then copies its own shard of th
 (`rank_worker.kv_copies.BlockCopier`), before the forward pass that reads them, since each
 rank holds the K/V of its own heads. Blocks are named by id within their tier; the tiers by
 name ("device" is the paged cache the forward pass reads). Owner: rank 0 builds it; immutable.
-It will travel as a StepPlan section (a later issue); this module fixes the value.
+It travels in the StepPlan's `block_copies` section (`encode_block_copies` /
+`decode_block_copies`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DEVICE_TIER", "BlockCopy"]
+__all__ = [
+    "DEVICE_TIER",
+    "HOST_TIER",
+    "TIER_IDS",
+    "BlockCopy",
+    "decode_block_copies",
+    "encode_block_copies",
+]
 
 # The tier of the paged cache the forward pass reads (`rank_worker.kv_cache`).
 DEVICE_TIER = "device"
+# Pinned host memory on every rank, the same layout per block (`rank_worker.kv_copies`).
+HOST_TIER = "host"
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,3 +51,41 @@ class BlockCopy:
             )
         if np.unique(self.dst_blocks).size != self.dst_blocks.size:
             raise ValueError("a block copy writes each destination block once")
+
+
+# Tier names on the wire (the `block_copies` StepPlan section); never renumbered.
+TIER_IDS = {DEVICE_TIER: 0, HOST_TIER: 1, "file": 2}
+_TIER_NAMES = {wire_id: name for name, wire_id in TIER_IDS.items()}
+
+
+def encode_block_copies(copies: list[BlockCopy]) -> np.ndarray:
+    """`copies` as the int32 values of the StepPlan's `block_copies` section, in order: per copy
+    `src tier, dst tier, N, src_blocks[N], dst_blocks[N]`. An empty list is an empty array (the
+    plan then carries no section)."""
+    parts: list[np.ndarray] = []
+    for c in copies:
+        header = np.array([TIER_IDS[c.src], TIER_IDS[c.dst], c.src_blocks.size], np.int32)
+        parts += [header, c.src_blocks.astype(np.int32), c.dst_blocks.astype(np.int32)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def decode_block_copies(values: np.ndarray) -> list[BlockCopy]:
+    """The copies of a `block_copies` section; ValueError naming what is wrong (an unknown
+    tier, a count that runs past the section, a destination written twice)."""
+    copies = []
+    i = 0
+    while i < values.size:
+        if i + 3 > values.size:
+            raise ValueError(f"block_copies: a copy's header runs past the section at {i}")
+        src, dst, count = (int(v) for v in values[i : i + 3])
+        if src not in _TIER_NAMES or dst not in _TIER_NAMES:
+            raise ValueError(
+                f"block_copies: unknown tier id {src if src not in _TIER_NAMES else dst}"
+            )
+        end = i + 3 + 2 * count
+        if count < 0 or end > values.size:
+            raise ValueError(f"block_copies: a copy of {count} blocks runs past the section")
+        src_blocks, dst_blocks = values[i + 3 : i + 3 + count], values[i + 3 + count : end]
+        copies.append(BlockCopy(_TIER_NAMES[src], _TIER_NAMES[dst], src_blocks, dst_blocks))
+        i = end
+    return copies

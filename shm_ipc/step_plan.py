@@ -130,6 +130,16 @@ SECTIONS: dict[str, Section] = {
             "(`rank_worker.input_prep`) for the LoRA layers; the upper bound (max_loras) is the "
             "rank's to check: the wire does not know it.",
         ),
+        Section(
+            "block_copies",
+            2,
+            SectionLength.ANY,
+            0,
+            "KV blocks to copy between tiers before the forward pass reads them (a prefix hit "
+            "in host memory copied up, an evicted block copied down), in order, as "
+            "`shm_ipc.block_copies.encode_block_copies` lays them out; block ids are the "
+            "ranks' to bound-check.",
+        ),
     )
 }
 _SECTIONS_BY_ID = {section.wire_id: section for section in SECTIONS.values()}

@@ -1,14 +1,25 @@
-"""Rank 0's host-tier index (`tp_engine.core.kv.host_tier`): exact host block ids, LRU eviction
-order, chains kept from their start, and the copies it asks of the ranks."""
+"""The host-memory KV tier's parts: rank 0's index (`tp_engine.core.kv.host_tier`: exact host
+block ids, LRU eviction order, chains kept from their start, the copies it asks for), the ranks'
+host pool (`rank_worker.kv_copies.HostBlockCopier`: copies exact, in order) and the StepPlan
+section the copies travel in."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from shm_ipc.block_copies import DEVICE_TIER
+from rank_worker.kv_copies import HostBlockCopier
+from shm_ipc.block_copies import (
+    DEVICE_TIER,
+    HOST_TIER,
+    BlockCopy,
+    decode_block_copies,
+    encode_block_copies,
+)
+from shm_ipc.step_plan import PlanDecodeError, StepPlan
 from tp_engine.core.kv.base import LowerTier
-from tp_engine.core.kv.host_tier import HOST_TIER, HostTier
+from tp_engine.core.kv.host_tier import HostTier
 
 
 def copy_pairs(copy) -> list[tuple[int, int]]:
@@ -87,3 +98,81 @@ def test_refusals() -> None:
     members = [m for m in dir(LowerTier) if not m.startswith("_")] + ["name", "num_blocks"]
     assert {"match", "load", "store"} <= set(members)
     assert all(hasattr(tier, m) for m in members) and tier.name == "host"
+
+
+# -- the ranks' half: the host pool and the plan section --------------------------------------
+
+
+def make_cache(num_blocks: int, num_layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A device cache with distinct values in every block: [blocks, block_size, heads, dim]."""
+    g = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randn(num_blocks, 4, 2, 8, generator=g),
+            torch.randn(num_blocks, 4, 2, 8, generator=g),
+        )
+        for _ in range(num_layers)
+    ]
+
+
+def test_blocks_go_down_and_come_back_up_exactly() -> None:
+    cache = make_cache(6)
+    before = [(k.clone(), v.clone()) for k, v in cache]
+    copier = HostBlockCopier(cache, num_host_blocks=3)
+    tier = HostTier(3)
+    copier.copy([tier.store([101, 102], [4, 1])])  # device 4, 1 -> host 0, 1
+    for k, v in cache:  # the device blocks are reused: overwritten
+        k[[1, 4]] = 0.0
+        v[[1, 4]] = 0.0
+    assert tier.match([101, 102]) == 2
+    copier.copy([tier.load([101, 102], [2, 5])])  # host 0, 1 -> device 2, 5
+    for (k, v), (k0, v0) in zip(cache, before, strict=True):
+        assert torch.equal(k[2], k0[4]) and torch.equal(k[5], k0[1])
+        assert torch.equal(v[2], v0[4]) and torch.equal(v[5], v0[1])
+        assert torch.equal(k[0], k0[0]) and torch.equal(k[3], k0[3])  # others untouched
+
+
+def test_a_load_then_a_store_into_the_same_host_block_reads_first() -> None:
+    cache = make_cache(4)
+    copier = HostBlockCopier(cache, num_host_blocks=1)
+    tier = HostTier(1)
+    copier.copy([tier.store([7], [0])])  # host 0 holds device 0's values
+    old = cache[0][0][0].clone()
+    up = tier.load([7], [2])
+    down = tier.store([8], [3])  # evicts 7: host 0 now takes device 3
+    assert copy_pairs(down) == [(3, 0)]
+    copier.copy([up, down])  # in the order rank 0 made them
+    assert torch.equal(cache[0][0][2], old)
+    assert torch.equal(copier.host[0][0][0], cache[0][0][3])
+
+
+def test_copier_refusals() -> None:
+    copier = HostBlockCopier(make_cache(2), num_host_blocks=2)
+    with pytest.raises(ValueError, match=r"host block ids \[2\] outside \[0, 2\)"):
+        copier.copy([BlockCopy(HOST_TIER, DEVICE_TIER, np.array([2], np.int32), np.array([0]))])
+    with pytest.raises(ValueError, match="no copier for 'file'"):
+        copier.copy([BlockCopy("file", DEVICE_TIER, np.array([0]), np.array([0]))])
+
+
+def test_block_copies_travel_in_a_plan_section() -> None:
+    copies = [
+        BlockCopy(HOST_TIER, DEVICE_TIER, np.array([0, 1], np.int32), np.array([5, 6], np.int32)),
+        BlockCopy(DEVICE_TIER, HOST_TIER, np.array([3], np.int32), np.array([1], np.int32)),
+    ]
+    values = encode_block_copies(copies)
+    assert values.tolist() == [1, 0, 2, 0, 1, 5, 6, 0, 1, 1, 3, 1]
+    plan = StepPlan.exit(5).with_sections(block_copies=values)
+    decoded = decode_block_copies(StepPlan.decode(plan.encode()).section("block_copies"))
+    assert [(c.src, c.dst, c.src_blocks.tolist(), c.dst_blocks.tolist()) for c in decoded] == [
+        ("host", "device", [0, 1], [5, 6]),
+        ("device", "host", [3], [1]),
+    ]
+    assert encode_block_copies([]).size == 0
+    with pytest.raises(ValueError, match="unknown tier id 9"):
+        decode_block_copies(np.array([9, 0, 0], np.int32))
+    with pytest.raises(ValueError, match="runs past the section"):
+        decode_block_copies(np.array([1, 0, 2, 0, 1, 5], np.int32))
+    with pytest.raises(PlanDecodeError, match="block_copies below 0"):
+        StepPlan.decode(
+            StepPlan.exit(5).with_sections(block_copies=np.array([-1], np.int32)).encode()
+        )

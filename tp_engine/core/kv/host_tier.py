@@ -22,11 +22,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shm_ipc.block_copies import DEVICE_TIER, BlockCopy
+from shm_ipc.block_copies import DEVICE_TIER, HOST_TIER, BlockCopy
 
 __all__ = ["HOST_TIER", "HostTier"]
-
-HOST_TIER = "host"
 
 
 class HostTier:

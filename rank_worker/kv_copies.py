@@ -18,7 +18,7 @@ import torch
 from rank_worker.qwen3 import KVCachePair
 from shm_ipc.block_copies import DEVICE_TIER, HOST_TIER, BlockCopy
 
-__all__ = ["BlockCopier", "DeviceBlockCopier", "HostBlockCopier"]
+__all__ = ["BlockCopier", "DeviceBlockCopier", "HostBlockCopier", "host_pool_blocks"]
 
 
 class BlockCopier(Protocol):
@@ -63,6 +63,18 @@ def _check_ids(ids: np.ndarray, limit: int, tier: str) -> None:
         raise ValueError(f"{tier} block ids {ids.tolist()} outside [0, {limit})")
 
 
+def host_pool_blocks(size_gib: float, kv_caches: list[KVCachePair]) -> int:
+    """How many blocks `size_gib` GiB of host memory holds in the device cache's layout (K and
+    V of every layer per block); ValueError when not even one."""
+    block_bytes = sum(c[0].numel() * c.element_size() for pair in kv_caches for c in pair)
+    num_blocks = int(size_gib * (1 << 30)) // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_offloading_size {size_gib} GiB holds no KV block of {block_bytes} bytes"
+        )
+    return num_blocks
+
+
 class HostBlockCopier:
     """Copies between the device cache and this rank's host pool: `num_host_blocks` blocks per
     layer for K and for V, each `[block_size, num_local_kv_heads, head_dim]` as in the device
@@ -85,6 +97,12 @@ class HostBlockCopier:
             )
             for pair in kv_caches
         ]
+
+    def rebind(self, kv_caches: list[KVCachePair]) -> None:
+        """Use `kv_caches` as the device cache from now on (allocated again after a wake); the
+        host pool and what it holds stay."""
+        if kv_caches is not self.device.kv_caches:
+            self.device = DeviceBlockCopier(kv_caches)
 
     def copy(self, copies: Sequence[BlockCopy]) -> None:
         for c in copies:

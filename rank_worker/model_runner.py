@@ -44,6 +44,7 @@ from rank_worker.kv_cache import (
     cpu_num_blocks,
     measure_gpu_num_blocks,
 )
+from rank_worker.kv_copies import HostBlockCopier, host_pool_blocks
 from rank_worker.layers.rope_spec import RopeSpec
 from rank_worker.loader import load_checkpoint
 from rank_worker.lora import layers as lora_layers
@@ -53,6 +54,7 @@ from rank_worker.qwen3 import KVCachePair
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo, all_reduce_min_int
 from rank_worker.weight_map import WeightMap
+from shm_ipc.block_copies import decode_block_copies
 from shm_ipc.step_plan import Command, StepPlan, batch_rows
 
 logger = logging.getLogger(__name__)
@@ -182,6 +184,9 @@ class ModelRunner:
             device_copy=gpu_paths,
         )
         self.kv_caches: list[KVCachePair] | None = None
+        # The host-memory KV tier's pool (`kv_copies`), made with the first cache; kept across
+        # sleep (the device cache is allocated again, the host blocks stay).
+        self.host_pool: HostBlockCopier | None = None
         self.num_kv_blocks: int | None = None
         self.graph_runner: DecodeGraphRunner | None = None
         # Sleep mode: releases and restores the weights' and the cache's device memory.
@@ -278,6 +283,9 @@ class ModelRunner:
         if draft is not None:
             draft.kv_caches = allocate_kv_cache(draft.kv_spec, num_blocks, self.device)
             draft.num_kv_blocks = num_blocks
+        if self.config.kv_offloading_size is not None and self.host_pool is None:
+            size = self.config.kv_offloading_size
+            self.host_pool = HostBlockCopier(self.kv_caches, host_pool_blocks(size, self.kv_caches))
         self.startup_s["kv_cache"] = time.perf_counter() - start
         if self.uses_triton or (draft is not None and draft.uses_triton):
             start = time.perf_counter()
@@ -361,6 +369,7 @@ class ModelRunner:
         if self.kv_caches is None:
             raise RuntimeError("execute before init_kv_cache, or after release")
         self._check_awake(plan)
+        self._copy_blocks(plan)
         inputs = self._prepare(plan, last_sampled)
         if self.graph_runner is not None and self.graph_runner.can_run(plan):
             base_only = self.lora is not None and self.lora.batch.skip
@@ -390,6 +399,15 @@ class ModelRunner:
         inputs = self._prepare(plan, last_sampled)
         hidden = draft.model(inputs.input_ids, inputs.positions, inputs.meta, draft.kv_caches)
         return draft._logits(hidden, inputs.logits_indices)
+
+    def _copy_blocks(self, plan: StepPlan) -> None:
+        """The plan's KV block copies between tiers, before its forward pass reads them."""
+        copies = plan.section("block_copies")
+        if copies.size:
+            if self.host_pool is None:
+                raise ValueError(f"step {plan.step_id}: block copies, but no host KV tier here")
+            self.host_pool.rebind(self.kv_caches)
+            self.host_pool.copy(decode_block_copies(copies))
 
     def _check_awake(self, plan: StepPlan) -> None:
         """A forward over released memory reads freed addresses (a crash, not an error)."""

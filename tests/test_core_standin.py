@@ -40,6 +40,7 @@ class StandInExecutor:
     def __init__(self, num_kv_blocks: int) -> None:
         self.device = torch.device("cpu")
         self.num_kv_blocks = num_kv_blocks
+        self.num_host_blocks = 0
         self.plans: list = []
         self.closed_with: list[int | None] = []
 

@@ -36,6 +36,7 @@ NON_DEFAULTS = {
     "kv_cache_dtype": "fp8",
     "num_kv_blocks": "33",
     "kv_cache_memory_bytes": "123456",
+    "kv_offloading_size": "0.25",
     "runner": "pooling",
     "convert": "embed",
     "hf_overrides": '{"is_matryoshka": true}',
@@ -84,6 +85,7 @@ def test_runner_config_copies_every_shared_field() -> None:
         enforce_eager=True, attention_backend="triton", enable_expert_parallel=True,
         kv_cache_dtype="fp8", gpu_data_paths=True, hf_overrides={"is_matryoshka": True},
         enable_lora=True, max_loras=3, max_lora_rank=32, max_cpu_loras=5, lora_dtype="float16",
+        kv_offloading_size=0.25,
     )  # fmt: skip
     runner = runner_config_for(config)
     runner_fields = {f.name for f in dataclasses.fields(RunnerConfig)}

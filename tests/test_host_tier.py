@@ -19,7 +19,9 @@ from shm_ipc.block_copies import (
 )
 from shm_ipc.step_plan import PlanDecodeError, StepPlan
 from tp_engine.core.kv.base import LowerTier
+from tp_engine.core.kv.block_manager import BlockManager
 from tp_engine.core.kv.host_tier import HostTier
+from tp_engine.core.sequence import Sequence
 
 
 def copy_pairs(copy) -> list[tuple[int, int]]:
@@ -47,6 +49,7 @@ def test_least_recently_used_is_evicted_first() -> None:
     tier = HostTier(3)
     tier.store([1, 2, 3], [10, 11, 12])  # host 0, 1, 2
     tier.load([1], [5])  # 1 is now the most recently used: LRU order 2, 3, 1
+    tier.unpin()  # its copy up left in a plan
     down = tier.store([4], [13])
     assert copy_pairs(down) == [(13, 1)]  # 2's host block, reused
     assert tier.match([2]) == 0 and tier.match([1]) == 1 and tier.match([4]) == 1
@@ -71,6 +74,7 @@ def test_held_blocks_of_the_chain_being_stored_are_not_evicted() -> None:
     tier = HostTier(2)
     tier.store([1, 2], [10, 11])
     tier.load([2], [3])  # LRU order: 1, 2
+    tier.unpin()
     down = tier.store([1, 5], [10, 12])  # 1 is held (and part of this chain): evict 2, not 1
     assert copy_pairs(down) == [(12, 1)]
     assert tier.match([1, 5]) == 2 and tier.match([2]) == 0
@@ -132,17 +136,20 @@ def test_blocks_go_down_and_come_back_up_exactly() -> None:
         assert torch.equal(k[0], k0[0]) and torch.equal(k[3], k0[3])  # others untouched
 
 
-def test_a_load_then_a_store_into_the_same_host_block_reads_first() -> None:
+def test_a_host_block_being_loaded_is_not_overwritten_before_its_copy_leaves() -> None:
     cache = make_cache(4)
     copier = HostBlockCopier(cache, num_host_blocks=1)
     tier = HostTier(1)
     copier.copy([tier.store([7], [0])])  # host 0 holds device 0's values
     old = cache[0][0][0].clone()
     up = tier.load([7], [2])
-    down = tier.store([8], [3])  # evicts 7: host 0 now takes device 3
-    assert copy_pairs(down) == [(3, 0)]
-    copier.copy([up, down])  # in the order rank 0 made them
+    assert tier.store([8], [3]) is None  # the only host block is pinned by the pending load
+    copier.copy([up])
     assert torch.equal(cache[0][0][2], old)
+    tier.unpin()  # the copy up left in a plan: the block may go now
+    down = tier.store([8], [3])
+    assert copy_pairs(down) == [(3, 0)] and tier.match([7]) == 0
+    copier.copy([down])
     assert torch.equal(copier.host[0][0][0], cache[0][0][3])
 
 
@@ -176,3 +183,79 @@ def test_block_copies_travel_in_a_plan_section() -> None:
         StepPlan.decode(
             StepPlan.exit(5).with_sections(block_copies=np.array([-1], np.int32)).encode()
         )
+
+
+# -- the device tier with a host tier below it -------------------------------------------------
+
+BS = 4
+
+
+def admit(bm: BlockManager, seq: Sequence) -> int:
+    """Admit `seq` with its cached prefix (device and below); returns the prefix's blocks."""
+    hits = bm.find_cached_prefix(seq)
+    assert bm.allocate_slots(seq, seq.num_tokens - len(hits) * BS, hits)
+    bm.check_integrity()
+    return len(hits)
+
+
+def finish(bm: BlockManager, seq: Sequence) -> None:
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit_computed_blocks(seq)
+    bm.free(seq)
+    bm.check_integrity()
+
+
+def test_evicted_blocks_go_down_and_a_later_prefix_comes_back_up() -> None:
+    host = HostTier(8)
+    bm = BlockManager(4, BS, lower=host)
+    a = Sequence("a", list(range(1, 14)))  # 13 tokens: 3 full blocks + 1
+    assert admit(bm, a) == 0
+    table_a = list(a.block_table)  # [0, 1, 2, 3]
+    finish(bm, a)  # blocks 0, 1, 2 cached (3 held the last token: not full)
+    assert bm.take_copies() == []
+    b = Sequence("b", list(range(100, 116)))  # 16 tokens: needs all 4 blocks
+    assert admit(bm, b) == 0
+    down = bm.take_copies()  # a's three cached blocks were evicted: copied down first
+    assert [(c.src, c.dst) for c in down] == [(DEVICE_TIER, HOST_TIER)] * 3
+    assert sorted(int(c.src_blocks[0]) for c in down) == sorted(table_a[:3])
+    finish(bm, b)
+    a2 = Sequence("a2", list(range(1, 14)))  # a's prompt again
+    assert admit(bm, a2) == 3  # every full block, found below
+    copies = bm.take_copies()
+    up = [c for c in copies if c.src == HOST_TIER]
+    assert len(up) == 1 and up[0].dst_blocks.tolist() == a2.block_table[:3]
+    downs = [c for c in copies if c.src == DEVICE_TIER]
+    assert copies[: len(downs)] == downs  # down copies run first
+    assert (bm.prefix_cache_hits, bm.external_hits) == (0, 12)
+    assert bm.external_queries == 13 + 16 + 13 and bm.prefix_cache_queries == 13 + 16 + 13
+    assert a2.num_computed_tokens == 12 and a2.num_cached_tokens == 12
+    # The loaded blocks are cached on the device again: a third request hits them there.
+    finish(bm, a2)
+    a3 = Sequence("a3", list(range(1, 14)))
+    assert admit(bm, a3) == 3 and bm.prefix_cache_hits == 12
+    assert [c.src for c in bm.take_copies()] == []
+
+
+def test_reset_and_new_weights_reach_the_tier_below() -> None:
+    host = HostTier(8)
+    bm = BlockManager(3, BS, lower=host)
+    a = Sequence("a", list(range(1, 10)))  # 2 full blocks + 1
+    admit(bm, a)
+    finish(bm, a)
+    b = Sequence("b", list(range(50, 62)))  # 3 blocks: evicts a's cached ones, copied down
+    admit(bm, b)
+    finish(bm, b)
+    assert host.num_cached_blocks >= 1
+    bm.reset_prefix_cache()
+    assert host.num_cached_blocks == 0
+    bm.take_copies()
+    c = Sequence("c", list(range(60, 64)) + [1])
+    admit(bm, c)
+    finish(bm, c)
+    bm.advance_epoch()  # new weights: nothing below is a hit (roots differ) and it is emptied
+    assert host.num_cached_blocks == 0
+
+
+def test_without_prefix_caching_there_is_no_tier_below() -> None:
+    bm = BlockManager(2, BS, enable_prefix_caching=False, lower=HostTier(4))
+    assert bm.lower is None

@@ -103,6 +103,11 @@ class EngineStats:
     max_lora: int = 0
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
+    # The host-memory KV tier (vLLM's vllm:external_prefix_cache_*): prompt tokens looked up
+    # below the device pool and found there, since start; the fraction of its blocks in use.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    host_kv_cache_usage: float = 0.0
 
 
 @dataclass

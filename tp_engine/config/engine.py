@@ -109,6 +109,10 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
+    # A host-memory tier below the KV cache (vLLM's --kv-offloading-size): GiB of host memory
+    # per rank holding that rank's KV shard of full blocks the GPU pool evicted, found again by
+    # the prefix cache's hashes (`tp_engine.core.kv.host_tier`). None: no tier below.
+    kv_offloading_size: float | None = None
 
     def __post_init__(self) -> None:
         spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
@@ -128,6 +132,8 @@ class EngineConfig:
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         # (The ranks check max_lora_rank against vLLM's choices: `RunnerConfig`.)
         _check(self.max_loras >= 1, "max_loras", "must be >= 1")
+        if self.kv_offloading_size is not None:
+            _check(self.kv_offloading_size > 0, "kv_offloading_size", "must be > 0 (GiB)")
         _check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(

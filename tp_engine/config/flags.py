@@ -111,6 +111,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          type=int),
     Flag("kv_cache_memory_bytes", "KV-cache bytes per rank when memory is not measured (the "
          "CPU path; default: 1 GiB on CPU)", type=int),
+    Flag("kv_offloading_size", "GiB of host memory per rank for a KV tier below the GPU's: "
+         "full blocks the GPU pool evicts are copied there and found again by the prefix "
+         "cache (default: none)", type=float, metavar="GIB"),
     Flag("runner", "generate (completions, chat) or pooling (embeddings, scores); auto: "
          "pooling for a sentence-transformers checkpoint (modules.json) or a "
          "*ForSequenceClassification one", choices=RUNNERS),

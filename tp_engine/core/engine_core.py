@@ -35,6 +35,7 @@ from tp_engine.core.grammar_gate import GrammarGate
 from tp_engine.core.hooks import CoreHooks
 from tp_engine.core.intake import RequestIntake
 from tp_engine.core.kv.block_manager import BlockManager
+from tp_engine.core.kv.host_tier import HostTier
 from tp_engine.core.pipeline import SampledStep, StepPipeline
 from tp_engine.core.sampling.batch import SamplingBatchBuilder
 from tp_engine.core.scheduled_step import DraftProposer
@@ -87,6 +88,9 @@ class EngineCore(RequestIntake, StepPipeline):
         self.generation_defaults = {} if generation_defaults is None else generation_defaults
         self.hooks = CoreHooks() if hooks is None else hooks
         self.num_kv_blocks = executor.num_kv_blocks
+        # The host-memory KV tier below the device pool (`kv_offloading_size`): rank 0's index
+        # of what every rank's host pool holds. Kept across `reconfigure`.
+        self.host_tier = HostTier(executor.num_host_blocks) if executor.num_host_blocks else None
         # The tokenizer's <think> / </think> ids, read on the first request with a budget.
         self._think_tokens: ThinkTokens | None = None
         # n > 1: id of a request's first sequence -> its siblings, held until its prompt is
@@ -202,6 +206,9 @@ class EngineCore(RequestIntake, StepPipeline):
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            external_prefix_cache_queries=kv.external_queries,
+            external_prefix_cache_hits=kv.external_hits,
+            host_kv_cache_usage=0.0 if self.host_tier is None else self.host_tier.usage,
             num_preemptions=scheduler.num_preemptions,
             spec_num_drafts=self.spec_stats.num_drafts,
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
@@ -282,7 +289,10 @@ class EngineCore(RequestIntake, StepPipeline):
 
     def _build_scheduler(self, config: EngineConfig, num_blocks: int | None = None) -> Scheduler:
         kv = BlockManager(
-            num_blocks or self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks or self.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            lower=self.host_tier,
         )
         scheduler = Scheduler(config, kv, self.eos_token_ids)
         scheduler.gate = self._gate()

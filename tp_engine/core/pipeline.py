@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from shm_ipc import StepPlan
+from shm_ipc.block_copies import encode_block_copies
 from tp_engine.core.drafting import schedule_step
 from tp_engine.core.plan_builder import LogitsLayout, plan_step
 from tp_engine.core.pooled_records import record_pooled
@@ -204,6 +205,11 @@ class StepPipeline:
         step_id = self.step_id
         with self._phase("build_plan", step_id):
             plan, layout = plan_step(scheduled, step_id, self.scheduler.batch)
+            # KV blocks moving between tiers for this step (evicted ones down, hits below up):
+            # every rank copies them before this plan's forward pass.
+            copies = self.scheduler.block_manager.take_copies()
+            if copies:
+                plan = plan.with_sections(block_copies=encode_block_copies(copies))
         self.step_id += 1
         try:
             logits = self._run_forward(plan, in_flight)

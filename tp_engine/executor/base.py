@@ -44,6 +44,8 @@ class Executor(Protocol):
     device: torch.device
     # KV blocks every rank allocated: the size of the core's block pool.
     num_kv_blocks: int
+    # Blocks of every rank's host-memory KV tier (`kv_offloading_size`); 0: none.
+    num_host_blocks: int
 
     def execute(
         self, plan: StepPlan, sampled: torch.Tensor | None, timeline: StepTimeline | None

@@ -51,6 +51,8 @@ class TPExecutor:
         self.channel = channel  # None with one rank
         self.num_kv_blocks = num_kv_blocks
         self.device: torch.device = runner.device
+        pool = runner.host_pool
+        self.num_host_blocks = 0 if pool is None else pool.num_host_blocks
 
     @classmethod
     def start(

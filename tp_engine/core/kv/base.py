@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from shm_ipc.block_copies import BlockCopy
-    from tp_engine.core.kv.block_manager import KVBlock
+    from tp_engine.core.kv.blocks import KVBlock
     from tp_engine.core.sequence import Sequence
 
 __all__ = ["KVTier", "LowerTier"]
@@ -89,6 +89,10 @@ class KVTier(Protocol):
     def reset_prefix_cache(self) -> int:
         """Forget every unreferenced cached block; how many were dropped."""
 
+    def take_copies(self) -> list[BlockCopy]:
+        """Block copies between tiers decided since the last call, in the order every rank must
+        run them before the next plan's forward pass (the step pipeline sends them)."""
+
     def check_integrity(
         self, sequences: Iterable[Sequence] = (), num_computed: Iterable[int] | None = None
     ) -> None:
@@ -111,4 +115,11 @@ class LowerTier(Protocol):
 
     def store(self, block_hashes: TokenIds[int], device_blocks: TokenIds[int]) -> BlockCopy | None:
         """Take copies of the full device blocks `device_blocks` (hashes `block_hashes`),
-        evicting its own least recently used ones; the copy down, or None if it keeps none."""
+        evicting its own least recently used ones (never one a pending `load` reads); the copy
+        down, or None if it keeps none."""
+
+    def unpin(self) -> None:
+        """The copies decided so far have left in a plan: loaded blocks may be evicted again."""
+
+    def reset(self) -> int:
+        """Forget every block held (`reset_prefix_cache`, new weights); how many."""

@@ -1,7 +1,11 @@
 """The paged KV-cache pool on rank 0: block allocation and the prefix cache.
 
 `BlockManager` is the device tier (`tp_engine.core.kv.base.KVTier`), the pool of blocks the
-forward pass reads, and today's one tier.
+forward pass reads. With a tier below it (`lower`, a `LowerTier`: host memory), a cached block
+it evicts to reuse is copied down first, and a prefix lookup goes on below where the device's
+hits stop: those hits get fresh device blocks and a copy up. The copies leave through
+`take_copies` (down copies first: a device block is read before a copy up overwrites it) in
+the next plan, and every rank carries them out before that plan's forward pass.
 
 Rank 0 alone owns this bookkeeping; the ranks only see the resulting block ids in the StepPlan.
 Every block is in exactly one state:
@@ -27,184 +31,23 @@ compares the stored token ids and parent hash, so a hash collision cannot hand o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from collections.abc import Sequence as TokenIds
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
+from tp_engine.core.kv.blocks import (
+    FreeBlockQueue,
+    HashFn,
+    KVBlock,
+    LazyBlocks,
+    LowerHit,
+    hash_block_tokens,
+    prefix_cache_root,
+)
 from tp_engine.core.sequence import Sequence
 
-HashFn = Callable[[int | None, TokenIds[int]], int]
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: TokenIds[int]) -> int:
-    """Chained hash of one full block: depends on every token before it through parent_hash
-    (None for a first block)."""
-    # Python's tuple hash (xxHash's round over the items' hashes, in C): a third of the cost
-    # of xxh3 over the ids packed into bytes, given the tuple, which a commit makes for the
-    # block anyway (the decode path commits a block for one in block_size sequences every
-    # step). Its collisions are as harmless as any hash's: a hit compares the stored ids and
-    # the parent's hash exactly. Ints hash alike in every process (only str and bytes hashes
-    # are salted), and the hashes never leave rank 0 anyway.
-    return hash((parent_hash, tuple(token_ids)))
-
-
-def prefix_cache_root(epoch: int, tags: tuple[tuple[str, object], ...] = ()) -> int | None:
-    """The root of a sequence's hash chain: None for the base model at weight epoch 0 (so those
-    hashes are what they always were), else a hash of the epoch and the sequence's tags.
-
-    K/V depends on more than tokens: on the weights that computed it (`epoch`, advanced by every
-    weight update) and on an adapter. Rooting the chain there makes blocks of different
-    weights or adapters different keys; tags are (namespace, value) pairs, so a user's salt can
-    never spell an adapter's id.
-    """
-    if epoch == 0 and not tags:
-        return None
-    return hash(("prefix-cache root", ("epoch", epoch), *tags))
-
-
-class KVBlock:
-    """One physical block of `block_size` token slots, plus its free-queue links."""
-
-    __slots__ = ("block_hash", "block_id", "next", "parent_hash", "prev", "ref_cnt", "token_ids")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        # Set while the block is registered in the prefix cache.
-        self.block_hash: int | None = None
-        # What the hash stands for, compared on every hit.
-        self.parent_hash: int | None = None
-        self.token_ids: tuple[int, ...] | None = None
-        # Free-queue neighbours; both None exactly when the block is not in the queue.
-        self.prev: KVBlock | None = None
-        self.next: KVBlock | None = None
-
-    def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
-
-
-class LazyBlocks:
-    """Every block of the pool, indexed by id; each `KVBlock` is made on first access."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._num_blocks = num_blocks
-        self._made: list[KVBlock] = []
-
-    def __len__(self) -> int:
-        return self._num_blocks
-
-    def __getitem__(self, block_id: int) -> KVBlock:
-        made = self._made
-        if block_id < len(made):
-            return made[block_id]
-        if not 0 <= block_id < self._num_blocks:
-            raise IndexError(f"block {block_id} is not in a pool of {self._num_blocks}")
-        while len(made) <= block_id:
-            made.append(KVBlock(len(made)))
-        return made[block_id]
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        return (self[block_id] for block_id in range(self._num_blocks))
-
-    def range(self, start: int, stop: int) -> list[KVBlock]:
-        """Blocks `start` to `stop - 1`, made in one go where they are new."""
-        made = self._made
-        if len(made) < stop:
-            if stop > self._num_blocks:
-                raise IndexError(f"block {stop - 1} is not in a pool of {self._num_blocks}")
-            made.extend(map(KVBlock, range(len(made), stop)))
-        return made[start:stop]
-
-
-class FreeBlockQueue:
-    """Doubly linked list of free blocks with O(1) append, appendleft, popleft and remove.
-
-    `fresh`: a pool whose blocks all start free and unused; they are handed out in id order
-    after the empty blocks queued ahead of them and before any cached one, without being
-    linked in until they are used and freed.
-    """
-
-    def __init__(self, blocks: Iterable[KVBlock] = (), fresh: LazyBlocks | None = None) -> None:
-        # Sentinels at both ends remove every empty-list special case.
-        self._head = KVBlock(-1)
-        self._tail = KVBlock(-1)
-        self._head.next, self._tail.prev = self._tail, self._head
-        self._len = 0
-        for block in blocks:
-            self.append(block)
-        self._fresh = fresh
-        self._fresh_next = 0
-        self._fresh_end = 0 if fresh is None else len(fresh)
-
-    def __len__(self) -> int:
-        return self._len + self._fresh_end - self._fresh_next
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        """Head to tail: empty blocks, the unused ones, then cached ones (LRU first)."""
-        node = self._head.next
-        while node is not self._tail and node is not None and node.block_hash is None:
-            yield node
-            node = node.next
-        if self._fresh is not None:
-            for block_id in range(self._fresh_next, self._fresh_end):
-                yield self._fresh[block_id]
-        while node is not self._tail:
-            assert node is not None
-            yield node
-            node = node.next
-
-    def popleft(self) -> KVBlock:
-        head = self._head.next
-        assert head is not None
-        if (head is self._tail or head.block_hash is not None) and (
-            self._fresh_next < self._fresh_end
-        ):
-            assert self._fresh is not None
-            self._fresh_next += 1
-            return self._fresh[self._fresh_next - 1]
-        if self._len == 0:
-            raise RuntimeError("no free KV block left (the scheduler should have checked)")
-        self.remove(head)
-        return head
-
-    def popleft_many(self, count: int) -> list[KVBlock]:
-        """`count` blocks in `popleft` order (the caller checked there are that many); a run of
-        unused blocks is taken in one go."""
-        taken: list[KVBlock] = []
-        while len(taken) < count:
-            head = self._head.next
-            assert head is not None
-            fresh_left = self._fresh_end - self._fresh_next
-            if (head is self._tail or head.block_hash is not None) and fresh_left:
-                assert self._fresh is not None
-                n = min(count - len(taken), fresh_left)
-                taken += self._fresh.range(self._fresh_next, self._fresh_next + n)
-                self._fresh_next += n
-            else:
-                taken.append(self.popleft())
-        return taken
-
-    def append(self, block: KVBlock) -> None:
-        self._insert_after(self._tail.prev, block)
-
-    def appendleft(self, block: KVBlock) -> None:
-        self._insert_after(self._head, block)
-
-    def remove(self, block: KVBlock) -> None:
-        prev, nxt = block.prev, block.next
-        if prev is None or nxt is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
-        prev.next, nxt.prev = nxt, prev
-        block.prev = block.next = None
-        self._len -= 1
-
-    def _insert_after(self, anchor: KVBlock | None, block: KVBlock) -> None:
-        if block.prev is not None or block.next is not None:
-            raise ValueError(f"block {block.block_id} is already in the free queue")
-        assert anchor is not None and anchor.next is not None
-        block.prev, block.next = anchor, anchor.next
-        anchor.next.prev = block
-        anchor.next = block
-        self._len += 1
+if TYPE_CHECKING:
+    from shm_ipc.block_copies import BlockCopy
+    from tp_engine.core.kv.base import LowerTier
 
 
 class BlockManager:
@@ -216,6 +59,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         hash_fn: HashFn = hash_block_tokens,
+        lower: LowerTier | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -234,6 +78,15 @@ class BlockManager:
         # The weights' epoch, advanced by every weight update (`advance_epoch`): part of every
         # hash chain's root, so K/V of other weights is never a hit.
         self.epoch = 0
+        # The tier below (host memory), consulted on a miss and fed on eviction; its hits, in
+        # tokens, counted as vLLM's external prefix cache (queries: the tokens past the
+        # device's hits that were looked up below).
+        self.lower = lower if enable_prefix_caching else None
+        self.external_queries = 0
+        self.external_hits = 0
+        # Copies decided since the last `take_copies`: down (evictions) and up (hits below).
+        self._down: list[BlockCopy] = []
+        self._up: list[BlockCopy] = []
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -267,10 +120,10 @@ class BlockManager:
         if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         hashes = self._block_hashes(seq)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = min((seq.num_tokens - 1) // self.block_size, len(hashes))
         bs = self.block_size
-        hits: list[KVBlock] = []
-        for i in range(min(max_blocks, len(hashes))):
+        hits: list[KVBlock | LowerHit] = []
+        for i in range(max_blocks):
             block = self.cached.get(hashes[i])
             if (
                 block is None
@@ -279,7 +132,15 @@ class BlockManager:
             ):
                 break
             hits.append(block)
-        return hits
+        if self.lower is not None and len(hits) < max_blocks:
+            first = len(hits)
+            found = self.lower.match(hashes[first:max_blocks])
+            for i in range(first, first + found):
+                parent = hashes[i - 1] if i else seq.cache_root
+                hits.append(
+                    LowerHit(hashes[i], parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+                )
+        return hits  # type: ignore[return-value]
 
     # -- allocation --------------------------------------------------------------------------------
 
@@ -316,25 +177,33 @@ class BlockManager:
         num_new_blocks = max(0, num_needed - len(seq.block_table) - len(cached_prefix))
         # Unreferenced hits sit in the free queue; taking them shrinks what is left to allocate.
         num_touched = sum(1 for block in cached_prefix if block.ref_cnt == 0)
-        if num_new_blocks > len(self.free_queue) - num_touched:
+        # Hits below need device blocks of their own, like new ones.
+        lower_hits = [block for block in cached_prefix if isinstance(block, LowerHit)]
+        if num_new_blocks + len(lower_hits) > len(self.free_queue) - num_touched:
             return False
 
         for block in cached_prefix:
+            if isinstance(block, LowerHit):
+                break  # they come after every device hit
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
             seq.block_table.append(block.block_id)
+        if lower_hits:
+            self._load(lower_hits, seq)
         if admitting:
             num_hit_tokens = len(cached_prefix) * self.block_size
+            num_lower_tokens = len(lower_hits) * self.block_size
             self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += num_hit_tokens
+            self.prefix_cache_hits += num_hit_tokens - num_lower_tokens
+            if self.lower is not None:
+                self.external_queries += seq.num_tokens - (num_hit_tokens - num_lower_tokens)
+                self.external_hits += num_lower_tokens
             seq.num_cached_tokens = num_hit_tokens
             seq.num_computed_tokens = num_computed
             seq.num_committed_blocks = len(cached_prefix)
         for _ in range(num_new_blocks):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:
-                self._evict(block)
+            block = self._reuse(self.free_queue.popleft())
             block.ref_cnt = 1
             seq.block_table.append(block.block_id)
         return True
@@ -346,8 +215,7 @@ class BlockManager:
             return None
         taken = self.free_queue.popleft_many(count)
         for block in taken:
-            if block.block_hash is not None:
-                self._evict(block)
+            self._reuse(block)
             block.ref_cnt = 1
         return [block.block_id for block in taken]
 
@@ -440,13 +308,24 @@ class BlockManager:
         return self.epoch
 
     def reset_prefix_cache(self) -> int:
-        """Forget every unreferenced cached block; returns how many were dropped."""
+        """Forget every unreferenced cached block, and everything the tier below holds; returns
+        how many device blocks were dropped."""
         dropped = [block for block in self.cached.values() if block.ref_cnt == 0]
         for block in dropped:
             self._evict(block)
             self.free_queue.remove(block)
             self.free_queue.appendleft(block)
+        if self.lower is not None:
+            self.lower.reset()
         return len(dropped)
+
+    def take_copies(self) -> list[BlockCopy]:
+        """The block copies decided since the last call, in the order the ranks must run them:
+        down (evicted blocks, read before anything overwrites them), then up (hits below)."""
+        copies, self._down, self._up = self._down + self._up, [], []
+        if self.lower is not None:
+            self.lower.unpin()  # the plan that carries these copies reads them before others
+        return copies
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -458,6 +337,44 @@ class BlockManager:
             seq.block_hashes.clear()
             seq.cache_root = root
         seq.cache_epoch = self.epoch
+
+    def _reuse(self, block: KVBlock) -> KVBlock:
+        """`block`, taken from the free queue for new K/V: a cached one is evicted, and copied
+        down first where there is a tier below."""
+        if block.block_hash is not None:
+            if self.lower is not None:
+                copy = self.lower.store([block.block_hash], [block.block_id])
+                if copy is not None:
+                    self._down.append(copy)
+            self._evict(block)
+        return block
+
+    def _load(self, hits: list[LowerHit], seq: Sequence) -> None:
+        """Give `seq` a device block for each hit below and ask for the copies up. The blocks are
+        registered in the prefix cache at once (the copy up runs before any forward pass that
+        could read them), unless the device caches that hash already (then they stay private).
+        The hits are loaded (pinned below) before the device blocks they displace are stored,
+        so those stores can never evict what is about to be read."""
+        assert self.lower is not None
+        blocks = [self.free_queue.popleft() for _ in hits]
+        displaced = [(block.block_hash, block.block_id) for block in blocks if block.block_hash]
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+        hashes = [hit.block_hash for hit in hits]
+        self._up.append(self.lower.load(hashes, [block.block_id for block in blocks]))
+        for block_hash, block_id in displaced:
+            copy = self.lower.store([block_hash], [block_id])
+            if copy is not None:
+                self._down.append(copy)
+        for hit, block in zip(hits, blocks, strict=True):
+            block.ref_cnt = 1
+            if hit.block_hash not in self.cached:
+                block.block_hash, block.parent_hash, block.token_ids = (
+                    hit.block_hash, hit.parent_hash, hit.token_ids
+                )  # fmt: skip
+                self.cached[hit.block_hash] = block
+            seq.block_table.append(block.block_id)
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None

@@ -8,8 +8,9 @@ hashes (`block_manager.hash_block_tokens`, rooted in the weight epoch and the ad
 hit here is exactly a block the device tier would have hit: the same tokens after the same
 prefix, under the same weights and adapter.
 
-Ordering within a step: copies run in the order rank 0 made them, so a host block loaded up and
-then evicted and overwritten by a later store in the same step is read before it is written.
+Ordering within a step: a host block loaded up is pinned until the copies leave rank 0 (`unpin`,
+when the device tier hands them to a plan), so no store of the same step overwrites it before
+the copy up has read it.
 
 Accounting (`check_integrity`): every host block is free or holds exactly one hash;
 `num_free_blocks + num_cached_blocks == num_blocks`.
@@ -40,6 +41,8 @@ class HostTier:
         self._blocks: OrderedDict[int, int] = OrderedDict()
         # Never-used ids are handed out low first, then ids given back (LIFO).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Host blocks a pending copy up reads: never evicted until `unpin`.
+        self._pinned: set[int] = set()
         # Lookups and hits, in blocks, since start (vLLM's external prefix-cache metrics count
         # tokens: multiply by the block size).
         self.queries = 0
@@ -79,7 +82,13 @@ class HostTier:
         for h in block_hashes:
             src.append(self._blocks[h])
             self._blocks.move_to_end(h)
+        self._pinned.update(src)
         return BlockCopy(HOST_TIER, DEVICE_TIER, _ids(src), _ids(device_blocks))
+
+    def unpin(self) -> None:
+        """The copies up decided so far have left in a plan: their host blocks may be evicted
+        again (the ranks run them before any later plan's copies down)."""
+        self._pinned.clear()
 
     def store(self, block_hashes: Sequence[int], device_blocks: Sequence[int]) -> BlockCopy | None:
         """Take copies of the full device blocks `device_blocks` (hashes `block_hashes`, a
@@ -110,6 +119,7 @@ class HostTier:
         dropped = len(self._blocks)
         self._free.extend(self._blocks.values())
         self._blocks.clear()
+        self._pinned.clear()
         return dropped
 
     def check_integrity(self) -> None:
@@ -119,12 +129,12 @@ class HostTier:
         assert len(held) + len(self._free) == self.num_blocks, "host blocks lost"
 
     def _take_block(self, keep: set[int]) -> int | None:
-        """A free host block, else the least recently used one not in `keep` (the chain being
-        stored); None when every held block is in `keep`."""
+        """A free host block, else the least recently used one neither in `keep` (the chain
+        being stored) nor pinned; None when there is none."""
         if self._free:
             return self._free.pop()
-        for h in self._blocks:
-            if h not in keep:
+        for h, host_block in self._blocks.items():
+            if h not in keep and host_block not in self._pinned:
                 return self._blocks.pop(h)
         return None
 

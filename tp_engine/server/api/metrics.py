@@ -55,6 +55,16 @@ class ServerMetrics:
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "Prompt tokens looked up below the GPU's cache (the host-memory KV tier).",
+        )
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits", "Prompt tokens found below the GPU's cache."
+        )
+        self.host_kv_usage = gauge(
+            "tp_engine:host_kv_cache_usage_perc", "Fraction of the host KV tier's blocks in use."
+        )
         self.preemptions = counter("vllm:num_preemptions", "Sequences preempted for KV space.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
@@ -127,6 +137,7 @@ class ServerMetrics:
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.gpu_cache_usage.set(stats.kv_cache_usage)
+        self.host_kv_usage.set(stats.host_kv_cache_usage)
         if stats.max_lora:
             self._lora_info.labels(
                 str(stats.max_lora),
@@ -137,6 +148,16 @@ class ServerMetrics:
         for counter, now, before in (
             (self.prefix_queries, stats.prefix_cache_queries, last and last.prefix_cache_queries),
             (self.prefix_hits, stats.prefix_cache_hits, last and last.prefix_cache_hits),
+            (
+                self.external_queries,
+                stats.external_prefix_cache_queries,
+                last and last.external_prefix_cache_queries,
+            ),
+            (
+                self.external_hits,
+                stats.external_prefix_cache_hits,
+                last and last.external_prefix_cache_hits,
+            ),
             (self.preemptions, stats.num_preemptions, last and last.num_preemptions),
             (self.spec_drafts, stats.spec_num_drafts, last and last.spec_num_drafts),
             (

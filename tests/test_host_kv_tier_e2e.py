@@ -53,12 +53,15 @@ def conversations(llm: LLM, vocab_size: int) -> tuple[list[list[int]], list[list
     return prompts, answers
 
 
-def engine(checkpoint: Path, tp: int, offload_gib: float | None) -> LLM:
+def engine(checkpoint: Path, tp: int, offload_gib: float | None, **knobs) -> LLM:
     # 16 blocks of 4 tokens: one conversation's history at a time, at most.
+    settings = dict(
+        block_size=4, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=MAX_MODEL_LEN,
+        max_model_len=MAX_MODEL_LEN,
+    )  # fmt: skip
     return LLM(
-        str(checkpoint), tensor_parallel_size=tp, block_size=4, num_kv_blocks=16,
-        max_num_seqs=4, max_num_batched_tokens=MAX_MODEL_LEN, max_model_len=MAX_MODEL_LEN,
-        kv_offloading_size=offload_gib,
+        str(checkpoint), tensor_parallel_size=tp, kv_offloading_size=offload_gib,
+        **{**settings, **knobs},
     )  # fmt: skip
 
 
@@ -99,3 +102,29 @@ def test_histories_come_back_from_host_memory(checkpoint, without_tier, tp) -> N
     assert metrics["vllm:external_prefix_cache_hits"] == stats.external_prefix_cache_hits
     assert metrics["vllm:external_prefix_cache_queries"] >= stats.external_prefix_cache_hits
     assert computed < base_computed, (computed, base_computed)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        # Prompts in chunks of 8 tokens: hits from below, then the rest chunk by chunk.
+        {"max_num_batched_tokens": 8, "max_num_seqs": 2},
+        # n-gram speculation: verify entries, rejected drafts' blocks given back.
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+        # Asynchronous scheduling: copies decided for a step while the one before runs.
+        {"async_scheduling": True},
+    ],
+    ids=["chunked", "ngram", "async"],
+)
+def test_hits_from_below_compose(checkpoint, without_tier, knobs) -> None:
+    """The same tokens with each of these on (TP 1), and hits from below counted."""
+    from transformers import AutoConfig
+
+    base_prompts, base_answers, _ = without_tier
+    vocab = AutoConfig.from_pretrained(checkpoint).vocab_size
+    with engine(checkpoint, 1, 0.001, **knobs) as llm:
+        prompts, answers = conversations(llm, vocab)
+        hits = llm.engine.stats().external_prefix_cache_hits
+        llm.engine.scheduler.block_manager.check_integrity()
+    assert prompts == base_prompts and answers == base_answers
+    assert hits > 0

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from rank_worker.runner_config import RunnerConfig
 from tp_engine.config import EngineConfig
 from tp_engine.config.flags import ENGINE_FLAGS, FIELDS_WITHOUT_FLAGS
@@ -98,3 +100,20 @@ def test_runner_config_copies_every_shared_field() -> None:
     assert runner_fields - set(FIELDS) == {
         "max_num_logits_rows", "max_num_sampled_rows", "draft_model", "head", "layer_kernels",
     }  # fmt: skip
+
+
+def test_sglang_hierarchical_cache_flags_are_the_offloading_size() -> None:
+    parse = build_parser().parse_args
+    args = parse(["--enable-hierarchical-cache", "--hicache-size", "2.5"])
+    assert engine_config(args, 1).kv_offloading_size == 2.5
+    assert engine_config(parse(["--kv-offloading-size", "3"]), 1).kv_offloading_size == 3.0
+    assert engine_config(parse([]), 1).kv_offloading_size is None
+    for argv, message in (
+        (["--enable-hierarchical-cache"], "needs --hicache-size"),
+        (["--hicache-size", "1"], "needs --enable-hierarchical-cache"),
+        (["--enable-hierarchical-cache", "--hicache-size", "1", "--kv-offloading-size", "2"],
+         "not both"),
+        (["--kv-offloading-size", "0"], "kv_offloading_size must be > 0"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            engine_config(parse(argv), 1)

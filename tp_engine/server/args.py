@@ -273,6 +273,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-constraint-depth", type=int, default=defaults.max_constraint_depth,
         help="deepest nesting of a JSON schema or tool parameter schema",
     )  # fmt: skip
+    hicache = p.add_argument_group(
+        "hierarchical cache (SGLang's spelling of --kv-offloading-size)",
+        "a host-memory KV tier below the GPU's, as SGLang's HiCache flags ask for it",
+    )
+    hicache.add_argument(
+        "--enable-hierarchical-cache", action="store_true",
+        help="a host-memory KV tier of --hicache-size GiB per rank (= --kv-offloading-size)",
+    )  # fmt: skip
+    hicache.add_argument(
+        "--hicache-size", type=float, default=None, metavar="GIB",
+        help="GiB of host memory per rank for it (SGLang's --hicache-ratio is not supported: "
+        "give the size; default: none)",
+    )  # fmt: skip
     p.add_argument(
         "--enable-weight-updates-from-tensor", action="store_true",
         help="also offer SGLang's /update_weights_from_tensor (slime's colocated weight sync): "
@@ -287,7 +300,23 @@ def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
     kwargs = engine_kwargs(args)
     # --lora-modules serves adapters, so it turns LoRA on as vLLM's does.
     kwargs["enable_lora"] = args.enable_lora or bool(args.lora_modules)
+    if args.enable_hierarchical_cache or args.hicache_size is not None:
+        kwargs["kv_offloading_size"] = hierarchical_cache_size(args)
     return EngineConfig(model=args.model, tensor_parallel_size=tp_size, **kwargs)
+
+
+def hierarchical_cache_size(args: argparse.Namespace) -> float:
+    """SGLang's `--enable-hierarchical-cache --hicache-size GIB` as `kv_offloading_size`."""
+    if not args.enable_hierarchical_cache:
+        raise ValueError("--hicache-size needs --enable-hierarchical-cache")
+    if args.hicache_size is None:
+        raise ValueError(
+            "--enable-hierarchical-cache needs --hicache-size GiB (SGLang's --hicache-ratio is "
+            "not supported)"
+        )
+    if args.kv_offloading_size is not None and args.kv_offloading_size != args.hicache_size:
+        raise ValueError("give --kv-offloading-size or --hicache-size, not both")
+    return args.hicache_size
 
 
 def server_args(args: argparse.Namespace) -> ServerArgs:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from shm_ipc.block_copies import BlockCopy
-    from tp_engine.core.kv.blocks import KVBlock
+    from tp_engine.core.kv.blocks import KVBlock, LowerHit
     from tp_engine.core.sequence import Sequence
 
 __all__ = ["KVTier", "LowerTier"]
@@ -56,14 +56,16 @@ class KVTier(Protocol):
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
 
-    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
-        """The longest run of `seq`'s full blocks already cached (nothing is taken yet)."""
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock | LowerHit]:
+        """The longest run of `seq`'s full blocks already cached (nothing is taken yet): device
+        blocks, then blocks found in a tier below (`LowerHit`), which `allocate_slots` gives
+        device blocks and copies up."""
 
     def allocate_slots(
         self,
         seq: Sequence,
         num_new_tokens: int,
-        cached_prefix: list[KVBlock] | None = None,
+        cached_prefix: list[KVBlock | LowerHit] | None = None,
         *,
         start: int | None = None,
     ) -> bool:

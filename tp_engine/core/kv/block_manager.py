@@ -108,7 +108,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock | LowerHit]:
         """Longest run of cached blocks holding a prefix of `seq`, never covering its last token.
 
         The last token is always left to compute because its logits are needed; at block
@@ -140,7 +140,7 @@ class BlockManager:
                 hits.append(
                     LowerHit(hashes[i], parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
                 )
-        return hits  # type: ignore[return-value]
+        return hits
 
     # -- allocation --------------------------------------------------------------------------------
 
@@ -148,7 +148,7 @@ class BlockManager:
         self,
         seq: Sequence,
         num_new_tokens: int,
-        cached_prefix: list[KVBlock] | None = None,
+        cached_prefix: list[KVBlock | LowerHit] | None = None,
         *,
         start: int | None = None,
     ) -> bool:

@@ -285,6 +285,20 @@ def test_engine_counters_advance_by_their_difference():
     assert value("vllm:kv_cache_usage_perc", labels) == 0
 
 
+def test_host_tier_counters_and_gauge() -> None:
+    """The host-memory KV tier's figures under vLLM's external prefix-cache names."""
+    metrics = ServerMetrics("m")
+    tier = dict(external_prefix_cache_queries=80, external_prefix_cache_hits=48)
+    metrics.set_engine_stats(EngineStats(1, 0, 0.5, 100, 30, 0, **tier, host_kv_cache_usage=0.25))
+    tier = dict(external_prefix_cache_queries=120, external_prefix_cache_hits=64)
+    metrics.set_engine_stats(EngineStats(0, 0, 0.0, 150, 30, 0, **tier, host_kv_cache_usage=0.5))
+    value = metrics.registry.get_sample_value
+    labels = {"model_name": "m"}
+    assert value("vllm:external_prefix_cache_queries_total", labels) == 120
+    assert value("vllm:external_prefix_cache_hits_total", labels) == 64
+    assert value("tp_engine:host_kv_cache_usage_perc", labels) == 0.5
+
+
 class _Client:
     """What a Generation reads of its engine client when it applies deltas."""
 

@@ -29,6 +29,11 @@ class BlockCopier(Protocol):
         ValueError for a tier it does not serve or a block id out of range."""
 
 
+def _check_ids(ids: np.ndarray, limit: int, tier: str) -> None:
+    if ids.size and not (ids.min() >= 0 and ids.max() < limit):
+        raise ValueError(f"{tier} block ids {ids.tolist()} outside [0, {limit})")
+
+
 class DeviceBlockCopier:
     """Copies between blocks of the device cache: `kv_caches`, one `(k, v)` pair per layer,
     each `[num_blocks, block_size, num_local_kv_heads, head_dim]`."""
@@ -43,9 +48,8 @@ class DeviceBlockCopier:
         for c in copies:
             if c.src not in self.tiers or c.dst not in self.tiers:
                 raise ValueError(f"no copier for {c.src!r} -> {c.dst!r} on this rank")
-            for ids in (c.src_blocks, c.dst_blocks):
-                if ids.size and not (ids.min() >= 0 and ids.max() < self.num_blocks):
-                    raise ValueError(f"block ids {ids.tolist()} outside [0, {self.num_blocks})")
+            _check_ids(c.src_blocks, self.num_blocks, c.src)
+            _check_ids(c.dst_blocks, self.num_blocks, c.dst)
             if not c.src_blocks.size:
                 continue
             device = self.kv_caches[0][0].device
@@ -56,11 +60,6 @@ class DeviceBlockCopier:
                 # every source before any is written.
                 k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
                 v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
-
-
-def _check_ids(ids: np.ndarray, limit: int, tier: str) -> None:
-    if ids.size and not (ids.min() >= 0 and ids.max() < limit):
-        raise ValueError(f"{tier} block ids {ids.tolist()} outside [0, {limit})")
 
 
 def host_pool_blocks(size_gib: float, kv_caches: list[KVCachePair]) -> int:

@@ -68,29 +68,37 @@ def _project_imports() -> dict[str, set[str]]:
     return graph
 
 
+def _first_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the directed graph `edges` (node -> nodes it points to) as a path that ends
+    where it starts, visiting nodes in sorted order; None when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(edges.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [dep]
+            if dep not in state and (cycle := visit(dep)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
 def test_no_import_cycles():
     # Type-only and deferred imports count too: a cycle among them still means two modules
     # that cannot be understood (or split) one without the other.
     graph = _project_imports()
     assert "tp_engine.core.sequence" in graph and "tp_engine.core.running_batch" in graph
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(module: str) -> None:
-        state[module] = 1
-        path.append(module)
-        for dep in sorted(graph[module]):
-            if state.get(dep) == 1:
-                cycle = path[path.index(dep) :] + [dep]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if dep not in state:
-                visit(dep)
-        path.pop()
-        state[module] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module)
+    cycle = _first_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
 def test_no_import_cycles_between_packages():
@@ -113,24 +121,8 @@ def test_no_import_cycles_between_packages():
             if a != b and not b.startswith(a + ".") and not a.startswith(b + "."):
                 edges.setdefault(a, set()).add(b)
     assert "tp_engine.core" in edges["tp_engine.features.lora"]
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(pkg: str) -> None:
-        state[pkg] = 1
-        path.append(pkg)
-        for dep in sorted(edges.get(pkg, ())):
-            if state.get(dep) == 1:
-                cycle = path[path.index(dep) :] + [dep]
-                raise AssertionError("packages import each other: " + " -> ".join(cycle))
-            if dep not in state:
-                visit(dep)
-        path.pop()
-        state[pkg] = 2
-
-    for pkg in sorted(edges):
-        if pkg not in state:
-            visit(pkg)
+    cycle = _first_cycle(edges)
+    assert cycle is None, "packages import each other: " + " -> ".join(cycle or [])
 
 
 def test_no_runtime_module_is_large():

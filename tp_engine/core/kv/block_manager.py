@@ -175,30 +175,30 @@ class BlockManager:
         num_computed = start + len(cached_prefix) * self.block_size
         num_needed = self.blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = max(0, num_needed - len(seq.block_table) - len(cached_prefix))
+        # Device hits first, then hits below (`find_cached_prefix`'s order), which need device
+        # blocks of their own, like new ones.
+        device_hits = [block for block in cached_prefix if isinstance(block, KVBlock)]
+        lower_hits = cached_prefix[len(device_hits) :]
         # Unreferenced hits sit in the free queue; taking them shrinks what is left to allocate.
-        num_touched = sum(1 for block in cached_prefix if block.ref_cnt == 0)
-        # Hits below need device blocks of their own, like new ones.
-        lower_hits = [block for block in cached_prefix if isinstance(block, LowerHit)]
+        num_touched = sum(1 for block in device_hits if block.ref_cnt == 0)
         if num_new_blocks + len(lower_hits) > len(self.free_queue) - num_touched:
             return False
 
-        for block in cached_prefix:
-            if isinstance(block, LowerHit):
-                break  # they come after every device hit
+        for block in device_hits:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
             seq.block_table.append(block.block_id)
         if lower_hits:
-            self._load(lower_hits, seq)
+            self._load(lower_hits, seq)  # type: ignore[arg-type]
         if admitting:
             num_hit_tokens = len(cached_prefix) * self.block_size
-            num_lower_tokens = len(lower_hits) * self.block_size
+            num_device_tokens = len(device_hits) * self.block_size
             self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += num_hit_tokens - num_lower_tokens
+            self.prefix_cache_hits += num_device_tokens
             if self.lower is not None:
-                self.external_queries += seq.num_tokens - (num_hit_tokens - num_lower_tokens)
-                self.external_hits += num_lower_tokens
+                self.external_queries += seq.num_tokens - num_device_tokens
+                self.external_hits += num_hit_tokens - num_device_tokens
             seq.num_cached_tokens = num_hit_tokens
             seq.num_computed_tokens = num_computed
             seq.num_committed_blocks = len(cached_prefix)
@@ -322,6 +322,8 @@ class BlockManager:
     def take_copies(self) -> list[BlockCopy]:
         """The block copies decided since the last call, in the order the ranks must run them:
         down (evicted blocks, read before anything overwrites them), then up (hits below)."""
+        if not (self._down or self._up):
+            return []  # every step asks; most have nothing to copy
         copies, self._down, self._up = self._down + self._up, [], []
         if self.lower is not None:
             self.lower.unpin()  # the plan that carries these copies reads them before others

@@ -188,7 +188,6 @@ class LowerHit:
     and the tokens it holds. `allocate_slots` gives it a device block and asks for the copy up."""
 
     __slots__ = ("block_hash", "parent_hash", "token_ids")
-    ref_cnt = -1  # never a device block (its own count is not the free queue's)
 
     def __init__(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]):
         self.block_hash = block_hash

@@ -44,7 +44,7 @@ from rank_worker.kv_cache import (
     cpu_num_blocks,
     measure_gpu_num_blocks,
 )
-from rank_worker.kv_copies import HostBlockCopier, host_pool_blocks
+from rank_worker.kv_copies import HostBlockCopier
 from rank_worker.layers.rope_spec import RopeSpec
 from rank_worker.loader import load_checkpoint
 from rank_worker.lora import layers as lora_layers
@@ -284,8 +284,7 @@ class ModelRunner:
             draft.kv_caches = allocate_kv_cache(draft.kv_spec, num_blocks, self.device)
             draft.num_kv_blocks = num_blocks
         if self.config.kv_offloading_size is not None and self.host_pool is None:
-            size = self.config.kv_offloading_size
-            self.host_pool = HostBlockCopier(self.kv_caches, host_pool_blocks(size, self.kv_caches))
+            self.host_pool = HostBlockCopier.of_size(self.config.kv_offloading_size, self.kv_caches)
         self.startup_s["kv_cache"] = time.perf_counter() - start
         if self.uses_triton or (draft is not None and draft.uses_triton):
             start = time.perf_counter()
@@ -401,13 +400,15 @@ class ModelRunner:
         return draft._logits(hidden, inputs.logits_indices)
 
     def _copy_blocks(self, plan: StepPlan) -> None:
-        """The plan's KV block copies between tiers, before its forward pass reads them."""
-        copies = plan.section("block_copies")
-        if copies.size:
-            if self.host_pool is None:
+        """The plan's KV block copies between tiers, queued before its forward pass (which waits
+        for what it reads: `HostBlockCopier.before_forward`)."""
+        copies, reads_copies_up = decode_block_copies(plan.section("block_copies"))
+        if self.host_pool is None:
+            if copies:
                 raise ValueError(f"step {plan.step_id}: block copies, but no host KV tier here")
-            self.host_pool.rebind(self.kv_caches)
-            self.host_pool.copy(decode_block_copies(copies))
+            return
+        self.host_pool.rebind(self.kv_caches)
+        self.host_pool.before_forward(copies, reads_copies_up)
 
     def _check_awake(self, plan: StepPlan) -> None:
         """A forward over released memory reads freed addresses (a crash, not an error)."""

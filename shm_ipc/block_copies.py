@@ -58,22 +58,29 @@ TIER_IDS = {DEVICE_TIER: 0, HOST_TIER: 1, "file": 2}
 _TIER_NAMES = {wire_id: name for name, wire_id in TIER_IDS.items()}
 
 
-def encode_block_copies(copies: list[BlockCopy]) -> np.ndarray:
-    """`copies` as the int32 values of the StepPlan's `block_copies` section, in order: per copy
-    `src tier, dst tier, N, src_blocks[N], dst_blocks[N]`. An empty list is an empty array (the
+def encode_block_copies(copies: list[BlockCopy], reads_copies_up: bool = False) -> np.ndarray:
+    """`copies` as the int32 values of the StepPlan's `block_copies` section: a flags value (1:
+    this plan's forward pass reads blocks its own copies up write, so it waits for them; 0: only
+    later plans read them, and the copies up overlap this forward pass), then per copy `src tier,
+    dst tier, N, src_blocks[N], dst_blocks[N]`, in order. An empty list is an empty array (the
     plan then carries no section)."""
-    parts: list[np.ndarray] = []
+    parts: list[np.ndarray] = [np.array([int(reads_copies_up)], np.int32)]
     for c in copies:
         header = np.array([TIER_IDS[c.src], TIER_IDS[c.dst], c.src_blocks.size], np.int32)
         parts += [header, c.src_blocks.astype(np.int32), c.dst_blocks.astype(np.int32)]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    return np.concatenate(parts) if copies else np.zeros(0, np.int32)
 
 
-def decode_block_copies(values: np.ndarray) -> list[BlockCopy]:
-    """The copies of a `block_copies` section; ValueError naming what is wrong (an unknown
-    tier, a count that runs past the section, a destination written twice)."""
+def decode_block_copies(values: np.ndarray) -> tuple[list[BlockCopy], bool]:
+    """The copies of a `block_copies` section and its flag (`encode_block_copies`); ValueError
+    naming what is wrong (a bad flag, an unknown tier, a count that runs past the section, a
+    destination written twice). An empty section: no copies."""
+    if not values.size:
+        return [], False
+    if int(values[0]) not in (0, 1):
+        raise ValueError(f"block_copies: flags must be 0 or 1, got {int(values[0])}")
     copies = []
-    i = 0
+    i = 1
     while i < values.size:
         if i + 3 > values.size:
             raise ValueError(f"block_copies: a copy's header runs past the section at {i}")
@@ -88,4 +95,4 @@ def decode_block_copies(values: np.ndarray) -> list[BlockCopy]:
         src_blocks, dst_blocks = values[i + 3 : i + 3 + count], values[i + 3 + count : end]
         copies.append(BlockCopy(_TIER_NAMES[src], _TIER_NAMES[dst], src_blocks, dst_blocks))
         i = end
-    return copies
+    return copies, bool(values[0])

@@ -262,6 +262,12 @@ class Stepper:
             check_plan(plan, out, self.sched.block_size, self.mirror, in_flight)
             # The plan carried every change since the last one: the mirror is up to date.
             self.mirror.check(self.sched)
+            # The pipeline's order: the tiers' copies leave with the plan, and a sequence whose
+            # blocks they copy up computes in it only if the step says it waits for them.
+            bm = self.sched.block_manager
+            loading = [seq.seq_id for seq in out.scheduled if bm.loading(seq)]
+            assert not loading or scheduled.reads_copies_up, f"{loading} read blocks in flight"
+            bm.take_copies()
             self.step_id += 1
         if self.async_scheduling:
             finished = self._update(*self.in_flight) if self.in_flight is not None else []

@@ -83,8 +83,15 @@ def without_tier(checkpoint) -> tuple[list[list[int]], list[list[int]], int]:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_histories_come_back_from_host_memory(checkpoint, without_tier, tp) -> None:
+def test_histories_come_back_from_host_memory(checkpoint, without_tier, tp, monkeypatch) -> None:
     from transformers import AutoConfig
+
+    from rank_worker.side_stream import ENV_VAR
+
+    # The ranks run their copies as late as the side stream's contract allows (a GPU's
+    # asynchrony, played on CPU): a forward pass that read a block before its copy up would
+    # read stale K/V and change the tokens.
+    monkeypatch.setenv(ENV_VAR, "deferred")
 
     base_prompts, base_answers, base_computed = without_tier
     vocab = AutoConfig.from_pretrained(checkpoint).vocab_size

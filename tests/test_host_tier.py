@@ -150,7 +150,7 @@ def test_a_host_block_being_loaded_is_not_overwritten_before_its_copy_leaves() -
     down = tier.store([8], [3])
     assert copy_pairs(down) == [(3, 0)] and tier.match([7]) == 0
     copier.copy([down])
-    assert torch.equal(copier.host[0][0][0], cache[0][0][3])
+    assert torch.equal(copier.host[0, 0, 0], cache[0][0][3])  # host block 0, layer 0, K
 
 
 def test_copier_refusals() -> None:
@@ -166,19 +166,24 @@ def test_block_copies_travel_in_a_plan_section() -> None:
         BlockCopy(HOST_TIER, DEVICE_TIER, np.array([0, 1], np.int32), np.array([5, 6], np.int32)),
         BlockCopy(DEVICE_TIER, HOST_TIER, np.array([3], np.int32), np.array([1], np.int32)),
     ]
-    values = encode_block_copies(copies)
-    assert values.tolist() == [1, 0, 2, 0, 1, 5, 6, 0, 1, 1, 3, 1]
+    values = encode_block_copies(copies, reads_copies_up=True)
+    assert values.tolist() == [1, 1, 0, 2, 0, 1, 5, 6, 0, 1, 1, 3, 1]
+    assert encode_block_copies(copies).tolist()[0] == 0
     plan = StepPlan.exit(5).with_sections(block_copies=values)
-    decoded = decode_block_copies(StepPlan.decode(plan.encode()).section("block_copies"))
+    decoded, reads_up = decode_block_copies(StepPlan.decode(plan.encode()).section("block_copies"))
+    assert reads_up
     assert [(c.src, c.dst, c.src_blocks.tolist(), c.dst_blocks.tolist()) for c in decoded] == [
         ("host", "device", [0, 1], [5, 6]),
         ("device", "host", [3], [1]),
     ]
     assert encode_block_copies([]).size == 0
     with pytest.raises(ValueError, match="unknown tier id 9"):
-        decode_block_copies(np.array([9, 0, 0], np.int32))
+        decode_block_copies(np.array([0, 9, 0, 0], np.int32))
     with pytest.raises(ValueError, match="runs past the section"):
-        decode_block_copies(np.array([1, 0, 2, 0, 1, 5], np.int32))
+        decode_block_copies(np.array([0, 1, 0, 2, 0, 1, 5], np.int32))
+    with pytest.raises(ValueError, match="flags must be 0 or 1, got 2"):
+        decode_block_copies(np.array([2, 1, 0, 0], np.int32))
+    assert decode_block_copies(np.zeros(0, np.int32)) == ([], False)
     with pytest.raises(PlanDecodeError, match="block_copies below 0"):
         StepPlan.decode(
             StepPlan.exit(5).with_sections(block_copies=np.array([-1], np.int32)).encode()

@@ -205,11 +205,12 @@ class StepPipeline:
         step_id = self.step_id
         with self._phase("build_plan", step_id):
             plan, layout = plan_step(scheduled, step_id, self.scheduler.batch)
-            # KV blocks moving between tiers for this step (evicted ones down, hits below up):
-            # every rank copies them before this plan's forward pass.
+            # KV blocks moving between tiers (evicted ones down, hits below up): every rank
+            # copies them down before this plan's forward pass and up beside it.
             copies = self.scheduler.block_manager.take_copies()
             if copies:
-                plan = plan.with_sections(block_copies=encode_block_copies(copies))
+                values = encode_block_copies(copies, scheduled.reads_copies_up)
+                plan = plan.with_sections(block_copies=values)
         self.step_id += 1
         try:
             logits = self._run_forward(plan, in_flight)

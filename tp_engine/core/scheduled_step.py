@@ -92,6 +92,9 @@ class ScheduledStep:
     # model): the step pipeline asks it and fills them in (`Scheduler.fill_drafts`); until
     # then their drafts are zeros and the step's table changes wait in the batch. None: none.
     late_drafts: LateDrafts | None = None
+    # This step computes a sequence whose blocks the step's own copies up write (it had
+    # nothing else to run): its forward pass waits for them instead of overlapping them.
+    reads_copies_up: bool = False
 
     @property
     def num_entries(self) -> int:

@@ -46,6 +46,7 @@ is never mistaken for the old one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -288,10 +289,17 @@ class Scheduler(VerifyPlanning, StepUpdate):
             budget += self._add_verify_entries(entries, planned)
         for seq, num_tokens in chunks:
             self._add_entry(entries, seq, num_tokens)
+        reads_copies_up = False
         if not preempted and self.gate.admitting:
             # Sequences about to end leave their place in the step to new ones already.
-            self._admit(entries, budget, self.max_num_seqs + num_ending, rows_left)
-        return self._finish_step(single, start, num_known, entries, preempted)
+            loading = self._admit(entries, budget, self.max_num_seqs + num_ending, rows_left)
+            if loading and not (single.size or entries.rows):
+                # Nothing else to overlap the copies up with: the first one computes now and
+                # the plan's forward pass waits for its copies.
+                self._add_entry(entries, *loading[0])
+                reads_copies_up = True
+        step = self._finish_step(single, start, num_known, entries, preempted)
+        return dataclasses.replace(step, reads_copies_up=True) if reads_copies_up else step
 
     def _allocate_decode_blocks(
         self, single: np.ndarray, start: np.ndarray, preempted: list[Sequence]
@@ -351,10 +359,14 @@ class Scheduler(VerifyPlanning, StepUpdate):
 
     def _admit(
         self, entries: EntryLists, budget: int, max_running: int, rows_left: int | None
-    ) -> None:
+    ) -> list[tuple[Sequence, int]]:
         """Admit waiting sequences in order while they fit; `rows_left`: prompt-logprob rows
-        this step may still take (None: no limit)."""
+        this step may still take (None: no limit). Returns those admitted without computing in
+        this step, with the tokens they would have: their blocks from a tier below are copied
+        up beside this step's forward pass (`KVTier.loading`), so they compute from the next
+        step on (vLLM's requests waiting for remote KV)."""
         bm = self.block_manager
+        loading: list[tuple[Sequence, int]] = []
         while self.waiting and budget > 0 and len(self.batch) < max_running:
             seq = self._next_admissible()
             if seq is None:
@@ -380,8 +392,12 @@ class Scheduler(VerifyPlanning, StepUpdate):
                 seq.queue_time_s = max(0.0, time.monotonic() - seq.arrival_time)
             self.batch.add(seq)
             self.batch.sync_blocks(seq)
+            if bm.loading(seq):
+                loading.append((seq, num_tokens))
+                continue
             self._add_entry(entries, seq, num_tokens)
             budget -= num_tokens
+        return loading
 
     def _next_admissible(self) -> Sequence | None:
         """The first waiting sequence the gate admits (the head, unless the gate holds some

@@ -56,6 +56,11 @@ class KVTier(Protocol):
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
 
+    def loading(self, seq: Sequence) -> bool:
+        """Whether a copy up that the next plan carries writes one of `seq`'s blocks: `seq` may
+        not compute in that plan (the copy overlaps its forward pass), unless the plan says it
+        reads its own copies up (`ScheduledStep.reads_copies_up`)."""
+
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock | LowerHit]:
         """The longest run of `seq`'s full blocks already cached (nothing is taken yet): device
         blocks, then blocks found in a tier below (`LowerHit`), which `allocate_slots` gives

@@ -5,7 +5,8 @@ forward pass reads. With a tier below it (`lower`, a `LowerTier`: host memory), 
 it evicts to reuse is copied down first, and a prefix lookup goes on below where the device's
 hits stop: those hits get fresh device blocks and a copy up. The copies leave through
 `take_copies` (down copies first: a device block is read before a copy up overwrites it) in
-the next plan, and every rank carries them out before that plan's forward pass.
+the next plan; every rank runs the copies down before that plan's forward pass and the copies up
+beside it, so a sequence whose blocks are being loaded (`loading`) computes from the plan after.
 
 Rank 0 alone owns this bookkeeping; the ranks only see the resulting block ids in the StepPlan.
 Every block is in exactly one state:
@@ -87,6 +88,8 @@ class BlockManager:
         # Copies decided since the last `take_copies`: down (evictions) and up (hits below).
         self._down: list[BlockCopy] = []
         self._up: list[BlockCopy] = []
+        # Device blocks those copies up write: not readable before the plan after theirs.
+        self._loading: set[int] = set()
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -107,6 +110,12 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def loading(self, seq: Sequence) -> bool:
+        """Whether a copy up not yet taken (`take_copies`) writes one of `seq`'s blocks: the
+        plan that carries it overlaps the copy with its forward pass, so only later plans may
+        read those blocks."""
+        return bool(self._loading) and not self._loading.isdisjoint(seq.block_table)
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock | LowerHit]:
         """Longest run of cached blocks holding a prefix of `seq`, never covering its last token.
@@ -325,6 +334,7 @@ class BlockManager:
         if not (self._down or self._up):
             return []  # every step asks; most have nothing to copy
         copies, self._down, self._up = self._down + self._up, [], []
+        self._loading.clear()
         if self.lower is not None:
             self.lower.unpin()  # the plan that carries these copies reads them before others
         return copies
@@ -365,6 +375,7 @@ class BlockManager:
                 self._evict(block)
         hashes = [hit.block_hash for hit in hits]
         self._up.append(self.lower.load(hashes, [block.block_id for block in blocks]))
+        self._loading.update(block.block_id for block in blocks)
         for block_hash, block_id in displaced:
             copy = self.lower.store([block_hash], [block_id])
             if copy is not None:

@@ -9,7 +9,9 @@ GPU), on a side stream that overlaps the copies up with the forward pass.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -17,9 +19,27 @@ import torch
 
 from rank_worker.qwen3 import KVCachePair
 from rank_worker.side_stream import ImmediateSideStream, SideStream, side_stream_for
-from shm_ipc.block_copies import DEVICE_TIER, HOST_TIER, BlockCopy
+from rank_worker.tp import TPInfo
+from shm_ipc import kv_files
+from shm_ipc.block_copies import (
+    DEVICE_TIER,
+    FILE_TIER,
+    HOST_TIER,
+    BlockCopy,
+    decode_block_copies,
+)
+from shm_ipc.step_plan import StepPlan
 
-__all__ = ["BlockCopier", "DeviceBlockCopier", "HostBlockCopier", "host_pool_blocks"]
+__all__ = [
+    "BlockCopier",
+    "BlockFiles",
+    "DeviceBlockCopier",
+    "HostBlockCopier",
+    "host_pool_blocks",
+    "queue_plan_copies",
+]
+
+logger = logging.getLogger(__name__)
 
 
 class BlockCopier(Protocol):
@@ -93,7 +113,11 @@ class HostBlockCopier:
     tiers = frozenset({DEVICE_TIER, HOST_TIER})
 
     def __init__(
-        self, kv_caches: list[KVCachePair], num_host_blocks: int, stream: SideStream | None = None
+        self,
+        kv_caches: list[KVCachePair],
+        num_host_blocks: int,
+        stream: SideStream | None = None,
+        files: BlockFiles | None = None,
     ) -> None:
         if not kv_caches:
             raise ValueError("a host pool needs the device cache's layers")
@@ -103,6 +127,7 @@ class HostBlockCopier:
         self.device = DeviceBlockCopier(kv_caches)
         self.num_host_blocks = num_host_blocks
         self.stream: SideStream = stream if stream is not None else ImmediateSideStream()
+        self.files = files
         # Not zeroed: a host block is read only after a copy down wrote it.
         self.host = torch.empty(
             (num_host_blocks, len(kv_caches), 2, *first.shape[1:]),
@@ -111,12 +136,25 @@ class HostBlockCopier:
         )
         # The event of the last plan's copies up that no forward pass has waited for yet.
         self._up_pending: object | None = None
+        # This plan's writes to files, run after its forward pass once its copies down are done.
+        self._writes: list[BlockCopy] = []
+        self._down_done: object | None = None
 
     @classmethod
-    def of_size(cls, size_gib: float, kv_caches: list[KVCachePair]) -> HostBlockCopier:
-        """A pool of `size_gib` GiB beside `kv_caches`, copying on the device's side stream."""
+    def of_size(
+        cls, size_gib: float, kv_caches: list[KVCachePair], file_dir: str | None, tp: TPInfo
+    ) -> HostBlockCopier:
+        """A pool of `size_gib` GiB beside `kv_caches`, copying on the device's side stream,
+        with this rank's block files in `file_dir` (None: no file tier)."""
         device = kv_caches[0][0].device
-        return cls(kv_caches, host_pool_blocks(size_gib, kv_caches), side_stream_for(device))
+        num_blocks = host_pool_blocks(size_gib, kv_caches)
+        files = None if file_dir is None else BlockFiles(Path(file_dir), tp.rank, tp.size)
+        return cls(kv_caches, num_blocks, side_stream_for(device), files)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in the pool (and in a block file's payload)."""
+        return self.host[0].numel() * self.host.element_size()
 
     def rebind(self, kv_caches: list[KVCachePair]) -> None:
         """Use `kv_caches` as the device cache from now on (allocated again after a wake); the
@@ -127,12 +165,14 @@ class HostBlockCopier:
     def copy(self, copies: Sequence[BlockCopy]) -> None:
         """`BlockCopier.copy`: every copy done before the compute stream's next work."""
         self.before_forward(copies, reads_copies_up=True)
+        self.after_forward()
 
     def before_forward(self, copies: Sequence[BlockCopy], reads_copies_up: bool) -> None:
         """Queue one plan's copies (rank 0's order: down, then up) before its forward pass; the
         forward pass waits for the previous plan's copies up, for these copies down, and for
-        these copies up too if `reads_copies_up`. ValueError (nothing queued) for a tier this
-        copier does not serve or a block id out of range."""
+        these copies up too if `reads_copies_up`. Writes to files wait for `after_forward`.
+        ValueError (nothing queued) for a tier this copier does not serve or a block id out of
+        range."""
         if self._up_pending is not None:
             self.stream.wait(self._up_pending)
             self._up_pending = None
@@ -140,8 +180,10 @@ class HostBlockCopier:
             self._check(c)
         down = [c for c in copies if c.dst == HOST_TIER and c.src_blocks.size]
         up = [c for c in copies if c.dst == DEVICE_TIER and c.src_blocks.size]
+        self._writes = [c for c in copies if c.dst == FILE_TIER and c.src_blocks.size]
         if down:
-            self.stream.wait(self.stream.run(lambda: self._copy_down(down)))
+            self._down_done = self.stream.run(lambda: self._copy_down(down))
+            self.stream.wait(self._down_done)
         if up:
             done = self.stream.run(lambda: self._copy_up(up))
             if reads_copies_up:
@@ -149,14 +191,33 @@ class HostBlockCopier:
             else:
                 self._up_pending = done
 
+    def after_forward(self) -> None:
+        """Write this plan's blocks to files from the host pool, once its copies down are done
+        (the forward pass is queued by now: on a GPU it runs meanwhile). A write that fails
+        (a full disk, a read-only directory) turns this rank's writes off with a warning;
+        rank 0 finds the file missing and calls the block a miss."""
+        writes, self._writes = self._writes, []
+        if not writes or self.files is None:
+            return
+        if self._down_done is not None:
+            self.stream.synchronize(self._down_done)
+        for c in writes:
+            for host_block, key in zip(c.src_blocks.tolist(), c.keys, strict=True):  # type: ignore[arg-type]
+                self.files.write(kv_files.key_bytes(key), self._host_bytes(host_block))
+
+    def _host_bytes(self, host_block: int) -> np.ndarray:
+        return self.host[host_block].view(-1).view(torch.uint8).numpy()
+
     def _check(self, c: BlockCopy) -> None:
-        if (c.src, c.dst) not in (
-            (HOST_TIER, DEVICE_TIER), (DEVICE_TIER, HOST_TIER), (DEVICE_TIER, DEVICE_TIER)
-        ):  # fmt: skip
+        pairs = {(HOST_TIER, DEVICE_TIER), (DEVICE_TIER, HOST_TIER), (DEVICE_TIER, DEVICE_TIER)}
+        if self.files is not None:
+            pairs |= {(HOST_TIER, FILE_TIER), (FILE_TIER, DEVICE_TIER)}
+        if (c.src, c.dst) not in pairs:
             raise ValueError(f"no copier for {c.src!r} -> {c.dst!r} on this rank")
         limits = {DEVICE_TIER: self.device.num_blocks, HOST_TIER: self.num_host_blocks}
-        _check_ids(c.src_blocks, limits[c.src], c.src)
-        _check_ids(c.dst_blocks, limits[c.dst], c.dst)
+        for tier, ids in ((c.src, c.src_blocks), (c.dst, c.dst_blocks)):
+            if tier != FILE_TIER:
+                _check_ids(ids, limits[tier], tier)
 
     def _copy_down(self, copies: list[BlockCopy]) -> None:
         """Device blocks into host blocks: gathered on the device, then one copy per block."""
@@ -171,7 +232,8 @@ class HostBlockCopier:
                 self.host[host_block].copy_(staged[i], non_blocking=True)
 
     def _copy_up(self, copies: list[BlockCopy]) -> None:
-        """Host blocks into device blocks: one copy per block, then scattered per layer."""
+        """Host blocks (or block files) into device blocks: one copy per block, then scattered
+        per layer."""
         kv_caches = self.device.kv_caches
         device = kv_caches[0][0].device
         for c in copies:
@@ -180,9 +242,72 @@ class HostBlockCopier:
                 continue
             staged = torch.empty((c.src_blocks.size, *self.host.shape[1:]), dtype=self.host.dtype,
                                  device=device)  # fmt: skip
-            for i, host_block in enumerate(c.src_blocks.tolist()):
-                staged[i].copy_(self.host[host_block], non_blocking=True)
+            for i, block in enumerate(self._sources(c)):
+                staged[i].copy_(block, non_blocking=True)
             dst = torch.as_tensor(c.dst_blocks, dtype=torch.long).to(device)
             for layer, (k, v) in enumerate(kv_caches):
                 k.index_copy_(0, dst, staged[:, layer, 0])
                 v.index_copy_(0, dst, staged[:, layer, 1])
+
+    def _sources(self, c: BlockCopy) -> list[torch.Tensor]:
+        """The blocks a copy up reads: host blocks, or block files read whole (checked)."""
+        if c.src == HOST_TIER:
+            return [self.host[b] for b in c.src_blocks.tolist()]
+        assert self.files is not None and c.keys is not None
+        shape, dtype = self.host.shape[1:], self.host.dtype
+        return [
+            torch.frombuffer(self.files.read(kv_files.key_bytes(key), self.block_bytes),
+                             dtype=torch.uint8).view(dtype).view(shape)
+            for key in c.keys
+        ]  # fmt: skip
+
+
+class BlockFiles:
+    """This rank's block files in `directory` (`shm_ipc.kv_files`)."""
+
+    def __init__(self, directory: Path, rank: int, world: int) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.world = world
+        self.writable = True
+
+    def write(self, key: bytes, payload: np.ndarray) -> None:
+        if not self.writable:
+            return
+        try:
+            kv_files.write(self._path(key), key, payload)
+        except OSError as exc:
+            self.writable = False
+            logger.warning(
+                "rank %d: KV file tier writes off: %s (%s); blocks already there are still read",
+                self.rank, self.directory, exc,
+            )  # fmt: skip
+
+    def read(self, key: bytes, num_bytes: int) -> bytearray:
+        """The payload of `key`'s file (checked); RuntimeError if it is not whole and
+        unchanged (rank 0 checked it before calling it a hit: something changed it since)."""
+        path = self._path(key)
+        payload = kv_files.read(path, key, num_bytes)
+        if payload is None:
+            raise RuntimeError(
+                f"rank {self.rank}: KV block file {path} changed after rank 0 checked it"
+            )
+        return bytearray(payload)
+
+    def _path(self, key: bytes) -> Path:
+        return kv_files.block_file(self.directory, key, self.rank, self.world)
+
+
+def queue_plan_copies(
+    pool: HostBlockCopier | None, kv_caches: list[KVCachePair], plan: StepPlan
+) -> None:
+    """`plan`'s KV block copies between tiers, queued before its forward pass (which waits for
+    what it reads: `HostBlockCopier.before_forward`); ValueError for copies on a rank without
+    a host pool."""
+    copies, reads_copies_up = decode_block_copies(plan.section("block_copies"))
+    if pool is None:
+        if copies:
+            raise ValueError(f"step {plan.step_id}: block copies, but no host KV tier here")
+        return
+    pool.rebind(kv_caches)
+    pool.before_forward(copies, reads_copies_up)

@@ -44,7 +44,7 @@ from rank_worker.kv_cache import (
     cpu_num_blocks,
     measure_gpu_num_blocks,
 )
-from rank_worker.kv_copies import HostBlockCopier
+from rank_worker.kv_copies import HostBlockCopier, queue_plan_copies
 from rank_worker.layers.rope_spec import RopeSpec
 from rank_worker.loader import load_checkpoint
 from rank_worker.lora import layers as lora_layers
@@ -54,7 +54,6 @@ from rank_worker.qwen3 import KVCachePair
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo, all_reduce_min_int
 from rank_worker.weight_map import WeightMap
-from shm_ipc.block_copies import decode_block_copies
 from shm_ipc.step_plan import Command, StepPlan, batch_rows
 
 logger = logging.getLogger(__name__)
@@ -284,7 +283,12 @@ class ModelRunner:
             draft.kv_caches = allocate_kv_cache(draft.kv_spec, num_blocks, self.device)
             draft.num_kv_blocks = num_blocks
         if self.config.kv_offloading_size is not None and self.host_pool is None:
-            self.host_pool = HostBlockCopier.of_size(self.config.kv_offloading_size, self.kv_caches)
+            self.host_pool = HostBlockCopier.of_size(
+                self.config.kv_offloading_size,
+                self.kv_caches,
+                self.config.kv_offloading_dir,
+                self.tp,
+            )
         self.startup_s["kv_cache"] = time.perf_counter() - start
         if self.uses_triton or (draft is not None and draft.uses_triton):
             start = time.perf_counter()
@@ -368,7 +372,7 @@ class ModelRunner:
         if self.kv_caches is None:
             raise RuntimeError("execute before init_kv_cache, or after release")
         self._check_awake(plan)
-        self._copy_blocks(plan)
+        queue_plan_copies(self.host_pool, self.kv_caches, plan)
         inputs = self._prepare(plan, last_sampled)
         if self.graph_runner is not None and self.graph_runner.can_run(plan):
             base_only = self.lora is not None and self.lora.batch.skip
@@ -376,6 +380,8 @@ class ModelRunner:
             logits = self._logits(hidden, inputs.logits_indices)
         else:
             logits = self._forward(inputs, self.kv_caches)
+        if self.host_pool is not None:
+            self.host_pool.after_forward()  # this plan's writes to files, while it runs
         if self.draft is not None:
             # The draft model's K/V of the same tokens (prompts, accepted drafts): what its
             # proposals attend to. No logits.
@@ -398,17 +404,6 @@ class ModelRunner:
         inputs = self._prepare(plan, last_sampled)
         hidden = draft.model(inputs.input_ids, inputs.positions, inputs.meta, draft.kv_caches)
         return draft._logits(hidden, inputs.logits_indices)
-
-    def _copy_blocks(self, plan: StepPlan) -> None:
-        """The plan's KV block copies between tiers, queued before its forward pass (which waits
-        for what it reads: `HostBlockCopier.before_forward`)."""
-        copies, reads_copies_up = decode_block_copies(plan.section("block_copies"))
-        if self.host_pool is None:
-            if copies:
-                raise ValueError(f"step {plan.step_id}: block copies, but no host KV tier here")
-            return
-        self.host_pool.rebind(self.kv_caches)
-        self.host_pool.before_forward(copies, reads_copies_up)
 
     def _check_awake(self, plan: StepPlan) -> None:
         """A forward over released memory reads freed addresses (a crash, not an error)."""

@@ -82,6 +82,8 @@ class RunnerConfig:
     # GiB of host memory per rank for the KV tier below the device cache (`kv_copies`); None:
     # none. Every rank sizes its pool from it and its own cache layout, alike on every rank.
     kv_offloading_size: float | None = None
+    # The KV file tier's directory (`kv_files`), below the host pool; None: none.
+    kv_offloading_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.enable_lora:

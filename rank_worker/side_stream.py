@@ -5,6 +5,7 @@ The contract `kv_copies.HostBlockCopier` relies on, and all a `SideStream` offer
     run(work)     queue `work` (device ops) after everything the compute stream has queued so
                   far; returns an event that completes after it
     wait(event)   the compute stream's later work starts after `event`
+    synchronize(event)  the host returns once `event` has completed
 
 | stream                 | run                                          | wait                      |
 | ---------------------- | -------------------------------------------- | ------------------------- |
@@ -48,6 +49,9 @@ class SideStream(Protocol):
     def wait(self, event: object) -> None:
         """The compute stream's later work starts after `event` has completed."""
 
+    def synchronize(self, event: object) -> None:
+        """Return once `event` has completed (the host reads what the work wrote)."""
+
 
 class ImmediateSideStream:
     """CPU: the work is done when `run` returns."""
@@ -57,6 +61,9 @@ class ImmediateSideStream:
         return None
 
     def wait(self, event: object) -> None:
+        pass
+
+    def synchronize(self, event: object) -> None:
         pass
 
 
@@ -81,6 +88,10 @@ class CudaSideStream:
         assert isinstance(event, torch.cuda.Event)
         torch.cuda.current_stream(self.device).wait_event(event)
 
+    def synchronize(self, event: object) -> None:
+        assert isinstance(event, torch.cuda.Event)
+        event.synchronize()
+
 
 class DeferredSideStream:
     """Tests: queued work runs only when the compute stream waits for it (or for later work)."""
@@ -98,6 +109,8 @@ class DeferredSideStream:
         assert isinstance(event, int)
         while self._queued and self._queued[0][0] <= event:
             self._queued.pop(0)[1]()
+
+    synchronize = wait  # the host waits as the compute stream would: the work runs now
 
     @property
     def num_queued(self) -> int:

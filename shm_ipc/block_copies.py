@@ -19,6 +19,7 @@ import numpy as np
 
 __all__ = [
     "DEVICE_TIER",
+    "FILE_TIER",
     "HOST_TIER",
     "TIER_IDS",
     "BlockCopy",
@@ -30,6 +31,11 @@ __all__ = [
 DEVICE_TIER = "device"
 # Pinned host memory on every rank, the same layout per block (`rank_worker.kv_copies`).
 HOST_TIER = "host"
+# Files, one per block and rank (`shm_ipc.kv_files`): named by key, so a copy names its file
+# blocks by key (`BlockCopy.keys`) and their ids are only positions.
+FILE_TIER = "file"
+# A file key on the wire: 16 bytes as 8 values (`kv_files.key_values`).
+KEY_VALUES = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,8 +48,17 @@ class BlockCopy:
     # [N] int32 block ids within `src` and within `dst`, pairwise.
     src_blocks: np.ndarray
     dst_blocks: np.ndarray
+    # [N, KEY_VALUES] int32: the file keys of the file side (`kv_files.key_values`), when
+    # `src` or `dst` is the file tier; None otherwise.
+    keys: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        if (FILE_TIER in (self.src, self.dst)) != (self.keys is not None):
+            raise ValueError("a block copy carries file keys exactly when a side is the file tier")
+        if self.keys is not None and self.keys.shape != (self.src_blocks.size, KEY_VALUES):
+            raise ValueError(
+                f"file keys of shape {self.keys.shape} for {self.src_blocks.size} blocks"
+            )
         if self.src_blocks.shape != self.dst_blocks.shape or self.src_blocks.ndim != 1:
             raise ValueError(
                 f"a block copy pairs blocks one to one: {self.src_blocks.shape} source ids, "
@@ -54,7 +69,7 @@ class BlockCopy:
 
 
 # Tier names on the wire (the `block_copies` StepPlan section); never renumbered.
-TIER_IDS = {DEVICE_TIER: 0, HOST_TIER: 1, "file": 2}
+TIER_IDS = {DEVICE_TIER: 0, HOST_TIER: 1, FILE_TIER: 2}
 _TIER_NAMES = {wire_id: name for name, wire_id in TIER_IDS.items()}
 
 
@@ -62,12 +77,15 @@ def encode_block_copies(copies: list[BlockCopy], reads_copies_up: bool = False) 
     """`copies` as the int32 values of the StepPlan's `block_copies` section: a flags value (1:
     this plan's forward pass reads blocks its own copies up write, so it waits for them; 0: only
     later plans read them, and the copies up overlap this forward pass), then per copy `src tier,
-    dst tier, N, src_blocks[N], dst_blocks[N]`, in order. An empty list is an empty array (the
+    dst tier, N, src_blocks[N], dst_blocks[N]` and, with the file tier on a side, its keys
+    `[N * KEY_VALUES]`, in order. An empty list is an empty array (the
     plan then carries no section)."""
     parts: list[np.ndarray] = [np.array([int(reads_copies_up)], np.int32)]
     for c in copies:
         header = np.array([TIER_IDS[c.src], TIER_IDS[c.dst], c.src_blocks.size], np.int32)
         parts += [header, c.src_blocks.astype(np.int32), c.dst_blocks.astype(np.int32)]
+        if c.keys is not None:
+            parts.append(c.keys.astype(np.int32).ravel())
     return np.concatenate(parts) if copies else np.zeros(0, np.int32)
 
 
@@ -93,6 +111,14 @@ def decode_block_copies(values: np.ndarray) -> tuple[list[BlockCopy], bool]:
         if count < 0 or end > values.size:
             raise ValueError(f"block_copies: a copy of {count} blocks runs past the section")
         src_blocks, dst_blocks = values[i + 3 : i + 3 + count], values[i + 3 + count : end]
-        copies.append(BlockCopy(_TIER_NAMES[src], _TIER_NAMES[dst], src_blocks, dst_blocks))
+        keys = None
+        if TIER_IDS[FILE_TIER] in (src, dst):
+            i, end = end, end + KEY_VALUES * count
+            if end > values.size:
+                raise ValueError(
+                    f"block_copies: the keys of {count} file blocks run past the section"
+                )
+            keys = values[i:end].reshape(count, KEY_VALUES)
+        copies.append(BlockCopy(_TIER_NAMES[src], _TIER_NAMES[dst], src_blocks, dst_blocks, keys))
         i = end
     return copies, bool(values[0])

@@ -39,6 +39,8 @@ NON_DEFAULTS = {
     "num_kv_blocks": "33",
     "kv_cache_memory_bytes": "123456",
     "kv_offloading_size": "0.25",
+    "kv_offloading_dir": "/tmp/kv-files",
+    "kv_offloading_dir_size": "2.5",
     "runner": "pooling",
     "convert": "embed",
     "hf_overrides": '{"is_matryoshka": true}',

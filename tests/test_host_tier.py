@@ -20,8 +20,20 @@ from shm_ipc.block_copies import (
 from shm_ipc.step_plan import PlanDecodeError, StepPlan
 from tp_engine.core.kv.base import LowerTier
 from tp_engine.core.kv.block_manager import BlockManager
+from tp_engine.core.kv.blocks import LowerHit
 from tp_engine.core.kv.host_tier import HostTier
 from tp_engine.core.sequence import Sequence
+
+
+def H(*hashes: int) -> list[LowerHit]:
+    """Blocks as the device tier describes them; the host tier reads only their hashes."""
+    return [LowerHit(h, None, ()) for h in hashes]
+
+
+def one(copies: list[BlockCopy]) -> BlockCopy | None:
+    """The single copy of a list of copies (None: no copy)."""
+    assert len(copies) <= 1, copies
+    return copies[0] if copies else None
 
 
 def copy_pairs(copy) -> list[tuple[int, int]]:
@@ -30,63 +42,63 @@ def copy_pairs(copy) -> list[tuple[int, int]]:
 
 def test_store_then_match_and_load_exact_blocks() -> None:
     tier = HostTier(4)
-    down = tier.store([11, 12, 13], [7, 8, 9])
+    down = one(tier.store(H(11, 12, 13), [7, 8, 9]))
     assert (down.src, down.dst) == (DEVICE_TIER, HOST_TIER)
     assert copy_pairs(down) == [(7, 0), (8, 1), (9, 2)]  # device -> host, low ids first
     assert down.src_blocks.dtype == np.int32
-    assert tier.match([11, 12, 13, 14]) == 3
-    assert tier.match([12, 13]) == 2 and tier.match([99, 11]) == 0  # a chain stops at a miss
+    assert tier.match(H(11, 12, 13, 14)) == 3
+    assert tier.match(H(12, 13)) == 2 and tier.match(H(99, 11)) == 0  # a chain stops at a miss
     assert (tier.queries, tier.hits) == (8, 5)
-    up = tier.load([11, 12], [3, 4])
+    up = one(tier.load(H(11, 12), [3, 4]))
     assert (up.src, up.dst) == (HOST_TIER, DEVICE_TIER)
     assert copy_pairs(up) == [(0, 3), (1, 4)]
-    assert tier.store([11, 12, 13], [7, 8, 9]) is None  # all held: nothing to copy
+    assert one(tier.store(H(11, 12, 13), [7, 8, 9])) is None  # all held: nothing to copy
     tier.check_integrity()
     assert (tier.num_cached_blocks, tier.num_free_blocks, tier.usage) == (3, 1, 0.75)
 
 
 def test_least_recently_used_is_evicted_first() -> None:
     tier = HostTier(3)
-    tier.store([1, 2, 3], [10, 11, 12])  # host 0, 1, 2
-    tier.load([1], [5])  # 1 is now the most recently used: LRU order 2, 3, 1
+    one(tier.store(H(1, 2, 3), [10, 11, 12]))  # host 0, 1, 2
+    one(tier.load(H(1), [5]))  # 1 is now the most recently used: LRU order 2, 3, 1
     tier.unpin()  # its copy up left in a plan
-    down = tier.store([4], [13])
+    down = one(tier.store(H(4), [13]))
     assert copy_pairs(down) == [(13, 1)]  # 2's host block, reused
-    assert tier.match([2]) == 0 and tier.match([1]) == 1 and tier.match([4]) == 1
-    down = tier.store([5, 6], [14, 15])  # evicts 3 (host 2), then 1 (host 0)
+    assert tier.match(H(2)) == 0 and tier.match(H(1)) == 1 and tier.match(H(4)) == 1
+    down = one(tier.store(H(5, 6), [14, 15]))  # evicts 3 (host 2), then 1 (host 0)
     assert copy_pairs(down) == [(14, 2), (15, 0)]
-    assert tier.match([1]) == 0 and tier.match([3]) == 0
+    assert tier.match(H(1)) == 0 and tier.match(H(3)) == 0
     tier.check_integrity()
 
 
 def test_a_chain_longer_than_the_tier_keeps_its_start() -> None:
     tier = HostTier(2)
-    tier.store([9], [1])
-    down = tier.store([21, 22, 23, 24], [30, 31, 32, 33])
+    one(tier.store(H(9), [1]))
+    down = one(tier.store(H(21, 22, 23, 24), [30, 31, 32, 33]))
     # The chain evicts 9 but never its own first blocks; blocks past the tier's size are not
     # stored (they would be unreachable without the ones before them).
     assert copy_pairs(down) == [(30, 1), (31, 0)]
-    assert tier.match([21, 22, 23]) == 2
+    assert tier.match(H(21, 22, 23)) == 2
     tier.check_integrity()
 
 
 def test_held_blocks_of_the_chain_being_stored_are_not_evicted() -> None:
     tier = HostTier(2)
-    tier.store([1, 2], [10, 11])
-    tier.load([2], [3])  # LRU order: 1, 2
+    one(tier.store(H(1, 2), [10, 11]))
+    one(tier.load(H(2), [3]))  # LRU order: 1, 2
     tier.unpin()
-    down = tier.store([1, 5], [10, 12])  # 1 is held (and part of this chain): evict 2, not 1
+    down = one(tier.store(H(1, 5), [10, 12]))  # 1 is held (and part of this chain): evict 2, not 1
     assert copy_pairs(down) == [(12, 1)]
-    assert tier.match([1, 5]) == 2 and tier.match([2]) == 0
+    assert tier.match(H(1, 5)) == 2 and tier.match(H(2)) == 0
     tier.check_integrity()
 
 
 def test_reset_forgets_everything_and_frees_the_blocks() -> None:
     tier = HostTier(3)
-    tier.store([1, 2], [4, 5])
+    one(tier.store(H(1, 2), [4, 5]))
     assert tier.reset() == 2
-    assert tier.match([1]) == 0 and tier.num_free_blocks == 3
-    assert copy_pairs(tier.store([7], [6])) == [(6, 1)]  # ids given back are reused
+    assert tier.match(H(1)) == 0 and tier.num_free_blocks == 3
+    assert copy_pairs(one(tier.store(H(7), [6]))) == [(6, 1)]  # ids given back are reused
     tier.check_integrity()
 
 
@@ -94,10 +106,10 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match="at least one block"):
         HostTier(0)
     tier = HostTier(2)
-    with pytest.raises(ValueError, match="2 hashes for 1 device blocks"):
-        tier.store([1, 2], [3])
+    with pytest.raises(ValueError, match="2 blocks for 1 device blocks"):
+        one(tier.store(H(1, 2), [3]))
     with pytest.raises(KeyError):
-        tier.load([42], [0])
+        one(tier.load(H(42), [0]))
     # Every member of the interface the device tier consults.
     members = [m for m in dir(LowerTier) if not m.startswith("_")] + ["name", "num_blocks"]
     assert {"match", "load", "store"} <= set(members)
@@ -124,12 +136,12 @@ def test_blocks_go_down_and_come_back_up_exactly() -> None:
     before = [(k.clone(), v.clone()) for k, v in cache]
     copier = HostBlockCopier(cache, num_host_blocks=3)
     tier = HostTier(3)
-    copier.copy([tier.store([101, 102], [4, 1])])  # device 4, 1 -> host 0, 1
+    copier.copy(tier.store(H(101, 102), [4, 1]))  # device 4, 1 -> host 0, 1
     for k, v in cache:  # the device blocks are reused: overwritten
         k[[1, 4]] = 0.0
         v[[1, 4]] = 0.0
-    assert tier.match([101, 102]) == 2
-    copier.copy([tier.load([101, 102], [2, 5])])  # host 0, 1 -> device 2, 5
+    assert tier.match(H(101, 102)) == 2
+    copier.copy(tier.load(H(101, 102), [2, 5]))  # host 0, 1 -> device 2, 5
     for (k, v), (k0, v0) in zip(cache, before, strict=True):
         assert torch.equal(k[2], k0[4]) and torch.equal(k[5], k0[1])
         assert torch.equal(v[2], v0[4]) and torch.equal(v[5], v0[1])
@@ -140,15 +152,15 @@ def test_a_host_block_being_loaded_is_not_overwritten_before_its_copy_leaves() -
     cache = make_cache(4)
     copier = HostBlockCopier(cache, num_host_blocks=1)
     tier = HostTier(1)
-    copier.copy([tier.store([7], [0])])  # host 0 holds device 0's values
+    copier.copy(tier.store(H(7), [0]))  # host 0 holds device 0's values
     old = cache[0][0][0].clone()
-    up = tier.load([7], [2])
-    assert tier.store([8], [3]) is None  # the only host block is pinned by the pending load
-    copier.copy([up])
+    up = tier.load(H(7), [2])
+    assert tier.store(H(8), [3]) == []  # the only host block is pinned by the pending load
+    copier.copy(up)
     assert torch.equal(cache[0][0][2], old)
     tier.unpin()  # the copy up left in a plan: the block may go now
-    down = tier.store([8], [3])
-    assert copy_pairs(down) == [(3, 0)] and tier.match([7]) == 0
+    down = one(tier.store(H(8), [3]))
+    assert copy_pairs(down) == [(3, 0)] and tier.match(H(7)) == 0
     copier.copy([down])
     assert torch.equal(copier.host[0, 0, 0], cache[0][0][3])  # host block 0, layer 0, K
 
@@ -157,8 +169,11 @@ def test_copier_refusals() -> None:
     copier = HostBlockCopier(make_cache(2), num_host_blocks=2)
     with pytest.raises(ValueError, match=r"host block ids \[2\] outside \[0, 2\)"):
         copier.copy([BlockCopy(HOST_TIER, DEVICE_TIER, np.array([2], np.int32), np.array([0]))])
-    with pytest.raises(ValueError, match="no copier for 'file'"):
-        copier.copy([BlockCopy("file", DEVICE_TIER, np.array([0]), np.array([0]))])
+    key = np.zeros((1, 8), np.int32)
+    with pytest.raises(ValueError, match="no copier for 'file'"):  # no file tier on this rank
+        copier.copy([BlockCopy("file", DEVICE_TIER, np.array([0]), np.array([0]), key)])
+    with pytest.raises(ValueError, match="carries file keys exactly when"):
+        BlockCopy("file", DEVICE_TIER, np.array([0]), np.array([0]))
 
 
 def test_block_copies_travel_in_a_plan_section() -> None:

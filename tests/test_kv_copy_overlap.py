@@ -20,6 +20,7 @@ from rank_worker.side_stream import (
     side_stream_for,
 )
 from tests.control_plane import Stepper, make_scheduler, make_seq
+from tp_engine.core.kv.blocks import LowerHit
 from tp_engine.core.kv.host_tier import HostTier
 from tp_engine.core.sequence import SequenceStatus
 
@@ -35,6 +36,9 @@ def cache(num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+H11 = [LowerHit(11, None, ())]  # a block as the device tier describes it (hash 11)
+
+
 def test_copies_up_land_before_the_next_forward_pass_not_this_one() -> None:
     kv = cache(6)
     stream = DeferredSideStream()
@@ -42,19 +46,19 @@ def test_copies_up_land_before_the_next_forward_pass_not_this_one() -> None:
     tier = HostTier(4)
     block0 = [(k[0].clone(), v[0].clone()) for k, v in kv]
     # Down: the plan's forward pass may overwrite block 0, so it waits for the copy at once.
-    copier.before_forward([tier.store([11], [0])], reads_copies_up=False)
+    copier.before_forward(tier.store(H11, [0]), reads_copies_up=False)
     assert stream.num_queued == 0
     for k, v in kv:
         k[0], v[0] = 0.0, 0.0
     # Up, overlapped: queued beside this forward pass, landed before the next one.
-    copier.before_forward([tier.load([11], [3])], reads_copies_up=False)
+    copier.before_forward(tier.load(H11, [3]), reads_copies_up=False)
     assert stream.num_queued == 1 and not torch.equal(kv[0][0][3], block0[0][0])
     copier.before_forward([], reads_copies_up=False)  # the next plan
     assert stream.num_queued == 0
     for (k, v), (k0, v0) in zip(kv, block0, strict=True):
         assert torch.equal(k[3], k0) and torch.equal(v[3], v0)
     # Up, read by the plan that carries it (nothing else ran): waited for at once.
-    copier.before_forward([tier.load([11], [5])], reads_copies_up=True)
+    copier.before_forward(tier.load(H11, [5]), reads_copies_up=True)
     assert stream.num_queued == 0 and torch.equal(kv[1][1][5], block0[1][1])
 
 

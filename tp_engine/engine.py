@@ -27,6 +27,7 @@ from tp_engine.config import EngineConfig
 from tp_engine.config.generation import eos_token_ids, sampling_defaults
 from tp_engine.core.engine_core import EngineCore
 from tp_engine.core.hooks import CoreHooks
+from tp_engine.core.kv.file_tier import open_file_tier
 from tp_engine.core.sampling.profiling import profile_sampling
 from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.executor.control import EngineControl
@@ -100,6 +101,11 @@ class LLMEngine(EngineCore):
             speculative.plug_in(config.speculative_config, hooks)
         # The label of the weights in use (SGLang's `weight_version`); set by weight updates.
         self.weight_version = "default"
+        file_tier = None
+        if config.kv_offloading_dir is not None:
+            pool = executor.runner.host_pool
+            layout = f"{tuple(pool.host.shape[1:])} {pool.host.dtype}"
+            file_tier = open_file_tier(config, model_dir, pool.block_bytes, layout)
         super().__init__(
             config,
             executor,
@@ -109,6 +115,7 @@ class LLMEngine(EngineCore):
             model_spec=model_spec,
             generation_defaults=sampling_defaults(model_dir),
             hooks=hooks,
+            file_tier=file_tier,
         )
         if self.spec is not None:
             logger.info(

@@ -113,6 +113,11 @@ class EngineConfig:
     # per rank holding that rank's KV shard of full blocks the GPU pool evicted, found again by
     # the prefix cache's hashes (`tp_engine.core.kv.host_tier`). None: no tier below.
     kv_offloading_size: float | None = None
+    # A file tier below the host tier (`tp_engine.core.kv.file_tier`): a directory of block
+    # files, written through from host memory and capped at `kv_offloading_dir_size` GiB (every
+    # rank's files), that a restarted server on the same checkpoint reads again. None: none.
+    kv_offloading_dir: str | None = None
+    kv_offloading_dir_size: float = 16.0
 
     def __post_init__(self) -> None:
         spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
@@ -134,6 +139,13 @@ class EngineConfig:
         _check(self.max_loras >= 1, "max_loras", "must be >= 1")
         if self.kv_offloading_size is not None:
             _check(self.kv_offloading_size > 0, "kv_offloading_size", "must be > 0 (GiB)")
+        if self.kv_offloading_dir is not None:
+            _check(
+                self.kv_offloading_size is not None,
+                "kv_offloading_dir",
+                "needs kv_offloading_size too (the file tier is written from host memory)",
+            )
+        _check(self.kv_offloading_dir_size > 0, "kv_offloading_dir_size", "must be > 0 (GiB)")
         _check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(

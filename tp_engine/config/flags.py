@@ -114,6 +114,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("kv_offloading_size", "GiB of host memory per rank for a KV tier below the GPU's: "
          "full blocks the GPU pool evicts are copied there and found again by the prefix "
          "cache (default: none)", type=float, metavar="GIB"),
+    Flag("kv_offloading_dir", "a directory for a KV tier of block files below host memory "
+         "(needs --kv-offloading-size): written through from it, read again by a restarted "
+         "server on the same checkpoint (default: none)", metavar="PATH"),
+    Flag("kv_offloading_dir_size", "GiB of block files (every rank's) kept in "
+         "--kv-offloading-dir, least recently used evicted", type=float, metavar="GIB"),
     Flag("runner", "generate (completions, chat) or pooling (embeddings, scores); auto: "
          "pooling for a sentence-transformers checkpoint (modules.json) or a "
          "*ForSequenceClassification one", choices=RUNNERS),

@@ -49,6 +49,7 @@ from tp_engine.step_timeline import StepTimeline
 from tp_engine.thinking import ThinkTokens
 
 if TYPE_CHECKING:
+    from tp_engine.core.kv.file_tier import FileTier
     from tp_engine.executor.base import Executor
     from tp_engine.executor.control import EngineInconsistentError
 
@@ -77,6 +78,7 @@ class EngineCore(RequestIntake, StepPipeline):
         model_spec: Any,
         generation_defaults: dict[str, Any] | None = None,
         hooks: CoreHooks | None = None,
+        file_tier: FileTier | None = None,
     ) -> None:
         self.config = config
         self._launch_config = config
@@ -89,8 +91,11 @@ class EngineCore(RequestIntake, StepPipeline):
         self.hooks = CoreHooks() if hooks is None else hooks
         self.num_kv_blocks = executor.num_kv_blocks
         # The host-memory KV tier below the device pool (`kv_offloading_size`): rank 0's index
-        # of what every rank's host pool holds. Kept across `reconfigure`.
-        self.host_tier = HostTier(executor.num_host_blocks) if executor.num_host_blocks else None
+        # of what every rank's host pool holds, and of the file tier below it (`file_tier`).
+        # Kept across `reconfigure`.
+        self.host_tier = (
+            HostTier(executor.num_host_blocks, file_tier) if executor.num_host_blocks else None
+        )
         # The tokenizer's <think> / </think> ids, read on the first request with a budget.
         self._think_tokens: ThinkTokens | None = None
         # n > 1: id of a request's first sequence -> its siblings, held until its prompt is

@@ -108,25 +108,28 @@ class KVTier(Protocol):
 
 class LowerTier(Protocol):
     """A tier below the device pool: holds copies of full blocks by their prefix-cache hash
-    (`block_manager.hash_block_tokens` chains), in blocks of its own."""
+    (`block_manager.hash_block_tokens` chains), in blocks of its own. Blocks are described as
+    `LowerHit`s (hash, parent hash, tokens): a tier may key them its own way (files)."""
 
     # Its name in `BlockCopy.src` / `dst`, and on the ranks.
     name: str
     num_blocks: int
 
-    def match(self, block_hashes: TokenIds[int]) -> int:
-        """How many of the leading `block_hashes` this tier holds."""
+    def match(self, blocks: TokenIds[LowerHit]) -> int:
+        """How many of the leading `blocks` this tier (or one below it) holds."""
 
-    def load(self, block_hashes: TokenIds[int], device_blocks: TokenIds[int]) -> BlockCopy:
-        """The copy up of the blocks of `block_hashes` (held here) into `device_blocks`."""
+    def load(self, blocks: TokenIds[LowerHit], device_blocks: TokenIds[int]) -> list[BlockCopy]:
+        """The copies up of matched `blocks` into `device_blocks`."""
 
-    def store(self, block_hashes: TokenIds[int], device_blocks: TokenIds[int]) -> BlockCopy | None:
-        """Take copies of the full device blocks `device_blocks` (hashes `block_hashes`),
-        evicting its own least recently used ones (never one a pending `load` reads); the copy
-        down, or None if it keeps none."""
+    def store(self, blocks: TokenIds[LowerHit], device_blocks: TokenIds[int]) -> list[BlockCopy]:
+        """Take copies of the full device blocks `device_blocks` (holding `blocks`), evicting
+        its own least recently used ones (never one a pending copy reads); the copies down."""
+
+    def committed(self, block: LowerHit) -> None:
+        """The device tier registered `block` in its prefix cache (each chain in order)."""
 
     def unpin(self) -> None:
-        """The copies decided so far have left in a plan: loaded blocks may be evicted again."""
+        """The copies decided so far have left in a plan: blocks they read may be evicted."""
 
     def reset(self) -> int:
         """Forget every block held (`reset_prefix_cache`, new weights); how many."""

@@ -142,13 +142,14 @@ class BlockManager:
                 break
             hits.append(block)
         if self.lower is not None and len(hits) < max_blocks:
-            first = len(hits)
-            found = self.lower.match(hashes[first:max_blocks])
-            for i in range(first, first + found):
-                parent = hashes[i - 1] if i else seq.cache_root
-                hits.append(
-                    LowerHit(hashes[i], parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            below = [
+                LowerHit(
+                    hashes[i], hashes[i - 1] if i else seq.cache_root,
+                    tuple(seq.token_ids[i * bs : (i + 1) * bs]),
                 )
+                for i in range(len(hits), max_blocks)
+            ]  # fmt: skip
+            hits += below[: self.lower.match(below)]
         return hits
 
     # -- allocation --------------------------------------------------------------------------------
@@ -251,6 +252,8 @@ class BlockManager:
             return
         bs, cached, hash_fn, epoch = self.block_size, self.cached, self._hash_fn, self.epoch
         made = self.blocks._made  # a block in a block table was made when it was handed out
+        # A file tier below keys chains as they grow (`LowerTier.committed`).
+        committed = self.lower.committed if self.lower is not None else None
         for seq, computed in zip(seqs, num_computed, strict=True):
             first, num_full = seq.num_committed_blocks, computed // bs
             # A sequence admitted under other weights (kept running across an update) holds
@@ -274,6 +277,8 @@ class BlockManager:
                     block.parent_hash = parent
                     block.token_ids = block_tokens
                     cached[block_hash] = block
+                    if committed is not None:
+                        committed(LowerHit(block_hash, parent, block_tokens))
             seq.num_committed_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
@@ -355,9 +360,7 @@ class BlockManager:
         down first where there is a tier below."""
         if block.block_hash is not None:
             if self.lower is not None:
-                copy = self.lower.store([block.block_hash], [block.block_id])
-                if copy is not None:
-                    self._down.append(copy)
+                self._down += self.lower.store([_described(block)], [block.block_id])
             self._evict(block)
         return block
 
@@ -369,17 +372,14 @@ class BlockManager:
         so those stores can never evict what is about to be read."""
         assert self.lower is not None
         blocks = [self.free_queue.popleft() for _ in hits]
-        displaced = [(block.block_hash, block.block_id) for block in blocks if block.block_hash]
+        displaced = [(_described(block), block.block_id) for block in blocks if block.block_hash]
         for block in blocks:
             if block.block_hash is not None:
                 self._evict(block)
-        hashes = [hit.block_hash for hit in hits]
-        self._up.append(self.lower.load(hashes, [block.block_id for block in blocks]))
+        self._up += self.lower.load(hits, [block.block_id for block in blocks])
         self._loading.update(block.block_id for block in blocks)
-        for block_hash, block_id in displaced:
-            copy = self.lower.store([block_hash], [block_id])
-            if copy is not None:
-                self._down.append(copy)
+        for described, block_id in displaced:
+            self._down += self.lower.store([described], [block_id])
         for hit, block in zip(hits, blocks, strict=True):
             block.ref_cnt = 1
             if hit.block_hash not in self.cached:
@@ -458,3 +458,9 @@ class BlockManager:
                 assert block.ref_cnt == refs[block.block_id], (
                     f"{block}: ref_cnt {block.ref_cnt} but held by {refs[block.block_id]} tables"
                 )
+
+
+def _described(block: KVBlock) -> LowerHit:
+    """A cached device block as the tiers below know blocks: hash, parent hash, tokens."""
+    assert block.block_hash is not None and block.token_ids is not None
+    return LowerHit(block.block_hash, block.parent_hash, block.token_ids)

@@ -1,5 +1,6 @@
-"""Multi-turn chat with histories larger than the GPU's KV pool, with and without the host tier
-(in the manner of SGLang's `bench_multiturn.py`, offline).
+"""Multi-turn chat with histories larger than the GPU's KV pool, without tiers below it, with the
+host tier, with the host and file tiers, and with both after a restart (in the manner of SGLang's
+`bench_multiturn.py`, offline).
 
     python -m benchmarks.multiturn                                # the demo model, CPU sizes
     python -m benchmarks.multiturn --model DIR --tp 2 --conversations 32 --turns 6 \\
@@ -13,7 +14,7 @@ engine's prefix cache serves the timed prefill's blocks to the full turn, so bot
 alike). The device pool (`--num-kv-blocks`) is kept far smaller than the histories, so without
 the tier a returning conversation recomputes its history. Reports, per configuration, the
 prefill time per round and the prompt tokens computed (all prompt tokens minus those found in
-the device pool and below it), and checks that both configurations produce the same tokens.
+the device pool and below it), and checks that every configuration produces the same tokens.
 Writes `multiturn.json` and the raw log `multiturn.log` to `--out-dir` (default
 `benchmarks/results/<cpu|gpu>/<date>/`).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,13 +31,15 @@ from typing import Any
 import torch
 
 
-def run(args: argparse.Namespace, offload_gib: float | None, log: list[str]) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, offload_gib: float | None, log: list[str], file_dir: str | None = None
+) -> dict[str, Any]:
     from tp_engine import LLM, SamplingParams
 
     llm = LLM(
         args.model, tensor_parallel_size=args.tp, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-        kv_offloading_size=offload_gib,
+        kv_offloading_size=offload_gib, kv_offloading_dir=file_dir,
     )  # fmt: skip
     try:
         vocab = llm.get_tokenizer().vocab_size
@@ -62,8 +66,12 @@ def run(args: argparse.Namespace, offload_gib: float | None, log: list[str]) -> 
             ]
         stats = llm.engine.stats()
         found = stats.prefix_cache_hits + stats.external_prefix_cache_hits
+        host = llm.engine.host_tier
+        files = None if host is None else host.lower
         return {
             "kv_offloading_size_gib": offload_gib,
+            "kv_offloading_dir": file_dir,
+            "file_tier_hits_tokens": 0 if files is None else files.hits * args.block_size,
             "rounds": rounds,
             "prefill_s_total": sum(r["prefill_s"] for r in rounds),
             "prompt_tokens": prompt_tokens,
@@ -99,17 +107,28 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     log = [f"$ python -m benchmarks.multiturn {' '.join(argv or [])}".rstrip()]
     results = {}
-    for name, gib in (("without_tier", None), ("host_tier", args.offload_gib)):
-        log.append(f"{name}:")
-        results[name] = run(args, gib, log)
-        r = results[name]
-        log.append(
-            f"  prefill {r['prefill_s_total']:.3f} s over {args.turns} rounds; prompt tokens "
-            f"computed {r['prompt_tokens_computed']} of {r['prompt_tokens']} (device hits "
-            f"{r['device_prefix_hits']}, host hits {r['external_prefix_hits']})"
+    with tempfile.TemporaryDirectory(prefix="kv-files-") as file_dir:
+        configurations = (
+            ("without_tier", None, None),
+            ("host_tier", args.offload_gib, None),
+            # The file tier written through from the host tier, then a new engine (a restart:
+            # empty GPU pool and host memory) on the same directory.
+            ("file_tier", args.offload_gib, file_dir),
+            ("file_tier_restarted", args.offload_gib, file_dir),
         )
-    same = results["without_tier"].pop("tokens") == results["host_tier"].pop("tokens")
-    log.append(f"same tokens with and without the tier: {same}")
+        for name, gib, directory in configurations:
+            log.append(f"{name}:")
+            results[name] = run(args, gib, log, directory)
+            r = results[name]
+            log.append(
+                f"  prefill {r['prefill_s_total']:.3f} s over {args.turns} rounds; prompt tokens "
+                f"computed {r['prompt_tokens_computed']} of {r['prompt_tokens']} (device hits "
+                f"{r['device_prefix_hits']}, hits below {r['external_prefix_hits']}, of them "
+                f"from files {r['file_tier_hits_tokens']})"
+            )
+    tokens = [r.pop("tokens") for r in results.values()]
+    same = all(t == tokens[0] for t in tokens)
+    log.append(f"same tokens in every configuration: {same}")
     print("\n".join(log))
     write_json(out_dir / "multiturn.json", {
         "environment": environment(), "args": vars(args) | {"out_dir": str(out_dir)},

@@ -6,6 +6,7 @@ without the tier, at TP 1 and 2; blocks the device pool evicted come back from h
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,7 +34,9 @@ def checkpoint(tmp_path_factory) -> Path:
     )
 
 
-def conversations(llm: LLM, vocab_size: int) -> tuple[list[list[int]], list[list[int]]]:
+def conversations(
+    llm: LLM, vocab_size: int, lora_request: Any = None
+) -> tuple[list[list[int]], list[list[int]]]:
     """Four conversations of `TURNS` turns, each turn's prompt its history (every earlier
     prompt and answer) plus new user tokens; all four turns of a round in one call. Returns
     every prompt and every answer, round by round."""
@@ -43,7 +46,10 @@ def conversations(llm: LLM, vocab_size: int) -> tuple[list[list[int]], list[list
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     prompts, answers = [], []
     for turn in range(TURNS):
-        outputs = llm.generate([{"prompt_token_ids": h} for h in histories], params, use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": h} for h in histories], params, use_tqdm=False,
+            lora_request=lora_request,
+        )  # fmt: skip
         for h, out in zip(histories, outputs, strict=True):
             prompts.append(list(h))
             answers.append(list(out.outputs[0].token_ids))
@@ -101,6 +107,7 @@ def test_histories_come_back_from_host_memory(checkpoint, without_tier, tp, monk
         stats = llm.engine.stats()
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         computed = computed_prompt_tokens(llm, prompts)
+        preemptions = llm.engine.scheduler.num_preemptions
         llm.engine.scheduler.block_manager.check_integrity()
         llm.engine.host_tier.check_integrity()
     assert prompts == base_prompts and answers == base_answers  # the same run without the tier
@@ -109,6 +116,7 @@ def test_histories_come_back_from_host_memory(checkpoint, without_tier, tp, monk
     assert metrics["vllm:external_prefix_cache_hits"] == stats.external_prefix_cache_hits
     assert metrics["vllm:external_prefix_cache_queries"] >= stats.external_prefix_cache_hits
     assert computed < base_computed, (computed, base_computed)
+    assert preemptions > 0  # the pool is that tight: preempted sequences come back from below
 
 
 @pytest.mark.parametrize(
@@ -135,3 +143,21 @@ def test_hits_from_below_compose(checkpoint, without_tier, knobs) -> None:
         llm.engine.scheduler.block_manager.check_integrity()
     assert prompts == base_prompts and answers == base_answers
     assert hits > 0
+
+
+def test_adapters_compose_with_hits_from_below(checkpoint, tmp_path) -> None:
+    """An adapter's blocks go down and come back under its own chains: the same tokens as the
+    same adapter without the tier (and not the base model's)."""
+    from tests.lora_cases import build_adapter
+    from tp_engine import LoRARequest
+
+    adapter = build_adapter(checkpoint, tmp_path / "adapter", seed=3, r=8,
+                            target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
+    lora = LoRARequest("a", 1, str(adapter))
+    runs, hits = {}, {}
+    for gib in (None, 0.001):
+        with engine(checkpoint, 1, gib, enable_lora=True, max_lora_rank=8) as llm:
+            runs[gib] = conversations(llm, llm.engine.vocab_size, lora)
+            hits[gib] = llm.engine.stats().external_prefix_cache_hits
+            llm.engine.scheduler.block_manager.check_integrity()
+    assert runs[0.001] == runs[None] and hits[0.001] > 0 == hits[None]

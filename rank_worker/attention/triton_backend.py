@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention_tables import tables
 from kernels.decode_attention import paged_decode_attention
 from kernels.prefill_attention import paged_prefill_attention
 from rank_worker.attention.kernel_store import KernelStoreBackend
@@ -32,6 +33,11 @@ class TritonAttentionBackend(KernelStoreBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+
+    def __init__(self) -> None:
+        # The tile tables are read (and a malformed one refused) now, at start-up, rather than
+        # at the first decode step of a serving engine.
+        tables()
 
     def attend(
         self,

@@ -50,7 +50,7 @@ from kernels._common import (
     num_sms,
 )
 from kernels._paged_tile import attend_tile
-from kernels.attention_tables import decode_tile
+from kernels.attention_tables import Tile, decode_tile
 
 _LOG2E = 1.4426950408889634
 # Below this many context tokens per slice, the partial writes and the merge cost more than the
@@ -257,6 +257,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
     """Attention of `query [B, num_heads, head_dim]` (one new token per sequence, already stored
     in the cache) over each sequence's `seq_lens[i]` cached tokens; returns `out`, or a new
@@ -269,6 +270,7 @@ def paged_decode_attention(
     `out`: the query's shape and dtype, last dim dense (e.g. rows of a larger output).
     An fp8 cache (float8_e4m3fn, any query dtype) needs `kv_scales [2]` fp32: `(k_scale,
     v_scale)`, the cache holds `K / k_scale` (`kernels._common.check_kv_scales`).
+    `tile`: the kernel and tile to launch instead of the decode table's (the sweep times each).
     """
     check_device(_decode_split_kernel, query, k_cache, v_cache, seq_lens, block_table)
     check_kv_cache(k_cache, v_cache)
@@ -295,9 +297,10 @@ def paged_decode_attention(
     interpret = interpreting(_decode_split_kernel)
     group = num_heads // num_kv_heads
     context_bound = block_table.shape[1] * block_size
-    tile = decode_tile(
-        num_seqs, context_bound, k_cache.dtype, head_dim, query.device, interpret
-    )  # the kernel and tile the decode table names for this shape (kernels.attention_tables)
+    if tile is None:  # the kernel and tile the decode table names for this shape
+        tile = decode_tile(
+            num_seqs, context_bound, k_cache.dtype, head_dim, query.device, interpret
+        )
     tile_args = (tile.block_n, tile.num_warps, tile.num_stages)
     if tile.kernel == "packed":
         kernel = packed._decode_packed_kernel

@@ -156,3 +156,52 @@ def test_the_decode_kernel_launches_the_planted_tile(tables_env, monkeypatch):
         assert_matches(run_decode(b, None), ref, torch.float16)
     # packed: 64 (key, head) rows over the 2 KV heads one program takes = 32 keys per tile.
     assert calls == [("decode_attention", 32, 2), ("decode_attention_packed", 32, 4)]
+
+
+def prefill_entry(length, kernel, block_m=32, block_n=16, ws=False):
+    return dict(length=length, dtype="float16", kernel=kernel, block_m=block_m, block_n=block_n,
+                num_warps=4, num_stages=1, warp_specialize=ws)  # fmt: skip
+
+
+def test_planted_prefill_table(tables_env):
+    table = {"table": "prefill_tiles", "version": 1, "capability": None, "head_dim": 16,
+             "length_buckets": [16, 64], "entries": [prefill_entry(64, "tma", ws=True),
+                                                     prefill_entry(16, "paged")]}  # fmt: skip
+    tables_env(prefill_table=table)
+    assert at.prefill_tile(40, torch.float16, 16, CPU, True) == Tile("tma", 32, 16, 4, 1, True)
+    assert at.prefill_tile(9, torch.float16, 16, CPU, True).kernel == "paged"
+    assert at.prefill_tile(40, torch.bfloat16, 16, CPU, True) == Tile("paged")  # no entry
+    del table["entries"][0]["block_m"]
+    tables_env(prefill_table=table)
+    with pytest.raises(ValueError, match="'block_m' must be a positive integer"):
+        at.tables()
+
+
+def test_the_decode_sweeps_dry_run_writes_a_table_the_runtime_takes(
+    tables_env, monkeypatch, tmp_path
+):
+    """benchmarks/gpu/decode_tiles.py --dry-run: every shape x KV dtype x candidate runs under
+    the interpreter, and the table it writes is read back and followed."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    out, folder = tmp_path / "out", tmp_path / "tables"
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks/gpu/decode_tiles.py"), "--dry-run",
+           "--out", str(out), "--table", str(folder / at.DECODE_FILE)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((out / "decode_tiles.json").read_text())["rows"]
+    assert len(rows) == 2 * 2 * 2 * 2 and not [r for r in rows if "error" in r]
+    table = json.loads((folder / at.DECODE_FILE).read_text())
+    assert table["capability"] == [0, 0] and len(table["entries"]) == 8  # no GPU matches it
+    monkeypatch.setenv(at.TABLES_ENV, str(folder))
+    at.reset()
+    for e in table["entries"]:
+        tile = at.decode_tile(e["batch"], e["context"], at_dtype(e["kv_dtype"]), 32, CPU, True)
+        assert tile == Tile(e["kernel"], None, e["block_n"], e["num_warps"], e["num_stages"])
+
+
+def at_dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[name]

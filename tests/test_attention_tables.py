@@ -205,3 +205,25 @@ def test_the_decode_sweeps_dry_run_writes_a_table_the_runtime_takes(
 
 def at_dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[name]
+
+
+def test_the_prefill_sweep_picks_the_fastest_agreeing_kernel_per_length():
+    from benchmarks.gpu.prefill_table import build_table
+
+    def tma(ms, tile, err=1e-3):
+        return {"ms": ms, "tile": tile, "rel_err_vs_paged": err}
+
+    records = [
+        # 1k: the fastest TMA tile disagrees with the paged kernel (a wrong result): not taken.
+        {"seq_len": 1024, "ours": {"ms": 2.0},
+         "tma": [tma(1.5, [128, 64, 8, 3, False]), tma(1.0, [128, 128, 8, 2, True], err=0.5)]},
+        # 4k over two batch sizes: the totals decide (paged 1 + 4 < TMA 1.2 + 4.1).
+        {"seq_len": 4096, "ours": {"ms": 1.0}, "tma": [tma(1.2, [64, 64, 4, 3, False])]},
+        {"seq_len": 4096, "ours": {"ms": 4.0}, "tma": [tma(4.1, [64, 64, 4, 3, False])]},
+        {"seq_len": 16384, "ours": {"error": "OOM"}, "tma": []},  # no figure: no entry
+    ]  # fmt: skip
+    table = build_table(records, torch.bfloat16, 128, [9, 0], "H200")
+    parsed = at.parse_table(table, "t", "prefill_tiles")
+    assert parsed.buckets == ((1024, 4096),)
+    assert parsed.entries[(1024, "bfloat16")] == Tile("tma", 128, 64, 8, 3, False)
+    assert parsed.entries[(4096, "bfloat16")].kernel == "paged"

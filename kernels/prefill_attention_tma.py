@@ -14,8 +14,12 @@ will read).
 As in Triton's tutorial 06 (fused attention) on sm_90: host-side `TensorDescriptor`s for Q, K
 and V; one program per (BLOCK_M queries, sequence, query head), K/V of its head's KV head
 (`head // GROUP`); keys below the program's first query in an unmasked loop, the diagonal
-block in a masked one; `tl.range(..., warp_specialize=WARP_SPECIALIZE)` lets the compiler split
-the loop into producer (TMA) and consumer (tensor-core) warps. The sequences of a step are
+block in a masked one; `tl.range(..., warp_specialize=WARP_SPECIALIZE)` asks the compiler to
+split the loop into producer (TMA) and consumer (tensor-core) warps. What that does on sm_90
+depends on the Triton version: 3.9 (this repository's CPU checks) emits the same PTX as without
+it at 8 warps and fails in its NVGPUWarpSpecialization pass at 4 warps, so the sweep's
+warp-specialized candidates are 8-warp ones and the GPU's Triton (3.6 on the lent machines)
+decides, by measurement, whether they are worth anything. The sequences of a step are
 concatenated, so a tile may run past its sequence's rows into the next one's (or past T, which
 TMA fills with zeros): those keys are masked and those query rows never stored. The output is
 written with a masked store, not a TMA store, for the same reason.
@@ -33,6 +37,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels._common import check_index, check_out, dot_options, interpreting
+from kernels.attention_tables import Tile
 
 _LOG2E = 1.4426950408889634
 
@@ -189,7 +194,7 @@ def fresh_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
-    tile=None,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
     """Causal attention of fresh prompts: sequence i is rows `query_start_loc[i] : [i+1]` of
     query `[T, num_heads, head_dim]` and of key/value `[T, num_kv_heads, head_dim]` (no cached

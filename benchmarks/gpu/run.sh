@@ -322,7 +322,8 @@ lease() {
   env_info
   local xdist=()
   $PY -c 'import xdist' 2>/dev/null && xdist=(-n 6)
-  local kernel_tests=(tests/test_kernels_attention.py tests/test_kernels_store_kv.py
+  local kernel_tests=(tests/test_kernels_attention.py tests/test_kernels_attention_candidates.py
+    tests/test_kernels_store_kv.py
     tests/test_kernels_elementwise.py tests/test_kernels_moe.py tests/test_kernels_fp8.py
     tests/test_kernels_lora.py)
   step pytest-gpu-kernels 400 $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 -rs \

@@ -171,9 +171,10 @@ def launch_meta(
 
     `block_n` here counts (key, head) rows of a tile, as `decode_attention.launch_meta`'s counts
     keys: 128 rows by default (16 keys of 8 heads for Qwen3-0.6B), the split kernel's K/V tile
-    size, on 8 warps in 3 stages (registers and shared memory read from ptxas for sm_90, not
-    timed: the lease's sweep times it). fp32: 32 rows, as the split kernel. The interpreter: 32
-    rows, so short CPU-test contexts span several tiles.
+    size, on 8 warps in 3 stages: 72.5 KiB of shared memory compiled for sm_90 at head_dim 128,
+    the split kernel's default tile's figure (not timed: the lease's sweep times it against the
+    others). fp32: 32 rows, as the split kernel. The interpreter: 32 rows, so short CPU-test
+    contexts span several tiles.
     """
     num_kv_heads = num_heads // group
     kv_per = kv_heads_per_program(group, num_kv_heads)

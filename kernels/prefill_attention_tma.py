@@ -61,8 +61,9 @@ def _fresh_prefill_kernel(
     WARP_SPECIALIZE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
-    # Grid: (cdiv(max_query_len, BLOCK_M), B, num_heads).
-    m_block = tl.program_id(0)
+    # Grid: (cdiv(max_query_len, BLOCK_M), B, num_heads). The last query block, which attends
+    # the most keys, is launched first: the short ones then fill the tail of the wave.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)

@@ -37,6 +37,16 @@ def references(checkpoint) -> dict[str, tuple[list[list[int]], list[list[int]]]]
 def test_forced_candidates_match_hf(checkpoint, references, monkeypatch):
     """Both candidates forced in one engine (one engine's start-up and interpreted run, not two):
     decodes take the packed kernel, fresh prompts the TMA kernel."""
+    _forced_candidates_match_hf(checkpoint, references, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_forced_candidates_match_hf_gpu(checkpoint, references, monkeypatch):
+    """The same natively, for the lease's `-m gpu` pass (fp32: the kernels' exact path)."""
+    _forced_candidates_match_hf(checkpoint, references, monkeypatch)
+
+
+def _forced_candidates_match_hf(checkpoint, references, monkeypatch) -> None:
     import kernels.decode_attention_packed as packed
     from rank_worker.attention import triton_backend
     from tp_engine import LLM

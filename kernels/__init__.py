@@ -7,7 +7,8 @@ test suite checks that `import kernels` resolves to this package.
 |---|---|---|---|
 | `store_kv` | `store_kv` | `store_kv_ref` | yes: writes the caches |
 | `prefill_attention` | `paged_prefill_attention` | `paged_prefill_attention_ref` | no |
-| `decode_attention` | `paged_decode_attention` | `paged_decode_attention_ref` | no |
+| `decode_attention` | `paged_decode_attention` (stage 1: the split kernel or `decode_attention_packed`'s, by `attention_tables`) | `paged_decode_attention_ref` | no |
+| `prefill_attention_tma` | `fresh_prefill_attention` (fresh prompts from their dense K/V through TMA descriptors; chosen by `attention_tables`) | `paged_prefill_attention_ref` | no |
 | `rmsnorm` | `rms_norm`, `fused_add_rms_norm` | `rms_norm_ref`, `fused_add_rms_norm_ref` | no |
 | `rotary` | `rotary_embedding` | `rotary_embedding_ref` | kernel yes, reference no |
 | `qk_norm_rope` | `qk_norm_rope` (Qwen3's q/k RMSNorm + rotary) | `qk_norm_rope_ref` | kernel yes, reference no |

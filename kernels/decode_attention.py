@@ -19,6 +19,12 @@ ints and pointers that vary from step to step (the block table's row stride, whi
 batch's widest block list; the split count; `seq_lens` / `block_table` slices of a mixed batch)
 are excluded from Triton's specialisation, which would otherwise compile new variants while
 serving.
+
+Stage 1 has two kernels, and the tile is not fixed: the decode table (`kernels.attention_tables`,
+measured on a GPU by `benchmarks/gpu/decode_tiles.py`) maps the batch size, the context bound and
+the KV dtype to this module's split kernel or `decode_attention_packed`'s (several KV heads per
+program) and to a tile; without an entry, `launch_meta`'s defaults. So a geometry has one binary
+per tile its table names (a CUDA graph captures each batch size's choice).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import decode_attention_packed as packed
 from kernels._common import (
     FP8_KV_DTYPE,
     check_device,
@@ -43,6 +50,7 @@ from kernels._common import (
     num_sms,
 )
 from kernels._paged_tile import attend_tile
+from kernels.attention_tables import Tile, decode_tile
 
 _LOG2E = 1.4426950408889634
 # Below this many context tokens per slice, the partial writes and the merge cost more than the
@@ -199,9 +207,13 @@ def launch_meta(
     block_size: int,
     dtype: torch.dtype,
     interpret: bool,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> dict[str, object]:
     """Stage 1's constexprs and launch options (shared with the sm_90 compile test, so that it
-    compiles exactly what the wrapper launches).
+    compiles exactly what the wrapper launches). `block_n`, `num_warps`, `num_stages`: a tile
+    from the decode table (`kernels.attention_tables`), in place of the defaults below.
 
     Decode is bandwidth bound: 128-key tiles on 8 warps in 3 stages keep the most loads in
     flight. Measured on an H200 (`benchmarks/gpu/decode_tiles.py`, Qwen3-0.6B's heads, bf16;
@@ -214,23 +226,23 @@ def launch_meta(
     """
     block_d = max(16, next_pow2(head_dim))  # tl.dot's minimum K on NVIDIA GPUs
     if interpret:
-        block_n, num_warps, num_stages = 16, 4, 1
+        default = 16, 4, 1
     elif dtype == torch.float32:
-        block_n, num_warps, num_stages = 32, 8, 2
+        default = 32, 8, 2
     elif block_d > 128:
-        block_n, num_warps, num_stages = 32, 4, 2
+        default = 32, 4, 2
     else:
-        block_n, num_warps, num_stages = 128, 8, 3
+        default = 128, 8, 3
     return dict(
         NUM_HEADS=num_heads,
         GROUP=group,
         BLOCK_H=max(16, next_pow2(group)),  # tl.dot's minimum M on NVIDIA GPUs
-        BLOCK_N=block_n,
+        BLOCK_N=block_n or default[0],
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=num_warps or default[1],
+        num_stages=num_stages or default[2],
         **dot_options(dtype, interpret),
     )
 
@@ -245,6 +257,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
     """Attention of `query [B, num_heads, head_dim]` (one new token per sequence, already stored
     in the cache) over each sequence's `seq_lens[i]` cached tokens; returns `out`, or a new
@@ -257,6 +270,7 @@ def paged_decode_attention(
     `out`: the query's shape and dtype, last dim dense (e.g. rows of a larger output).
     An fp8 cache (float8_e4m3fn, any query dtype) needs `kv_scales [2]` fp32: `(k_scale,
     v_scale)`, the cache holds `K / k_scale` (`kernels._common.check_kv_scales`).
+    `tile`: the kernel and tile to launch instead of the decode table's (the sweep times each).
     """
     check_device(_decode_split_kernel, query, k_cache, v_cache, seq_lens, block_table)
     check_kv_cache(k_cache, v_cache)
@@ -280,10 +294,28 @@ def paged_decode_attention(
             f"seq_lens {tuple(seq_lens.shape)} and block_table {tuple(block_table.shape)} "
             f"do not match {num_seqs} queries"
         )
-    if num_splits is None:
-        num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, block_table.shape[1] * block_size, num_sms(query.device)
+    interpret = interpreting(_decode_split_kernel)
+    group = num_heads // num_kv_heads
+    context_bound = block_table.shape[1] * block_size
+    if tile is None:  # the kernel and tile the decode table names for this shape
+        tile = decode_tile(
+            num_seqs, context_bound, k_cache.dtype, head_dim, query.device, interpret
         )
+    tile_args = (tile.block_n, tile.num_warps, tile.num_stages)
+    if tile.kernel == "packed":
+        kernel = packed._decode_packed_kernel
+        heads_dim = packed.grid_heads(group, num_kv_heads)
+        meta = packed.launch_meta(
+            group, num_heads, head_dim, block_size, query.dtype, interpret, *tile_args
+        )
+    else:
+        kernel = _decode_split_kernel
+        heads_dim = num_kv_heads
+        meta = launch_meta(
+            group, num_heads, head_dim, block_size, query.dtype, interpret, *tile_args
+        )
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, heads_dim, context_bound, num_sms(query.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
@@ -293,14 +325,6 @@ def paged_decode_attention(
         check_out(out, query)
     if num_seqs == 0:
         return out
-    meta = launch_meta(
-        num_heads // num_kv_heads,
-        num_heads,
-        head_dim,
-        block_size,
-        query.dtype,
-        interpreting(_decode_split_kernel),
-    )
     if num_splits > 1:
         # [B, num_heads, num_splits, head_dim] / [B, num_heads, num_splits], fp32 whatever the
         # input dtype: the merge must not round each slice's output to 8 mantissa bits.
@@ -314,7 +338,7 @@ def paged_decode_attention(
         # Unused with one split, but fp32 like the real ones: a pointer's dtype is part of the
         # kernel's specialisation.
         part_out = part_lse = torch.empty(1, dtype=torch.float32, device=query.device)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    kernel[(num_seqs, heads_dim, num_splits)](
         out,
         part_out,
         part_lse,

@@ -68,8 +68,9 @@ def _build(fn, dtype: str, consts: dict, ptr_types: dict[str, str] | None = None
         if name in consts:
             signature[name] = "constexpr"
             continue
-        if name in ptr_types:
-            signature[name] = "*" + ptr_types[name]
+        if name in ptr_types:  # a tensor descriptor's type is no pointer
+            ty = ptr_types[name]
+            signature[name] = ty if ty.startswith("tensordesc") else "*" + ty
         elif name.endswith("_ptr"):
             ty = "i32" if name in _INDEX_PTRS else "fp32" if name in _FP32_PTRS else dtype
             signature[name] = "*" + ty
@@ -85,6 +86,58 @@ def _build(fn, dtype: str, consts: dict, ptr_types: dict[str, str] | None = None
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def _compile_tma(fn, dtype: str, meta: dict) -> int:
+    """Compile the TMA prefill kernel: its Q/K/V arguments are host-side tensor descriptors,
+    typed by their blocks (BLOCK_M or BLOCK_N rows of HEAD_DIM)."""
+    rows = {"desc_q": meta["BLOCK_M"], "desc_k": meta["BLOCK_N"], "desc_v": meta["BLOCK_N"]}
+    types = {k: f"tensordesc<{dtype}[{r}, {meta['HEAD_DIM']}]>" for k, r in rows.items()}
+    return _compile(fn, dtype, dict(meta), types)
+
+
+def table_tiles_report(torch_dtype: dict) -> dict[str, int]:
+    """Every tile the committed tables (`kernels/tuned/`) name, compiled as the wrappers launch
+    it for the table's own head_dim and Qwen3-0.6B's groups of 2 (keys `table-...`): a lease's
+    sweep rewrites the tables, and what it wrote must still build here."""
+
+    from kernels import (
+        attention_tables as at,
+    )
+    from kernels import (
+        decode_attention,
+        decode_attention_packed,
+        prefill_attention_tma,
+    )
+
+    report = {}
+    table = at.load_table(at.TUNED_DIR / at.DECODE_FILE, "decode_tiles")
+    for (batch, context, kv), tile in (table.entries if table else {}).items():
+        module = decode_attention_packed if tile.kernel == "packed" else decode_attention
+        kernel = getattr(
+            module, "_decode_packed_kernel" if tile.kernel == "packed" else "_decode_split_kernel"
+        )
+        tile_args = (tile.block_n, tile.num_warps, tile.num_stages)
+        dt = {"bfloat16": "bf16", "float16": "fp16", "fp8": "bf16"}[kv]  # fp8: bf16 queries
+        meta = module.launch_meta(2, 16, table.head_dim, 16, torch_dtype[dt], False, *tile_args)
+        types = (
+            {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv", "kv_scale_ptr": "fp32"}
+            if kv == "fp8"
+            else None
+        )
+        name = f"table-decode-{batch}x{context}-{kv}-{tile.kernel}"
+        report[name] = _compile(kernel, dt, dict(meta, KV_FP8=kv == "fp8"), types)
+    table = at.load_table(at.TUNED_DIR / at.PREFILL_FILE, "prefill_tiles")
+    for (length, dtype), tile in (table.entries if table else {}).items():
+        dt = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+        tile_args = (tile.block_m, tile.block_n, tile.num_warps, tile.num_stages)
+        name = f"table-prefill-{length}-{dtype}-{tile.kernel}"
+        if tile.kernel == "tma":
+            meta = prefill_attention_tma.launch_meta(
+                2, table.head_dim, torch_dtype[dt], False, *tile_args, tile.warp_specialize
+            )
+            report[name] = _compile_tma(prefill_attention_tma._fresh_prefill_kernel, dt, meta)
+    return report
+
+
 def compile_report() -> dict[str, int]:
     """Name -> shared bytes for every kernel in representative geometries (run in a child)."""
     import importlib
@@ -95,10 +148,12 @@ def compile_report() -> dict[str, int]:
     from kernels import (
         activation,
         decode_attention,
+        decode_attention_packed,
         fp8_gemm,
         lora,
         lora_grouped,
         prefill_attention,
+        prefill_attention_tma,
         rmsnorm,
         rotary,
     )
@@ -142,6 +197,33 @@ def compile_report() -> dict[str, int]:
     report["prefill-bf16-kvfp8"] = _compile(
         prefill_attention._prefill_attention_kernel, "bf16", dict(meta, KV_FP8=True), fp8_kv
     )
+    # The packed decode kernel (several KV heads per program, kernels.decode_attention_packed):
+    # Qwen3-0.6B's 8 KV heads of 2 in one program, groups of 8 and 5, fp32, an fp8 cache.
+    for dt, group in (("bf16", 2), ("bf16", 8), ("bf16", 5), ("fp32", 4)):
+        meta = decode_attention_packed.launch_meta(
+            group, 8 * group, 128, 16, torch_dtype[dt], interpret=False
+        )
+        report[f"decode_packed-{dt}-g{group}"] = _compile(
+            decode_attention_packed._decode_packed_kernel, dt, dict(meta, KV_FP8=False)
+        )
+    meta = decode_attention_packed.launch_meta(2, 16, 128, 16, torch.bfloat16, interpret=False)
+    report["decode_packed-bf16-kvfp8"] = _compile(
+        decode_attention_packed._decode_packed_kernel, "bf16", dict(meta, KV_FP8=True), fp8_kv
+    )
+    # The fresh-prompt TMA prefill (kernels.prefill_attention_tma): Qwen3's head_dim 128 with
+    # groups of 8 (with and without warp specialization), fp16 at 64, the fp32 path.
+    for dt, head_dim, group, ws in (
+        ("bf16", 128, 8, False),
+        ("bf16", 128, 8, True),
+        ("fp16", 64, 1, False),
+        ("fp32", 128, 4, False),
+    ):
+        meta = prefill_attention_tma.launch_meta(
+            group, head_dim, torch_dtype[dt], False, warp_specialize=ws
+        )
+        name = f"prefill_tma-{dt}-d{head_dim}-g{group}-ws{ws}"
+        report[name] = _compile_tma(prefill_attention_tma._fresh_prefill_kernel, dt, meta)
+    report.update(table_tiles_report(torch_dtype))
     merge = dict(
         NUM_HEADS=64,
         SPLITS_PAD=triton.next_power_of_2(decode_attention.MAX_SPLITS),
@@ -259,10 +341,13 @@ def test_every_kernel_compiles_for_sm90():
     line = next(x for x in result.stdout.splitlines() if x.startswith("REPORT "))
     report = json.loads(line.removeprefix("REPORT "))
     approx = {k: report.pop(k) for k in list(report) if k.startswith("approximate-divisions")}
+    tables = {k: report.pop(k) for k in list(report) if k.startswith("table-")}
+    too_big = {k: v for k, v in tables.items() if v > SM90_MAX_SHARED_BYTES}
+    assert not too_big, f"a table's tile needs more shared memory than sm_90 has: {too_big}"
     assert len(approx) == 2 and not any(approx.values()), approx
     too_big = {k: v for k, v in report.items() if v > SM90_MAX_SHARED_BYTES}
     assert not too_big, f"more shared memory than an sm_90 block can have: {too_big}"
     # 4 prefill, 4 decode, merge, store_kv, 2 rmsnorm, rotary, silu, 2 qk_norm_rope, 3 x 2 MoE;
     # 2 with an fp8 KV cache, 2 x 2 fp8 MoE, 2 fp8 quant, the W8A8 GEMM, 4 of Gumbel sampling,
-    # 3 x 4 of LoRA
-    assert len(report) == 47, sorted(report)
+    # 3 x 4 of LoRA; 5 of the packed decode kernel, 4 of the TMA prefill
+    assert len(report) == 56, sorted(report)

@@ -63,6 +63,7 @@ import triton.testing  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import kernels  # noqa: E402
+from benchmarks.gpu import prefill_table  # noqa: E402
 from kernels._common import num_sms  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
     choose_num_splits,
@@ -112,9 +113,11 @@ class Plan:
 GPU_PLAN = Plan(
     Geometry(32, 8, 128, 16, torch.bfloat16),
     decode=tuple((b, c) for b in (64, 256) for c in (1024, 4096, 16384)),
-    prefill=((1, 4096), (4, 4096), (1, 16384)),
+    prefill=((8, 1024), (1, 4096), (4, 4096), (1, 16384)),
 )
-QUICK_PLAN = Plan(GPU_PLAN.geometry, decode=((64, 4096), (256, 1024)), prefill=((1, 4096),))
+QUICK_PLAN = Plan(
+    GPU_PLAN.geometry, decode=((64, 4096), (256, 1024)), prefill=((8, 1024), (1, 4096))
+)
 # Under the interpreter: head_dim 32 still runs tl.dot (K >= 16); 32/64 tokens span 2-4 pages.
 DRY_PLAN = Plan(
     Geometry(4, 2, 32, 16, torch.bfloat16),
@@ -397,6 +400,13 @@ def bench_prefill(bench: Bench, g: Geometry, batch: int, seq: int) -> dict[str, 
         ),
         flop_figures(bench, flops),
     )
+    # The fresh-prompt candidate on the same prompts, from their dense K/V (prefill_table).
+    rec["tma"] = prefill_table.time_candidates(
+        lambda make_fn, figures: measure(bench, make_fn, figures), flop_figures(bench, flops),
+        q, k_new.view(tokens, g.num_kv_heads, g.head_dim),
+        v_new.view(tokens, g.num_kv_heads, g.head_dim), query_start_loc, seq, scale, ours_out,
+        bench.dry_run,
+    )  # fmt: skip
 
     def make_sdpa() -> Callable[[], torch.Tensor]:
         q4 = q.view(batch, seq, g.num_heads, g.head_dim).transpose(1, 2)  # [B, H, S, D]
@@ -479,10 +489,14 @@ def print_table(result: dict[str, Any]) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="directory for attention_micro.json")
-    p.add_argument("--quick", action="store_true", help="3 configurations instead of 9 (GPU)")
+    p.add_argument("--quick", action="store_true", help="4 configurations instead of 10 (GPU)")
     p.add_argument("--peak-bandwidth-gbs", type=float, default=None)
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--mem-budget-gib", type=float, default=60.0)
+    p.add_argument(
+        "--prefill-table", type=Path, default=None,
+        help="write the chosen prefill table here (kernels/tuned/prefill_tiles.json is read)",
+    )  # fmt: skip
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument(
@@ -547,6 +561,8 @@ def main() -> int:
             "decode": "kernels.decode_attention.paged_decode_attention",
             "prefill": "kernels.prefill_attention.paged_prefill_attention "
             "(cache filled by kernels.store_kv.store_kv, untimed)",
+            "prefill_tma": "kernels.prefill_attention_tma.fresh_prefill_attention per tile of "
+            "benchmarks/gpu/prefill_table.py (the prompt's dense K/V), rel_err_vs_paged",
         },
         "sdpa": {
             "backend": backend_note,
@@ -591,6 +607,13 @@ def main() -> int:
             torch.cuda.empty_cache()
         write(path, result)
     result["wall_s"] = round(time.perf_counter() - t_start, 2)
+    capability = list(torch.cuda.get_device_capability(device)) if CUDA else [0, 0]
+    table = prefill_table.build_table(result["prefill"], g.dtype, g.head_dim, capability, name)
+    result["prefill_table"] = table
+    if args.prefill_table is not None:
+        args.prefill_table.parent.mkdir(parents=True, exist_ok=True)
+        args.prefill_table.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {args.prefill_table}: {table['entries']}")
     write(path, result)
     print_table(result)
     print(f"\nwrote {path}")

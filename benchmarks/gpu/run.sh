@@ -13,7 +13,11 @@
 #                                 # benchmarks/embeddings.py on the 0.6B shape (sequences/s)
 #   benchmarks/gpu/run.sh lease   # all of it by priority for a short lease, within $DEADLINE s
 #                                 # (default 520): the `gpu` tests in two concurrent groups, the
-#                                 # greedy checks, then benchmarks and profiles while time lasts
+#                                 # greedy checks, then the attention sweeps (which write the
+#                                 # decode and prefill tables into kernels/tuned/ and $OUT/tables/),
+#                                 # then benchmarks and profiles with those tables, while time lasts
+#   benchmarks/gpu/run.sh sweeps  # the attention sweeps alone (without a GPU: a dry run whose
+#                                 # tables go to $OUT/tables/ only, never into the tree)
 #   benchmarks/gpu/run.sh PART... # any of the steps below by name, in the order given
 #
 # Everything goes under $OUT (default /tmp/gpu-out): one log per step, the result files, and
@@ -282,6 +286,32 @@ tiles() {
   step decode-tiles 120 $PY benchmarks/gpu/decode_tiles.py --out "$WORK"
 }
 
+# sweeps: issue 48's tables, measured here and then used by everything timed after them. The
+# decode sweep (split and packed kernels, their tiles; 1/8/64/256 sequences x 1k/4k/16k, bf16 and
+# fp8 KV) within $SWEEP_BUDGET s, then attention_micro (--quick: 2 decode, 2 prefill shapes),
+# whose prefill candidates choose between the paged and the TMA kernel per prompt length. Each
+# writes its table into kernels/tuned/ of the tree this runs from (the runtime reads it there),
+# copied to $OUT/tables/ to come back and be committed. A sweep that fails or is cut off writes
+# no table, and the tree's committed one stays. Without a GPU the tables (dry-run figures,
+# capability [0, 0]) go to $OUT/tables/ only.
+sweeps() {
+  local tables=kernels/tuned budget=${SWEEP_BUDGET:-150}
+  [ $GPU = 1 ] || tables="$WORK/tables"
+  mkdir -p "$OUT/tables" "$WORK/tables"
+  step decode-tiles $((budget + 60)) $PY benchmarks/gpu/decode_tiles.py --out "$WORK" \
+    --table "$tables/decode_tiles.json" --budget-s "$budget"
+  step attention 240 $PY benchmarks/gpu/attention_micro.py --out "$WORK" --quick \
+    --prefill-table "$tables/prefill_tiles.json"
+  local f
+  for f in decode_tiles.json prefill_tiles.json; do
+    [ -f "$tables/$f" ] || continue
+    cp "$tables/$f" "$OUT/tables/$f"
+    [ "$tables" = "$WORK/tables" ] || cp "$tables/$f" "$WORK/tables/$f"
+  done
+  echo "[$(date +%T) +${SECONDS}s] tables: $(ls "$OUT/tables" | tr '\n' ' ')"
+  pack
+}
+
 # lease: the issue-35 pass for a lease of about 15 minutes, in one call. The `gpu` tests run as
 # two concurrent groups (the kernel tests spread over pytest-xdist workers, when it is installed;
 # the engine-level tests in one process, since they size memory from what the device has free)
@@ -292,7 +322,8 @@ lease() {
   env_info
   local xdist=()
   $PY -c 'import xdist' 2>/dev/null && xdist=(-n 6)
-  local kernel_tests=(tests/test_kernels_attention.py tests/test_kernels_store_kv.py
+  local kernel_tests=(tests/test_kernels_attention.py tests/test_kernels_attention_candidates.py
+    tests/test_kernels_store_kv.py
     tests/test_kernels_elementwise.py tests/test_kernels_moe.py tests/test_kernels_fp8.py
     tests/test_kernels_lora.py)
   step pytest-gpu-kernels 400 $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 -rs \
@@ -320,15 +351,17 @@ print(r(sys.argv[1]))' "$model" &
   wait $kernels_pid $ckpt_pid
   step pytest-gpu-memory 120 $PY -m pytest -q -m gpu -p no:cacheprovider -rs \
     tests/test_memory_profile.py
-  tiles
+  # The timing part: the sweeps first, so that the workload, profiles and serving below run
+  # with the tables they write.
+  sweeps
   bench_one "$model" 0.6B-tp1-async --async-scheduling "${tiny[@]}"
+  # Serving's TTFT is one of issue 48's figures: before the profiles, while time is surest.
+  [ $((DEADLINE - SECONDS)) -gt 90 ] && serving
   step profile-async-256 150 $PY benchmarks/gpu/profile_decode.py --model "$model" \
     --out "$WORK/profile-async-256" "${prof_256[@]}" --steps 20 "${prof_tiny[@]}"
   step profile-async-1 120 $PY benchmarks/gpu/profile_decode.py --model "$model" \
     --out "$WORK/profile-async-1" --num-seqs 1 --steps 20 "${prof_tiny[@]}"
   bench_one "$model" 0.6B-tp1-sync --no-async-scheduling "${tiny[@]}"
-  attention
-  [ $((DEADLINE - SECONDS)) -gt 90 ] && serving
   [ $((DEADLINE - SECONDS)) -gt 120 ] && pooling
   [ $((DEADLINE - SECONDS)) -gt 120 ] && lora
   pack
@@ -347,6 +380,7 @@ for part in "$@"; do
     lora) env_info; lora ;;
     pooling) env_info; pooling ;;
     lease) lease ;;
+    sweeps) env_info; sweeps ;;
     env_info|tiles|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile|structured|fp8) $part ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

@@ -51,6 +51,10 @@ class AttentionMetadata:
     # [B - num_leading_decodes + 1] (None unless 0 < num_leading_decodes < B).
     num_leading_decodes: int = field(init=False)
     prefill_query_start_loc: torch.Tensor | None = field(init=False)
+    # Whether every sequence after the leading decodes is a fresh prompt (q_len == seq_len: no
+    # cached prefix, not a later chunk), whose keys are all among the step's own K/V rows: the
+    # triton backend may then attend from those dense rows (`kernels.prefill_attention_tma`).
+    fresh_prefill: bool = field(init=False)
 
     def __post_init__(self) -> None:
         qsl = self.query_start_loc_host
@@ -63,6 +67,8 @@ class AttentionMetadata:
             rebased = self.query_start_loc[n:] - n
         object.__setattr__(self, "num_leading_decodes", n)
         object.__setattr__(self, "prefill_query_start_loc", rebased)
+        fresh = bool(np.array_equal(qsl[n + 1 :] - qsl[n:-1], self.seq_lens_host[n:]))
+        object.__setattr__(self, "fresh_prefill", n < self.num_seqs and fresh)
 
     @property
     def num_seqs(self) -> int:

@@ -12,6 +12,12 @@ Two kernels, chosen per batch from the metadata alone (no device-to-host copy):
   tensors at offsets that change from step to step, which the kernels do not specialise on.
 - a batch with no leading decodes: one launch of the prefill kernel (it treats a one-token
   sequence as a query at its last position).
+- a batch whose non-decode sequences are all fresh prompts (no cached prefix, no earlier
+  chunk), when the prefill table (`kernels.attention_tables`, or $TP_ENGINE_PREFILL_KERNEL=tma)
+  names the "tma" kernel for the longest prompt: those rows attend from the step's own dense
+  K/V rows through TMA descriptors (`kernels.prefill_attention_tma`) instead of reading the pages
+  back; the leading decodes still take the decode kernel. Hence `forward` is overridden: the
+  dense K/V are only there, not in `attend`.
 
 Triton reads the device from the tensors' current device, so the caller must have set it
 (`ModelRunner` does). On CPU the kernels run only under `TRITON_INTERPRET=1` (tests).
@@ -21,8 +27,14 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention_tables import Tile, prefill_tile, tables
 from kernels.decode_attention import paged_decode_attention
 from kernels.prefill_attention import paged_prefill_attention
+from kernels.prefill_attention_tma import (
+    fresh_prefill_attention,
+    interpreted,
+    unusable_reason,
+)
 from rank_worker.attention.kernel_store import KernelStoreBackend
 from rank_worker.attention.metadata import AttentionMetadata
 
@@ -32,6 +44,62 @@ class TritonAttentionBackend(KernelStoreBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+
+    def __init__(self) -> None:
+        # The tile tables are read (and a malformed one refused) now, at start-up, rather than
+        # at the first decode step of a serving engine.
+        tables()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Store this step's K/V, then attend: fresh prompts from the dense K/V when the prefill
+        table says so (see the module docstring), everything else from the cache."""
+        k_cache, v_cache = kv_cache
+        self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        tile = self._fresh_prefill_tile(query, key, value, k_cache, meta)
+        if tile is None:
+            return self.attend(query, k_cache, v_cache, meta, scale, kv_scales)
+        n = meta.num_leading_decodes
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, heads, d]
+        if n:
+            paged_decode_attention(
+                query[:n], k_cache, v_cache, meta.seq_lens[:n], meta.block_table[:n], scale,
+                out=out[:n], kv_scales=kv_scales,
+            )  # fmt: skip
+        query_start_loc = meta.query_start_loc if n == 0 else meta.prefill_query_start_loc
+        fresh_prefill_attention(
+            query[n:], key[n:], value[n:], query_start_loc, meta.max_query_len, scale,
+            out=out[n:], tile=tile,
+        )  # fmt: skip
+        return out
+
+    @staticmethod
+    def _fresh_prefill_tile(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> Tile | None:
+        """The TMA kernel's tile when it takes this step's prompts, else None. Not with an fp8
+        cache: the dense K/V are not the quantized values the other steps read."""
+        if meta.max_query_len == 1 or not meta.fresh_prefill or k_cache.dtype != query.dtype:
+            return None
+        tile = prefill_tile(
+            meta.max_query_len, query.dtype, query.shape[-1], query.device,
+            interpreted(),
+        )  # fmt: skip
+        if tile.kernel != "tma" or unusable_reason(query, key, value) is not None:
+            return None
+        return tile
 
     def attend(
         self,

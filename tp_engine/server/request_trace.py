@@ -20,7 +20,7 @@ gaps between them):
     r0_add         rank 0's loop reads it
     r0_first_out   the engine step that returns its first token ends (`queue_time_s`: from
                    r0_add to its first schedule; `step`: the loop's step count)
-    r0_sent        rank 0 sends the EngineOutputs that carry that token
+    r0_sent        rank 0 begins sending the EngineOutputs that carry that token
     api_delta      the API process reads it
     api_chunk      the API process hands the first SSE chunk to the server to write
     step           rank 0, per loop step: `start`, `end` (`t` = end), `outputs`

@@ -343,10 +343,10 @@ class EngineLoop:
         stats = self.engine.stats()
         if not (self._accepted or self._rejected or self._deltas) and stats == self._last_stats:
             return
-        self.pipes.send(EngineOutputs(self._accepted, self._rejected, self._deltas, stats))
-        if self._trace is not None:
+        if self._trace is not None:  # before the send: the API process may read it at once
             for delta in self._deltas:
                 self._trace.mark_once("r0_sent", delta.request_id)
+        self.pipes.send(EngineOutputs(self._accepted, self._rejected, self._deltas, stats))
         self._accepted, self._rejected, self._deltas = [], [], []
         self._last_stats = stats
 

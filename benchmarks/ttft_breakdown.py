@@ -167,6 +167,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "duration_s": duration,
         "summary_ms": summary,
         "requests_ms": rows,
+        # Rank 0's loop steps, [start, end] in ms from the first, and the outputs each returned:
+        # a step that carries a prompt against a decode step (on a GPU, its host's share).
+        "steps": [
+            [
+                (s["start"] - steps[0]["start"]) * 1e3,
+                (s["end"] - steps[0]["start"]) * 1e3,
+                s["outputs"],
+            ]
+            for s in steps
+        ],
+        "trace_dir": str(trace_dir),
     }
 
 

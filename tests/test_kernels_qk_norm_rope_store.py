@@ -155,3 +155,26 @@ def test_fused_store_checks_its_arguments():
     with pytest.raises(ValueError, match="kv_scales"):
         fp8 = k_cache.to(FP8_KV_DTYPE)
         qk_norm_rope_store_kv(qkv, pos, q_w, k_w, table, fp8, fp8.clone(), slots, *args)
+
+
+# -- which layers use it -------------------------------------------------------------------------
+
+
+def test_the_layer_fuses_the_store_only_where_the_backend_stores_with_store_kv():
+    """triton and flash_attn store with `kernels.store_kv` and attend after it: the layer's
+    kernel takes the store over. The torch backend stores by indexing, and a backend that wraps
+    `forward` may do more around the store: they keep their own."""
+    from rank_worker.attention.flash_attn_backend import FlashAttnBackend
+    from rank_worker.attention.selection import get_backend
+    from rank_worker.attention.triton_backend import TritonAttentionBackend
+    from rank_worker.qwen3 import _stores_with_the_kernel
+
+    class Wrapping(TritonAttentionBackend):
+        def forward(self, *args, **kwargs):  # e.g. records what it stores
+            return super().forward(*args, **kwargs)
+
+    assert _stores_with_the_kernel(get_backend("triton"))
+    # Not instantiated: flash-attn may not be installed here; the rule reads the class.
+    assert _stores_with_the_kernel(FlashAttnBackend.__new__(FlashAttnBackend))
+    assert not _stores_with_the_kernel(get_backend("torch"))
+    assert not _stores_with_the_kernel(Wrapping())

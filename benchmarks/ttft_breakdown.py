@@ -28,11 +28,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +127,44 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+_SERVING = re.compile(r"serving .* on http://([\w.\-\[\]:]+):(\d+)")
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], env: dict[str, str], log_path: Path) -> Iterator[str]:
+    """Run the server (`cmd`) in a session of its own with its log in `log_path`; yields its
+    base URL once /health answers; SIGTERM (a graceful drain) at the end, then SIGKILL to the
+    session if it lingers."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not start; its log: {log_path}")
+                match = _SERVING.search(log_path.read_text(errors="replace"))
+                if match:
+                    url = f"http://{match.group(1)}:{match.group(2)}"
+                    with (
+                        contextlib.suppress(OSError),
+                        urllib.request.urlopen(url + "/health", timeout=5) as health,
+                    ):
+                        if health.status == 200:
+                            break
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.serving_client import random_requests, run_benchmark
-    from tests.server_harness import Server
     from tp_engine.testing import build_random_qwen3
 
     work = Path(tempfile.mkdtemp(prefix="ttft-breakdown-"))
@@ -130,12 +172,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trace_dir = work / "trace"
     env = dict(os.environ, TP_ENGINE_REQUEST_TRACE=str(trace_dir))
     env.pop("TP_ENGINE_FAULT", None)
-    cmd = [sys.executable, "launch/serve.py", "--model", str(model_dir), "--port", "0",
-           *args.server_args]  # fmt: skip
-    server = Server(cmd, env, work / "server.log").wait_ready()
-    try:
-        base_url = f"http://{server.host}:{server.port}"
-        model = json.loads(server.get("/v1/models")[1])["data"][0]["id"]
+    serve = str(Path(__file__).resolve().parents[1] / "launch" / "serve.py")
+    cmd = [sys.executable, serve, "--model", str(model_dir), "--port", "0", *args.server_args]
+    with serving(cmd, env, work / "server.log") as base_url:
+        with urllib.request.urlopen(base_url + "/v1/models", timeout=30) as resp:
+            model = json.loads(resp.read())["data"][0]["id"]
         # A warm-up request, untimed: the first step of a server compiles and allocates.
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
         warm = random_requests(2, args.input_len, 4, seed=99, vocab_size=vocab)
@@ -147,8 +188,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results, duration = asyncio.run(
             run_benchmark(base_url, model, requests, args.rate, seed=args.seed)
         )
-    finally:
-        server.stop()
     events, steps = read_traces(trace_dir)
     rows = breakdown(results, events, steps)
     if not rows:

@@ -53,6 +53,12 @@ class RequestResult:
     # Streamed chunks that carried text (or a finish reason).
     chunks: int = 0
     error: str = ""
+    # The response's `id` (the server's request id), and when the request was sent and its
+    # first chunk read on `time.perf_counter()`'s clock (CLOCK_MONOTONIC on Linux, the clock of
+    # the server's request traces, `tp_engine.server.request_trace`).
+    response_id: str = ""
+    sent_at_s: float = 0.0
+    first_chunk_at_s: float = 0.0
 
 
 # -- datasets -------------------------------------------------------------------------------
@@ -184,6 +190,7 @@ async def send_request(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = RequestResult(prompt_len=req.prompt_len)
     start = last = time.perf_counter()
+    result.sent_at_s = start
     chunks = 0
     usage_tokens = None
     counted = 0  # completion tokens up to the last text-bearing chunk
@@ -215,6 +222,8 @@ async def send_request(
                 counted += tokens
                 if chunks == 0:
                     result.ttft_s = now - start
+                    result.first_chunk_at_s = now
+                    result.response_id = str(obj.get("id", ""))
                 else:
                     result.itl_s += [(now - last) / tokens] * tokens
                 last = now

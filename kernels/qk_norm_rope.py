@@ -16,6 +16,13 @@ Rounding is that of the two kernels it replaces, `kernels.rmsnorm` then `kernels
 statistics in fp32, the normed value rounded to the input dtype, times the weight, rounded
 again (transformers' Qwen3RMSNorm), then rotated in fp32 and rounded once. Only the row sum's
 order differs from `rms_norm` (two half sums), a last-bit difference of the fp32 statistics.
+
+`qk_norm_rope_store_kv` also does the step's K/V store (`kernels.store_kv`) in the same launch,
+one kernel fewer per layer: the grid then covers the V heads too (`NUM_ALL = H + 2 KV`), the
+rotated keys go to the qkv row AND to their cache slot, the values are copied to theirs as they
+are (an fp8 cache gets `x / scale` saturated to ±448, as `store_kv` stores it). A negative slot
+(a CUDA-graph batch's padding row) stores nothing, its q and k are still rotated in place.
+What the cache holds is bit for bit what `qk_norm_rope` then `store_kv` would leave there.
 """
 
 from __future__ import annotations
@@ -25,14 +32,21 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    FP8_KV_DTYPE,
+    FP8_KV_MAX,
     check_device,
     check_float,
     check_index,
+    check_kv_cache,
+    check_kv_scales,
     check_last_dim_contiguous,
+    interpreting,
     next_pow2,
 )
+from kernels._fp8_cast import to_e4m3
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import rotary_embedding_ref
+from kernels.store_kv import store_kv_ref
 
 
 @triton.jit
@@ -42,19 +56,28 @@ def _qk_norm_rope_kernel(
     q_weight_ptr,  # [head_dim] q_norm weight, qkv's dtype
     k_weight_ptr,  # [head_dim] k_norm weight, qkv's dtype
     cos_sin_ptr,  # [max_position, head_dim] fp32: cos of the head_dim/2 frequencies | sin
+    k_cache_ptr,  # [num_slots, KV, head_dim] contiguous (STORE_KV; else a stand-in, unused)
+    v_cache_ptr,  # [num_slots, KV, head_dim] contiguous, k_cache's dtype (STORE_KV)
+    slot_mapping_ptr,  # [T] int32/int64 flat cache slot per token, negative = skip (STORE_KV)
+    kv_scale_ptr,  # [2] fp32 (k_scale, v_scale) of an fp8 cache (KV_FP8; else unused)
     stride_t,
     eps,
     NUM_Q_HEADS: tl.constexpr,
     NUM_HEADS: tl.constexpr,  # q heads + k heads: the heads normalised and rotated
+    NUM_ALL: tl.constexpr,  # heads the grid covers: NUM_HEADS, or + the V heads (STORE_KV)
     BLOCK_H: tl.constexpr,  # heads per program, a power of two
     HALF: tl.constexpr,  # head_dim // 2
     BLOCK_HALF: tl.constexpr,  # HALF rounded up to a power of two
+    STORE_KV: tl.constexpr,  # also write K (rotated) and V into their cache slots
+    KV_FP8: tl.constexpr,  # the caches are float8_e4m3fn: store x / scale, saturated
+    FP8_MAX: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # see kernels._fp8_cast
 ):
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     i = tl.arange(0, BLOCK_HALF)
     i_ok = i < HALF
-    mask = (h < NUM_HEADS)[:, None] & i_ok[None, :]
+    mask = (h < NUM_ALL)[:, None] & i_ok[None, :]
     p1 = qkv_ptr + token * stride_t + h[:, None] * (2 * HALF) + i[None, :]  # first halves
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -80,21 +103,68 @@ def _qk_norm_rope_kernel(
     table = cos_sin_ptr + pos * (2 * HALF)
     cos = tl.load(table + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(table + HALF + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(p1, (n1 * cos - n2 * sin).to(ty), mask=mask)
-    tl.store(p1 + HALF, (n2 * cos + n1 * sin).to(ty), mask=mask)
+    o1 = (n1 * cos - n2 * sin).to(ty)
+    o2 = (n2 * cos + n1 * sin).to(ty)
+    # V heads (STORE_KV) are read for the cache only: the qkv row keeps them as they are.
+    is_qk = (h < NUM_HEADS)[:, None]
+    tl.store(p1, o1, mask=mask & is_qk)
+    tl.store(p1 + HALF, o2, mask=mask & is_qk)
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        is_k = is_qk & (h >= NUM_Q_HEADS)[:, None]
+        is_v = (h >= NUM_HEADS)[:, None]
+        # What the cache gets: the key as rounded into the qkv row above, the value as loaded
+        # (both exact in fp32), so the cache holds what a separate store_kv would copy.
+        c1 = tl.where(is_v, x1, o1.to(tl.float32))
+        c2 = tl.where(is_v, x2, o2.to(tl.float32))
+        # Cache head of each lane; q lanes (never stored) are clamped to 0 to stay in bounds.
+        kv_head = tl.maximum(tl.where(h >= NUM_HEADS, h - NUM_HEADS, h - NUM_Q_HEADS), 0)
+        # int64: slot * row passes 2**31 once a layer's cache holds more than 2**31 elements.
+        c_off = slot * ((NUM_HEADS - NUM_Q_HEADS) * 2 * HALF) + kv_head[:, None] * (2 * HALF)
+        c_off = c_off + i[None, :]
+        if KV_FP8:
+            # Through fp32 with an IEEE division, as the reference divides: e4m3 has no
+            # infinity, and an out-of-range value would become NaN.
+            scale = tl.where(is_v, tl.load(kv_scale_ptr + 1), tl.load(kv_scale_ptr))
+            c1 = tl.clamp(tl.math.div_rn(c1, scale), -FP8_MAX, FP8_MAX)
+            c2 = tl.clamp(tl.math.div_rn(c2, scale), -FP8_MAX, FP8_MAX)
+            c1 = to_e4m3(c1, k_cache_ptr.dtype.element_ty, INTERPRETED)
+            c2 = to_e4m3(c2, k_cache_ptr.dtype.element_ty, INTERPRETED)
+        else:
+            c1 = c1.to(k_cache_ptr.dtype.element_ty)
+            c2 = c2.to(k_cache_ptr.dtype.element_ty)
+        if slot >= 0:
+            tl.store(k_cache_ptr + c_off, c1, mask=mask & is_k)
+            tl.store(k_cache_ptr + c_off + HALF, c2, mask=mask & is_k)
+            tl.store(v_cache_ptr + c_off, c1, mask=mask & is_v)
+            tl.store(v_cache_ptr + c_off + HALF, c2, mask=mask & is_v)
 
 
-def launch_meta(num_q_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, object]:
+def launch_meta(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    store_kv: bool = False,
+    kv_fp8: bool = False,
+    interpreted: bool = False,
+) -> dict[str, object]:
     """Constexprs and launch options (shared with the sm_90 compile test)."""
     num_heads = num_q_heads + num_kv_heads
+    num_all = num_heads + (num_kv_heads if store_kv else 0)
     half = head_dim // 2
     return dict(
         NUM_Q_HEADS=num_q_heads,
         NUM_HEADS=num_heads,
+        NUM_ALL=num_all,
         # 16 heads x 128 dims per program: 2048 elements in two fp32 halves, no spills.
-        BLOCK_H=min(16, next_pow2(num_heads)),
+        BLOCK_H=min(16, next_pow2(num_all)),
         HALF=half,
         BLOCK_HALF=next_pow2(half),
+        STORE_KV=store_kv,
+        KV_FP8=kv_fp8,
+        FP8_MAX=FP8_KV_MAX,
+        INTERPRETED=interpreted,
         num_warps=4,
     )
 
@@ -108,12 +178,14 @@ def _check(
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    num_row_heads: int,
 ) -> None:
+    """`num_row_heads`: the heads the kernel reads of each qkv row (q + k, or q + k + v)."""
     check_device(_qk_norm_rope_kernel, qkv, positions, q_weight, k_weight, cos_sin_cache)
     check_float("qkv", qkv)
-    if qkv.dim() != 2 or qkv.shape[1] < (num_q_heads + num_kv_heads) * head_dim:
+    if qkv.dim() != 2 or qkv.shape[1] < num_row_heads * head_dim:
         raise ValueError(
-            f"qkv must be [T, >= {(num_q_heads + num_kv_heads) * head_dim}] (q and k heads of "
+            f"qkv must be [T, >= {num_row_heads * head_dim}] ({num_row_heads} heads of "
             f"{head_dim}), got {tuple(qkv.shape)}"
         )
     check_last_dim_contiguous("qkv", qkv)
@@ -155,15 +227,77 @@ def qk_norm_rope(
     `positions [T]` int32/int64 (not range-checked on the device); weights `[head_dim]` of
     qkv's dtype; `cos_sin_cache [max_position, head_dim]` contiguous, cos | sin, read as fp32.
     """
-    _check(qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim)
+    num_heads = num_q_heads + num_kv_heads
+    _check(
+        qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
+        num_heads,
+    )  # fmt: skip
     num_tokens = qkv.shape[0]
     if num_tokens == 0:
         return qkv
     meta = launch_meta(num_q_heads, num_kv_heads, head_dim)
-    grid = (num_tokens, triton.cdiv(meta["NUM_HEADS"], meta["BLOCK_H"]))
+    grid = (num_tokens, triton.cdiv(meta["NUM_ALL"], meta["BLOCK_H"]))
+    # The cache pointers are stand-ins the kernel never reads without STORE_KV.
     _qk_norm_rope_kernel[grid](
-        qkv, positions, q_weight, k_weight, cos_sin_cache, qkv.stride(0), eps, **meta
-    )
+        qkv, positions, q_weight, k_weight, cos_sin_cache, qkv, qkv, positions, cos_sin_cache,
+        qkv.stride(0), eps, **meta,
+    )  # fmt: skip
+    return qkv
+
+
+def qk_norm_rope_store_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`qk_norm_rope` then `store_kv` of the rotated keys and the values, in one launch.
+
+    `qkv [T, row]` must hold the `num_kv_heads` value heads after the keys (the whole QKV
+    projection output); its q and k are normalised and rotated IN PLACE (V left as is) and each
+    token's K and V go to its slot of `k_cache` / `v_cache` (`[num_blocks, block_size,
+    num_kv_heads, head_dim]`, contiguous; `slot_mapping [T]` int32/int64, negative: not stored;
+    an fp8 cache takes `kv_scales [2]` fp32, see `kernels.store_kv`). Returns qkv.
+    """
+    num_row_heads = num_q_heads + 2 * num_kv_heads
+    _check(
+        qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
+        num_row_heads,
+    )  # fmt: skip
+    check_device(_qk_norm_rope_kernel, qkv, k_cache, v_cache, slot_mapping)
+    check_kv_cache(k_cache, v_cache)
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"the cache holds {tuple(k_cache.shape[2:])} (heads, head_dim) per slot, the qkv "
+            f"row ({num_kv_heads}, {head_dim})"
+        )
+    kv_scales = check_kv_scales(k_cache, qkv.dtype, kv_scales)
+    check_index("slot_mapping", slot_mapping, 1)
+    num_tokens = qkv.shape[0]
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"slot_mapping {tuple(slot_mapping.shape)} does not match qkv's {num_tokens} tokens"
+        )
+    if num_tokens == 0:
+        return qkv
+    meta = launch_meta(
+        num_q_heads, num_kv_heads, head_dim, store_kv=True,
+        kv_fp8=k_cache.dtype == FP8_KV_DTYPE, interpreted=interpreting(_qk_norm_rope_kernel),
+    )  # fmt: skip
+    grid = (num_tokens, triton.cdiv(meta["NUM_ALL"], meta["BLOCK_H"]))
+    _qk_norm_rope_kernel[grid](
+        qkv, positions, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        kv_scales, qkv.stride(0), eps, **meta,
+    )  # fmt: skip
     return qkv
 
 
@@ -187,3 +321,32 @@ def qk_norm_rope_ref(
     k = rms_norm_ref(qkv[:, q_end:k_end].reshape(num_tokens, num_kv_heads, head_dim), k_weight, eps)
     q, k = rotary_embedding_ref(positions, q, k, cos_sin_cache)
     return torch.cat((q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), qkv[:, k_end:]), -1)
+
+
+def qk_norm_rope_store_kv_ref(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain torch: `qk_norm_rope_ref`, then `store_kv_ref` of its keys and values into the
+    caches (in place); returns the NEW qkv (the argument untouched)."""
+    out = qk_norm_rope_ref(
+        qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, eps
+    )
+    num_tokens = qkv.shape[0]
+    k_start = num_q_heads * head_dim
+    v_start = k_start + num_kv_heads * head_dim
+    key = out[:, k_start:v_start].reshape(num_tokens, num_kv_heads, head_dim)
+    value = out[:, v_start : v_start + num_kv_heads * head_dim].reshape(key.shape)
+    store_kv_ref(key, value, k_cache, v_cache, slot_mapping, kv_scales)
+    return out

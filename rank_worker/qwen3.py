@@ -11,9 +11,11 @@ embedding or seq-cls head).
 Two implementations of the non-matmul ops, chosen per model (`fused`):
 - fused (Triton kernels, GPU, or CPU under the interpreter): add+RMSNorm, SiLU·mul, and the
   q/k norm with the rotary embedding as one in-place kernel over the QKV output
-  (`kernels.qk_norm_rope`), whose q, k and v views go to attention as they are. A decode step
-  then launches about ten operations per layer: 2 norms, 4 matmuls, q/k norm+rotary, K/V
-  store, attention (plus its split merge), SiLU·mul; and the all-reduces when TP > 1;
+  (`kernels.qk_norm_rope`), which also stores the step's K/V in the cache when the backend
+  would store them with the project's store kernel (triton, flash_attn); attention then reads
+  q as a view and K/V from the cache. A decode step launches about nine operations per layer:
+  2 norms, 4 matmuls, q/k norm+rotary+K/V store, attention (plus its split merge), SiLU·mul;
+  and the all-reduces when TP > 1;
 - plain torch: the reference, and the CPU path (about 60 eager ops per layer).
 
 Parameter names mirror the Hugging Face checkpoint names, except where several checkpoint
@@ -129,10 +131,13 @@ class Qwen3Attention(nn.Module):
             torch.ones(2, dtype=torch.float32, device=device), requires_grad=False
         )
         self.kv_scales.weight_loader = _load_kv_scale  # type: ignore[attr-defined]
+        # Whether the q/k kernel also stores the step's K/V (one launch fewer per layer).
+        self.fused_kv_store = fused and _stores_with_the_kernel(backend)
         if fused:
-            from kernels.qk_norm_rope import qk_norm_rope
+            from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_store_kv
 
             self._qk_norm_rope = qk_norm_rope
+            self._qk_norm_rope_store_kv = qk_norm_rope_store_kv
 
     def checkpoint_parts(self) -> dict[str, CheckpointPart]:
         """The optional KV-cache scales; the projections and norms load by their names."""
@@ -150,6 +155,19 @@ class Qwen3Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim], local heads
+        if self.fused_kv_store:
+            # q and k normalised and rotated in place, K and V stored in the cache, one launch;
+            # then attention over the cache alone (the store is done).
+            k_cache, v_cache = kv_cache
+            self._qk_norm_rope_store_kv(
+                qkv, positions, self.q_norm.weight, self.k_norm.weight,
+                self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+                self.num_local_heads, self.num_local_kv_heads, self.head_dim, self.eps,
+                self.kv_scales,
+            )  # fmt: skip
+            q = qkv[:, : self.qkv_proj.q_size].view(num_tokens, self.num_local_heads, self.head_dim)
+            o = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.kv_scales)
+            return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
         if self.fused:
             # q and k normalised and rotated in place; attention reads them as strided views.
             self._qk_norm_rope(
@@ -168,6 +186,18 @@ class Qwen3Attention(nn.Module):
         # [T, heads, head_dim]
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
         return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
+
+
+def _stores_with_the_kernel(backend: AttentionBackend) -> bool:
+    """Whether `backend` stores K/V with `kernels.store_kv` and attends after it, nothing more:
+    then `qk_norm_rope_store_kv` may do its store (the cache ends up bit for bit the same) and
+    the layer calls `attend` alone. A backend that stores otherwise (the torch backend's
+    indexing) or wraps `forward` keeps its own store."""
+    from rank_worker.attention.backend import AttentionBackend as Base
+    from rank_worker.attention.kernel_store import KernelStoreBackend
+
+    cls = type(backend)
+    return cls.store_kv is KernelStoreBackend.store_kv and cls.forward is Base.forward
 
 
 def _load_kv_scale(param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:

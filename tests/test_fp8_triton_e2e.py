@@ -1,6 +1,7 @@
 """The FP8 Triton path end to end under the interpreter (CPU): the W8A8 block GEMM in every
-linear layer, the fused MoE with fp8 experts, and the fp8 KV cache written by `store_kv` and
-read by the decode and prefill kernels. Judged as in tests/test_fp8_e2e.py (transformers on the
+linear layer, the fused MoE with fp8 experts, and the fp8 KV cache written by the q/k norm +
+rotary kernel's fused store (`qk_norm_rope_store_kv`) and read by the decode and prefill
+kernels. Judged as in tests/test_fp8_e2e.py (transformers on the
 dequantized weights, near-ties only), with fewer tokens: the interpreter is slow.
 """
 

@@ -246,6 +246,14 @@ def compile_report() -> dict[str, int]:
         meta = qk_norm_rope.launch_meta(heads, kv_heads, head_dim)
         name = f"qk_norm_rope-{dt}-h{heads}-kv{kv_heads}-d{head_dim}"
         report[name] = _compile(qk_norm_rope._qk_norm_rope_kernel, dt, meta)
+    # The same with the K/V store fused in (Qwen3-0.6B's 16 + 8 heads): into a cache of the
+    # model dtype, and into an fp8 cache (its pointers e4m3, the scales fp32).
+    fp8_cache = {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv", "kv_scale_ptr": "fp32"}
+    for kv_fp8 in (False, True):
+        meta = qk_norm_rope.launch_meta(16, 8, 128, store_kv=True, kv_fp8=kv_fp8)
+        types = fp8_cache if kv_fp8 else {"kv_scale_ptr": "fp32"}
+        name = f"qk_norm_rope_store_kv-bf16-kvfp8{kv_fp8}"
+        report[name] = _compile(qk_norm_rope._qk_norm_rope_kernel, "bf16", meta, types)
     # Qwen3-30B-A3B's experts whole (TP = 1 or expert parallel), Qwen3-235B-A22B's sliced over
     # 8 ranks, and a tiny fp32 test geometry; top 8 of 128 (2 of 8 for the tiny one).
     for dt, hidden, inter, top_k in (("bf16", 2048, 768, 8), ("bf16", 4096, 192, 8),
@@ -349,5 +357,6 @@ def test_every_kernel_compiles_for_sm90():
     assert not too_big, f"more shared memory than an sm_90 block can have: {too_big}"
     # 4 prefill, 4 decode, merge, store_kv, 2 rmsnorm, rotary, silu, 2 qk_norm_rope, 3 x 2 MoE;
     # 2 with an fp8 KV cache, 2 x 2 fp8 MoE, 2 fp8 quant, the W8A8 GEMM, 4 of Gumbel sampling,
-    # 3 x 4 of LoRA; 5 of the packed decode kernel, 4 of the TMA prefill
-    assert len(report) == 56, sorted(report)
+    # 3 x 4 of LoRA; 5 of the packed decode kernel, 4 of the TMA prefill; 2 qk_norm_rope with
+    # the K/V store
+    assert len(report) == 58, sorted(report)

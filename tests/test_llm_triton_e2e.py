@@ -45,5 +45,7 @@ def test_triton_kernels_match_hf_tp2(checkpoint, references):
         llm.ckpt_name = CKPT
         runner = llm.engine.runner
         assert runner.layer_kernels == "triton"
+        # The K/V store runs inside the q/k norm + rotary kernel on this path.
+        assert all(layer.self_attn.fused_kv_store for layer in runner.model.model.layers)
         assert runner.block_tables.has_device_copy and runner.input_buffers.double_buffered
         check_matches_hf(llm, references)

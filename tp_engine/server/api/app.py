@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shm_ipc.liveness import ProcessWatch
 from tp_engine.features.pooling.rerank_prompt import rerank_token_ids
+from tp_engine.server import request_trace
 from tp_engine.server.api.admin_routes import build_admin_router
 from tp_engine.server.api.chat_parsers import ChatParsing
 from tp_engine.server.api.engine_client import EngineClient
@@ -145,11 +146,15 @@ def build_app(
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
+            if client.trace is not None:
+                request_trace.route_started()
             req = await work.run(parse_body, CompletionRequest, await request.body())
             return await serving.completion(req, request)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:
+            if client.trace is not None:
+                request_trace.route_started()
             req = await work.run(parse_body, ChatCompletionRequest, await request.body())
             return await serving.chat(req, request)
 

@@ -124,6 +124,16 @@ def check_size_and_nesting(fields: dict[str, Any], param: str, limits: RequestLi
             check_nesting(parsed, param, limits.max_constraint_depth)
 
 
+def gives_constraint(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether the request gives anything whose check takes time (a schema, grammar, regex or
+    tools to parse): only those go to the constraints pool. The others (almost every request)
+    are checked inline, in microseconds, and so never wait behind a slow constraint in that
+    small pool, nor pay its thread hop on the way to their first token."""
+    if isinstance(req, ChatCompletionRequest) and (req.tools or req.tool_choice is not None):
+        return True
+    return bool(_sources(req, None))
+
+
 def refuse_unsupported_options(req: CompletionRequest | ChatCompletionRequest) -> None:
     """vLLM's options that would change what a constraint allows: refused, never ignored."""
     if req.guided_whitespace_pattern is not None:

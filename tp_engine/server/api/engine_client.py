@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shm_ipc.liveness import ProcessWatch
+from tp_engine.server import request_trace
 from tp_engine.server.api.metrics import ServerMetrics
 from tp_engine.server.ipc import ApiPipes, RunDir
 from tp_engine.server.messages import (
@@ -69,6 +70,8 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._calls: dict[int, asyncio.Future[ControlReply]] = {}
         self._call_ids = itertools.count(1)
+        # Per-request timestamps for the TTFT breakdown; None unless asked for (request_trace).
+        self.trace = request_trace.for_process("api")
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -84,6 +87,11 @@ class EngineClient:
         """Send one engine request; its events go to `queue`. With `pooling_params` it pools
         its prompt instead of sampling (`sampling_params` is then empty)."""
         self._owners[request_id] = queue
+        if self.trace is not None:
+            route_start = request_trace.route_start()
+            if route_start is not None:
+                self.trace.mark("api_route", request_id, t=route_start)
+            self.trace.mark("api_add", request_id)
         self.pipes.send(
             AddRequest(
                 request_id,
@@ -164,6 +172,8 @@ class EngineClient:
                 self._owners.pop(rejected.request_id, None)
             for delta in msg.deltas:
                 self._deliver(delta.request_id, delta)
+                if self.trace is not None:
+                    self.trace.mark_once("api_delta", delta.request_id)
             self.metrics.set_engine_stats(msg.stats)
         elif isinstance(msg, ControlReply):
             call = self._calls.get(msg.call_id)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from tp_engine.features.structured.grammar import StructuredOutputsParams
 from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.chat_output import ChatOutputParser
-from tp_engine.server.api.constraints import output_constraint
+from tp_engine.server.api.constraints import gives_constraint, output_constraint
 from tp_engine.server.api.engine_client import EngineClient
 from tp_engine.server.api.generation import EngineDiedError, Generation, PromptInput
 from tp_engine.server.api.http_errors import APIError
@@ -81,7 +81,10 @@ class OpenAIServing:
         adapter = self.check_model(req.model)
         refuse_unsupported(req)
         check_max_tokens(req)
-        constraint = await self.work.constraint(output_constraint, req, None, self.work.limits)
+        if gives_constraint(req):
+            constraint = await self.work.constraint(output_constraint, req, None, self.work.limits)
+        else:  # nothing to parse: the same check inline (see `gives_constraint`)
+            constraint = output_constraint(req, None, self.work.limits)
         prompts, max_tokens, extra = await self.work.run(self._completion_inputs, req, constraint)
         return self._generation(
             "cmpl",
@@ -113,7 +116,10 @@ class OpenAIServing:
         refuse_unsupported(req)
         check_max_tokens(req)
         check_choices(1, req.n)
-        tools, constraint = await self.work.constraint(self._chat_constraint, req)
+        if gives_constraint(req):
+            tools, constraint = await self.work.constraint(self._chat_constraint, req)
+        else:  # nothing to parse: the same check inline (see `gives_constraint`)
+            tools, constraint = self._chat_constraint(req)
         prompt, max_tokens, extra = await self.work.run(self._chat_inputs, req, constraint)
         gen = self._generation(
             "chatcmpl",

@@ -78,7 +78,10 @@ class SSEStream:
                 for c in gen.choices:
                     role = {"role": "assistant", "content": ""}
                     yield self._chunk([chat_chunk_choice(c.index, role, None, None)])
+            trace = gen.client.trace
             async for update in gen.updates():
+                if trace is not None:
+                    trace.mark_once("api_chunk", gen.engine_ids[0])
                 for chunk in self._chunks(update):
                     yield chunk
             if self._include_usage:

@@ -62,6 +62,7 @@ from tp_engine.server.messages import (
 )
 from tp_engine.server.rank0.control_ops import run_op
 from tp_engine.server.rank0.watchdog import Watchdog
+from tp_engine.server.request_trace import for_process
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,9 @@ class EngineLoop:
         # Calls of `pause` in "wait" mode, answered once no running request is left.
         self._pending_pauses: list[int] = []
         self._watchdog = Watchdog(options.iteration_timeout_s, self._on_stall)
+        # Per-request timestamps for the TTFT breakdown; None unless asked for (request_trace).
+        self._trace = for_process("rank0")
+        self._num_steps = 0
 
     def request_stop(self, signum: int) -> None:
         """From a signal handler: begin a graceful shutdown at the next iteration."""
@@ -201,6 +205,8 @@ class EngineLoop:
                 logger.warning("engine loop: ignoring unexpected %s", type(msg).__name__)
 
     def _add(self, msg: AddRequest) -> None:
+        if self._trace is not None:
+            self._trace.mark("r0_add", msg.request_id)
         if self._drain_deadline is not None:
             self._rejected.append(
                 Rejected(msg.request_id, 503, "the server is shutting down; retry elsewhere")
@@ -298,7 +304,11 @@ class EngineLoop:
             self._requests.pop(request_id, None)
 
     def _step(self) -> None:
+        start = time.monotonic()
         step = self.engine.step()
+        self._num_steps += 1
+        if self._trace is not None:
+            self._trace_step(start, step.outputs)
         if step.made_progress:
             self._watchdog.progress()
         self._take_compile_verdicts()
@@ -333,9 +343,26 @@ class EngineLoop:
         stats = self.engine.stats()
         if not (self._accepted or self._rejected or self._deltas) and stats == self._last_stats:
             return
+        if self._trace is not None:  # before the send: the API process may read it at once
+            for delta in self._deltas:
+                self._trace.mark_once("r0_sent", delta.request_id)
         self.pipes.send(EngineOutputs(self._accepted, self._rejected, self._deltas, stats))
         self._accepted, self._rejected, self._deltas = [], [], []
         self._last_stats = stats
+
+    def _trace_step(self, start: float, outputs: list[SequenceOutput]) -> None:
+        trace = self._trace
+        assert trace is not None
+        end = time.monotonic()
+        trace.mark("step", "", t=end, start=start, end=end, outputs=len(outputs),
+                   step=self._num_steps)  # fmt: skip
+        for out in outputs:
+            live = self._live.get(out.seq_id)
+            if live is not None and out.new_token_ids:
+                trace.mark_once(
+                    "r0_first_out", live.request_id, t=end, queue_time_s=out.queue_time_s,
+                    step=self._num_steps,
+                )  # fmt: skip
 
     # -- endings -----------------------------------------------------------------------------------
 

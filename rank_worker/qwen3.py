@@ -155,7 +155,7 @@ class Qwen3Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim], local heads
-        if self.fused_kv_store:
+        if self.fused_kv_store and not (meta.fresh_prefill and self.backend.reads_fresh_kv):
             # q and k normalised and rotated in place, K and V stored in the cache, one launch;
             # then attention over the cache alone (the store is done).
             k_cache, v_cache = kv_cache
@@ -192,12 +192,16 @@ def _stores_with_the_kernel(backend: AttentionBackend) -> bool:
     """Whether `backend` stores K/V with `kernels.store_kv` and attends after it, nothing more:
     then `qk_norm_rope_store_kv` may do its store (the cache ends up bit for bit the same) and
     the layer calls `attend` alone. A backend that stores otherwise (the torch backend's
-    indexing) or wraps `forward` keeps its own store."""
+    indexing) or wraps `forward` keeps its own store; one whose `forward` differs only on
+    fresh prompts (`reads_fresh_kv`) gets `forward` on those steps."""
     from rank_worker.attention.backend import AttentionBackend as Base
     from rank_worker.attention.kernel_store import KernelStoreBackend
 
     cls = type(backend)
-    return cls.store_kv is KernelStoreBackend.store_kv and cls.forward is Base.forward
+    # The class whose `forward` runs: the base's, or one that says it differs only there.
+    owner = next(c for c in cls.__mro__ if "forward" in vars(c))
+    plain_forward = owner is Base or vars(owner).get("reads_fresh_kv", False)
+    return cls.store_kv is KernelStoreBackend.store_kv and plain_forward
 
 
 def _load_kv_scale(param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:

@@ -35,6 +35,10 @@ class AttentionBackend(ABC):
     name: str
     # Decode-only batches may be captured in a CUDA graph (see the module docstring).
     supports_cuda_graphs: bool = False
+    # `forward` may attend a fresh prompt from the step's own K/V rather than the cache (the
+    # triton backend's TMA prefill): a layer that stores K/V itself calls `forward` on steps
+    # with fresh prompts (`AttentionMetadata.fresh_prefill`), `attend` on the others.
+    reads_fresh_kv: bool = False
 
     @abstractmethod
     def store_kv(

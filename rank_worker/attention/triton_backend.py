@@ -44,6 +44,7 @@ class TritonAttentionBackend(KernelStoreBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    reads_fresh_kv = True
 
     def __init__(self) -> None:
         # The tile tables are read (and a malformed one refused) now, at start-up, rather than

@@ -16,6 +16,9 @@
 #                                 # greedy checks, then the attention sweeps (which write the
 #                                 # decode and prefill tables into kernels/tuned/ and $OUT/tables/),
 #                                 # then benchmarks and profiles with those tables, while time lasts
+#   benchmarks/gpu/run.sh kvtier  # the multi-turn benchmark with and without the host and file
+#                                 # KV tiers (a restart on the files), 0.6B shape
+#   benchmarks/gpu/run.sh ttft    # where a served request's TTFT goes (1k prompts, 8 req/s)
 #   benchmarks/gpu/run.sh sweeps  # the attention sweeps alone (without a GPU: a dry run whose
 #                                 # tables go to $OUT/tables/ only, never into the tree)
 #   benchmarks/gpu/run.sh PART... # any of the steps below by name, in the order given
@@ -286,6 +289,32 @@ tiles() {
   step decode-tiles 120 $PY benchmarks/gpu/decode_tiles.py --out "$WORK"
 }
 
+# kvtier: issue 46's KV tiers on benchmarks/multiturn.py (no tier, host, host + files, and a
+# restart on the files), 0.6B on a GPU with histories far beyond a 256-block pool.
+kvtier() {
+  local sizes=()
+  if [ $GPU = 1 ]; then
+    sizes=(--model "$($PY -c 'from benchmarks.models import resolve_model; print(resolve_model("0.6B"))')"
+      --conversations 32 --turns 6 --first-tokens 1024 --user-tokens 256 --output-tokens 64
+      --num-kv-blocks 256 --max-model-len 4096 --offload-gib 4)
+  else
+    sizes=(--conversations 4 --turns 3)
+  fi
+  step multiturn 400 $PY -m benchmarks.multiturn "${sizes[@]}" --out-dir "$WORK/multiturn"
+}
+
+# ttft: issue 48's breakdown of a served request's time to first token (1k-token prompts at 8
+# requests/s on the 0.6B shape, as the 2026-11-27 lease's serving run), stage by stage.
+ttft() {
+  local sizes=(--num-prompts 16 --input-len 64 --output-len 8)
+  if [ $GPU = 1 ]; then
+    sizes=(--model "$($PY -c 'from benchmarks.models import resolve_model; print(resolve_model("0.6B"))')"
+      --rate 8 --num-prompts 200 --input-len 1024 --output-len 128)
+  fi
+  step ttft-breakdown 300 $PY -m benchmarks.ttft_breakdown "${sizes[@]}" \
+    --output-json "$WORK/ttft-breakdown.json"
+}
+
 # sweeps: issue 48's tables, measured here and then used by everything timed after them. The
 # decode sweep (split and packed kernels, their tiles; 1/8/64/256 sequences x 1k/4k/16k, bf16 and
 # fp8 KV) within $SWEEP_BUDGET s, then attention_micro (--quick: 2 decode, 2 prefill shapes),
@@ -323,7 +352,7 @@ lease() {
   local xdist=()
   $PY -c 'import xdist' 2>/dev/null && xdist=(-n 6)
   local kernel_tests=(tests/test_kernels_attention.py tests/test_kernels_attention_candidates.py
-    tests/test_kernels_store_kv.py
+    tests/test_kernels_store_kv.py tests/test_kernels_qk_norm_rope_store.py
     tests/test_kernels_elementwise.py tests/test_kernels_moe.py tests/test_kernels_fp8.py
     tests/test_kernels_lora.py)
   step pytest-gpu-kernels 400 $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 -rs \
@@ -362,6 +391,8 @@ print(r(sys.argv[1]))' "$model" &
   step profile-async-1 120 $PY benchmarks/gpu/profile_decode.py --model "$model" \
     --out "$WORK/profile-async-1" --num-seqs 1 --steps 20 "${prof_tiny[@]}"
   bench_one "$model" 0.6B-tp1-sync --no-async-scheduling "${tiny[@]}"
+  [ $((DEADLINE - SECONDS)) -gt 120 ] && ttft
+  [ $((DEADLINE - SECONDS)) -gt 120 ] && kvtier
   [ $((DEADLINE - SECONDS)) -gt 120 ] && pooling
   [ $((DEADLINE - SECONDS)) -gt 120 ] && lora
   pack
@@ -381,6 +412,8 @@ for part in "$@"; do
     pooling) env_info; pooling ;;
     lease) lease ;;
     sweeps) env_info; sweeps ;;
+    kvtier) env_info; kvtier ;;
+    ttft) env_info; ttft ;;
     env_info|tiles|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile|structured|fp8) $part ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

@@ -4,9 +4,8 @@
     python -m benchmarks.eagle3 --model DIR --head HEAD_DIR --tp 2 --out-dir benchmarks/results/gpu/eagle3
 
 Without `--model`, the target is the tests' tiny predictable Qwen3
-(`tp_engine.testing.eagle3_heads.build_predictable_target`) and the head is trained on its
-greedy continuations (`train_eagle3_head`, seeded, 150 steps), both built in a temporary
-directory. Each batch size runs greedy `--max-tokens` tokens per random prompt, first without
+and the head trained on its greedy continuations (`tp_engine.testing.eagle3_heads.
+cached_eagle3_pair`: seeded, 150 steps, built once under the test kit's cache directory). Each batch size runs greedy `--max-tokens` tokens per random prompt, first without
 speculation, then with the head (k = `--k`); the tokens must be the same. Reports output tokens
 per second (after one warm-up call per engine), mean acceptance length (tokens per verify step,
 1 + accepted / verify steps), acceptance per draft position and the speed-up. Writes
@@ -19,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -93,33 +91,23 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out_dir or f"benchmarks/results/{kind}/eagle3")
     out.mkdir(parents=True, exist_ok=True)
     log = ["$ python -m benchmarks.eagle3 " + " ".join(sys.argv[1:] if argv is None else argv)]
-    tmp = None
     if args.model is None:
-        from tp_engine.testing.eagle3_heads import build_predictable_target, train_eagle3_head
+        from tp_engine.testing.eagle3_heads import cached_eagle3_pair
 
-        tmp = tempfile.TemporaryDirectory()
-        root = Path(tmp.name)
-        args.model = str(build_predictable_target(root / "target"))
-        train = _prompts(32, 8, 643, seed=0)  # the tests' training set
-        args.head = str(train_eagle3_head(args.model, root / "head", prompts=train,
-                                          max_new_tokens=32, steps=150, seed=0))  # fmt: skip
+        args.model, args.head = map(str, cached_eagle3_pair())
     elif args.head is None:
         p.error("--model needs --head")
     rows = []
-    try:
-        for batch in args.batches:
-            base = run(args, None, batch, log)
-            spec = run(args, args.head, batch, log)
-            if spec.pop("tokens") != base.pop("tokens"):
-                raise SystemExit(f"batch {batch}: the tokens differ with EAGLE-3")
-            spec["speedup"] = spec["output_tokens_per_s"] / base["output_tokens_per_s"]
-            rows += [base, spec]
-            log.append(f"batch {batch:>2} speed-up {spec['speedup']:.2f}x, mean acceptance "
-                       f"length {spec['mean_acceptance_length']:.2f}")  # fmt: skip
-            print(log[-1], flush=True)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    for batch in args.batches:
+        base = run(args, None, batch, log)
+        spec = run(args, args.head, batch, log)
+        if spec.pop("tokens") != base.pop("tokens"):
+            raise SystemExit(f"batch {batch}: the tokens differ with EAGLE-3")
+        spec["speedup"] = spec["output_tokens_per_s"] / base["output_tokens_per_s"]
+        rows += [base, spec]
+        log.append(f"batch {batch:>2} speed-up {spec['speedup']:.2f}x, mean acceptance "
+                   f"length {spec['mean_acceptance_length']:.2f}")  # fmt: skip
+        print(log[-1], flush=True)
     (out / "eagle3.json").write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
     (out / "eagle3.log").write_text("\n".join(log) + "\n")
 

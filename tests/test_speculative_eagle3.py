@@ -2,8 +2,8 @@
 
 A tiny target (`build_predictable_target`: a random 4-layer Qwen3 from the test kit with its
 layers' output projections scaled down, so that its greedy text is learnable) and a head
-trained here on the target's own greedy continuations (`train_eagle3_head`, SpecForge's TTT
-recipe at toy scale, seeded; once per session). Checked: the head's inputs are transformers'
+trained on the target's own greedy continuations (`train_eagle3_head`, SpecForge's TTT
+recipe at toy scale, seeded; once per cache directory, `cached_eagle3_pair`). Checked: the head's inputs are transformers'
 `output_hidden_states` at the named layers (pinned and default); greedy outputs equal
 transformers at TP 1, 2 (prefix caching + chunked prefill, a small budget, preemption) and 4
 (one short case); seeded sampling equals the run without speculation; both published layouts
@@ -58,15 +58,12 @@ def relayout(head: Path, out: Path, layout: str, layer_ids: list[int] | None) ->
 
 @pytest.fixture(scope="session")
 def eagle(tmp_path_factory) -> dict[str, Path]:
-    from tp_engine.testing.eagle3_heads import build_predictable_target, train_eagle3_head
+    from tp_engine.testing.eagle3_heads import cached_eagle3_pair
 
     root = tmp_path_factory.mktemp("eagle3")
-    target = build_predictable_target(root / "target")
-    train = _prompts(32, (8,), seed=0)
     # Pinned (SpecForge's reading, layer outputs): 0, 1, 2 = transformers' hidden_states 1..3.
-    head = train_eagle3_head(
-        target, root / "head", prompts=train, max_new_tokens=32, steps=150, seed=0
-    )
+    # Trained once per cache directory (`cached_eagle3_pair`: 32 prompts, 150 Adam steps).
+    target, head = cached_eagle3_pair()
     return {
         "target": target,
         "head": head,
@@ -141,43 +138,41 @@ def test_hidden_states_equal_transformers(eagle, which, hf_layers):
 # -- outputs ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
+@pytest.fixture(scope="module")
 def eagle_llm(request, eagle):
     llm = _llm(eagle["target"], request.param, eagle["head"])
+    llm.tp = request.param
     yield llm
     llm.shutdown()
 
 
+KNOBS = {
+    "prefix_chunked": {"enable_prefix_caching": True, "enable_chunked_prefill": True},
+    "small_budget": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
+    "small_pool": {"num_kv_blocks": 16},
+}
+# TP 1 and 2 with every knob; TP 4 one short case (two prompts).
+CASES = [(tp, name) for tp in (1, 2) for name in KNOBS] + [(4, "prefix_chunked")]
+
+
 @pytest.mark.parametrize(
-    "knobs",
-    [
-        {"enable_prefix_caching": True, "enable_chunked_prefill": True},
-        {"max_num_batched_tokens": 8, "max_num_seqs": 4},
-        {"num_kv_blocks": 16},
-    ],
-    ids=["prefix_chunked", "small_budget", "small_pool"],
+    ("eagle_llm", "knobs"), CASES, indirect=["eagle_llm"], ids=[f"tp{t}-{k}" for t, k in CASES]
 )
 def test_greedy_equals_transformers(eagle_llm, reference, knobs):
     prompts, expected = reference
-    eagle_llm.engine.reconfigure(**knobs)
+    if eagle_llm.tp == 4:
+        prompts, expected = prompts[:2], expected[:2]
+    eagle_llm.engine.reconfigure(**KNOBS[knobs])
     before = eagle_llm.engine.spec_stats.num_accepted_tokens
     assert _generate(eagle_llm, prompts) == expected
     stats = eagle_llm.engine.spec_stats
     assert stats.num_accepted_tokens > before, "no draft was accepted"
     assert stats.num_accepted_tokens < stats.num_draft_tokens
-    if "num_kv_blocks" in knobs:
+    if knobs == "small_pool":
         assert eagle_llm.engine.scheduler.num_preemptions > 0
     bm = eagle_llm.engine.scheduler.block_manager
     assert bm.usage == 0.0
     bm.check_integrity()
-
-
-def test_greedy_at_tp4_short(eagle, reference):
-    prompts, expected = reference
-    with _llm(eagle["target"], 4, eagle["head"]) as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        assert _generate(llm, prompts[:2], params) == [e[:8] for e in expected[:2]]
-        assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
 def test_seeded_sampling_is_the_run_without_speculation(eagle, reference):

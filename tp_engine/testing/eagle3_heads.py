@@ -258,3 +258,39 @@ def build_predictable_target(
         return {name: t}
 
     return rewrite_checkpoint(base, out, scale, lambda cfg: None)
+
+
+def cached_eagle3_pair() -> tuple[Path, Path]:
+    """`(target, head)`: the tests' tiny predictable target and the head trained on it (32
+    random 8-token prompts, 32 greedy tokens each, 150 steps, seed 0), built once under
+    `cache_dir()` (training takes a minute on a busy CPU) and reused by tests and benchmarks.
+    Built in a temporary directory and renamed into place, as `cached_random_qwen3` does."""
+    import os
+    import shutil
+    import tempfile
+
+    from tp_engine.testing.checkpoints import cache_dir
+
+    root = cache_dir()
+    final = root / "eagle3-tiny-v1"
+    target, head = final / "target", final / "head"
+    if (head / "config.json").exists():
+        return target, head
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    try:
+        build_predictable_target(tmp / "target")
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, 643, (32, 8), generator=g).tolist()
+        train_eagle3_head(
+            tmp / "target", tmp / "head", prompts=prompts, max_new_tokens=32, steps=150, seed=0
+        )
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (head / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target, head

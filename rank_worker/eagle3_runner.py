@@ -25,6 +25,20 @@ positions, lengths): looked up by (row, position). A row rewritten from column 0
 sequence in it) is forgotten, so a newcomer never reads its predecessor's states. Nothing here
 is request state: it is the last step's tensors, as the block-table mirror is the last
 plans' tables.
+
+Not yet done (GPU work, none of it needed for exact outputs):
+- CUDA graphs. With a head loaded the target runs eagerly (`ModelRunner.capture_graphs`): a
+  captured decode would have to return the captured states too (static `[B, H]` embedding and
+  `[B, 3H]` state buffers as graph outputs). The chain's steps are decode-shaped (one token per
+  sequence over a one-layer cache) and could be captured per batch size like the target's
+  decode, with the host work before each replay: the `_Kept` lookup (numpy), each step's
+  `prepare_inputs` (slots and block table), and the embedding's all-reduce inside the graph.
+- Memory: the KV sizing's warm-up forward captures the states (counted), but does not run the
+  head's pass; sleep mode releases neither the head's weights nor its cache.
+- Entry p depends on the token after p, which the prefix cache's hash of p's block does not
+  cover. A hit starts a sequence at c > 0 with no kept states for entry c - 1, so that entry
+  keeps what the block's first owner wrote (the new sequence writes nothing into a cached
+  block). That can only cost acceptance, never exactness (verification is exact).
 """
 
 from __future__ import annotations

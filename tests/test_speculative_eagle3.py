@@ -135,6 +135,27 @@ def test_hidden_states_equal_transformers(eagle, which, hf_layers):
     runner.release()
 
 
+def test_hidden_states_reach_rank_0_at_tp2(eagle):
+    """Through the executor at TP 2: the `hidden_rows` section crosses the ring, and
+    `StepResult.hidden_states` holds the states (computed on sharded layers) transformers has."""
+    from rank_worker.model_runner import synthetic_plan
+
+    prompt = _prompts(1, (9,), seed=8)[0]
+    rows = [8, 2, 5]
+    with _llm(eagle["target"], 2, eagle["head"], enable_prefix_caching=False) as llm:
+        core = llm.engine
+        plan = dataclasses.replace(
+            synthetic_plan([(0, 9, [0, 1, 2])]),
+            step_id=core.take_step_id(),
+            input_ids=torch.tensor(prompt).int().numpy(),
+        ).with_sections(hidden_rows=torch.tensor(rows).int().numpy())
+        got = core.executor.execute(plan, None, None).hidden_states
+    with torch.no_grad():
+        hs = _hf(eagle["target"])(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[i][0, rows] for i in (1, 2, 3)], dim=-1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 # -- outputs ------------------------------------------------------------------------------------
 
 

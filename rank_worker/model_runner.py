@@ -36,6 +36,7 @@ from rank_worker.block_tables import BlockTables
 from rank_worker.cuda_graphs import DecodeGraphRunner, disabled_reason
 from rank_worker.device_memory import CudaMemory, DeviceMemory, add_cuda_user, drop_cuda_user
 from rank_worker.device_sleep import DeviceSleep
+from rank_worker.eagle3_runner import Eagle3Runner
 from rank_worker.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.kv_cache import (
     CacheGroup,
@@ -52,9 +53,12 @@ from rank_worker.lora.manager import LoraManager
 from rank_worker.model_spec import HeadSpec, load_hf_config
 from rank_worker.qwen3 import KVCachePair
 from rank_worker.runner_config import RunnerConfig
+from rank_worker.synthetic_plans import synthetic_plan
 from rank_worker.tp import TPInfo, all_reduce_min_int
 from rank_worker.weight_map import WeightMap
 from shm_ipc.step_plan import Command, StepPlan, batch_rows
+
+__all__ = ["ModelRunner", "synthetic_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +213,8 @@ class ModelRunner:
                 self.device,
             )
             self.draft.block_tables = self.block_tables
+        # Speculative decoding with an EAGLE-3 head: replicated beside the target, its own cache.
+        self.eagle3 = Eagle3Runner.for_runner(self) if config.eagle3_head is not None else None
         # Seconds per start-up phase: "load" (config, model, weights), "profile" (the memory
         # warm-up and sizing), "kv_cache" (allocation), "kernel_warmup" (first launch of every
         # Triton kernel: compiles on a GPU), "capture" (decode CUDA graphs).
@@ -232,9 +238,8 @@ class ModelRunner:
     def pool_spec(self) -> KVCacheSpec | CacheGroup:
         """What one block of the pool holds on this rank: the target's K/V, and the draft
         model's when there is one."""
-        if self.draft is None:
-            return self.kv_spec
-        return CacheGroup((self.kv_spec, self.draft.kv_spec))
+        extra = [d.kv_spec for d in (self.draft, self.eagle3) if d is not None]
+        return CacheGroup((self.kv_spec, *extra)) if extra else self.kv_spec
 
     def determine_num_kv_blocks(self, profile_sampling: ProfileSampling | None = None) -> int:
         """Blocks every rank can hold (collective: every rank must call it).
@@ -282,6 +287,8 @@ class ModelRunner:
         if draft is not None:
             draft.kv_caches = allocate_kv_cache(draft.kv_spec, num_blocks, self.device)
             draft.num_kv_blocks = num_blocks
+        if self.eagle3 is not None:
+            self.eagle3.allocate(num_blocks)
         if self.config.kv_offloading_size is not None and self.host_pool is None:
             self.host_pool = HostBlockCopier.of_size(
                 self.config.kv_offloading_size,
@@ -306,6 +313,8 @@ class ModelRunner:
         reason = disabled_reason(
             self.device, self.config.enforce_eager, self.attention_backend, self.tp
         )
+        if self.eagle3 is not None:  # the graphs would not capture the head's target states
+            reason = reason or "an EAGLE-3 head runs after every target forward (eager)"
         if reason is not None:
             logger.info("rank %d: no CUDA graphs: %s", self.tp.rank, reason)
             return
@@ -344,6 +353,7 @@ class ModelRunner:
             self.draft.release()
             self.draft = None
         self.kv_caches = None
+        self.eagle3 = None
         self.lora = None  # its slot stacks hang on the model's layers too
         self.model = None  # type: ignore[assignment]
         self.weight_map = None  # type: ignore[assignment]  # it holds the parameters too
@@ -386,6 +396,9 @@ class ModelRunner:
             # The draft model's K/V of the same tokens (prompts, accepted drafts): what its
             # proposals attend to. No logits.
             self.draft.model(inputs.input_ids, inputs.positions, inputs.meta, self.draft.kv_caches)
+        if self.eagle3 is not None:
+            embeds, aux = self.model.model.captured
+            self.eagle3.after_run(plan, embeds, aux, self.block_tables, self.input_buffers)
         return logits
 
     @torch.inference_mode()
@@ -397,6 +410,9 @@ class ModelRunner:
         read `last_sampled`, as in `execute` (the previous draft pass's tokens)."""
         if plan.command != Command.DRAFT:
             raise ValueError(f"step {plan.step_id}: execute_draft takes DRAFT plans")
+        if self.eagle3 is not None:  # the whole chain of drafts: [R, k] target ids
+            self._check_awake(plan)
+            return self.eagle3.draft(plan, self.block_tables, self.input_buffers)
         draft = self.draft
         if draft is None or draft.kv_caches is None:
             raise RuntimeError(f"step {plan.step_id}: a DRAFT plan, but no draft model is loaded")
@@ -560,32 +576,3 @@ class ModelRunner:
             profile_sampling(logits, num_sampled)
         del scratch, logits
         return num_blocks * self.pool_spec.bytes_per_block
-
-
-def synthetic_plan(
-    seqs: list[tuple[int, int, list[int]]], logits_indices: np.ndarray | None = None
-) -> StepPlan:
-    """A RUN plan that no scheduler made (warm-ups): sequences given as (first position, new
-    tokens, block ids), in rows 0.. of tables of their own (every row written from column 0),
-    token ids 0. `logits_indices` defaults to each sequence's last token."""
-    q_lens = np.array([n for _, n, _ in seqs], dtype=np.int32)
-    starts = np.zeros(len(seqs) + 1, dtype=np.int32)
-    np.cumsum(q_lens, out=starts[1:])
-    blocks = [b for _, _, b in seqs]
-    offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
-    np.cumsum([len(b) for b in blocks], out=offsets[1:])
-    if logits_indices is None:
-        logits_indices = (starts[1:] - 1).astype(np.int32)
-    return StepPlan(
-        step_id=0,
-        command=Command.RUN,
-        input_ids=np.zeros(int(starts[-1]), dtype=np.int32),
-        query_start_loc=starts,
-        seq_lens=np.array([p + n for p, n, _ in seqs], dtype=np.int32),
-        rows=np.arange(len(seqs), dtype=np.int32),
-        logits_indices=logits_indices,
-        edit_rows=np.arange(len(seqs), dtype=np.int32),
-        edit_starts=np.zeros(len(seqs), dtype=np.int32),
-        edit_offsets=offsets,
-        edit_blocks=np.array([x for b in blocks for x in b], dtype=np.int32),
-    )

@@ -318,6 +318,11 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(
             hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype, device=device, fused=fused
         )
+        # EAGLE-3 (`rank_worker.eagle3_runner`): the residual streams a forward keeps, as
+        # indices of Hugging Face's `output_hidden_states` (i: the input of layer i); empty:
+        # none. `captured` then holds `(embeddings [T, hidden], states [T, len * hidden])`.
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -327,9 +332,18 @@ class Qwen3Model(nn.Module):
         kv_caches: list[KVCachePair],
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        wanted = self.capture_layers
+        # A clone: the fused add+norm of layer 1 updates the residual (this tensor) in place.
+        states = {0: hidden.clone()} if wanted else {}
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in wanted and i > 0:
+                states[i] = hidden + residual  # the input of layer i, before its norm
             hidden, residual = layer(positions, hidden, residual, meta, kv_cache)
+        if len(self.layers) in wanted:
+            states[len(self.layers)] = hidden + residual
+        if wanted:
+            self.captured = (states[0], torch.cat([states[i] for i in wanted], dim=-1))
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -64,6 +64,9 @@ class RunnerConfig:
     # sharded as the target is, with a KV cache of its own on the same block ids (a block
     # costs both caches' bytes), written by every RUN plan and by DRAFT plans.
     draft_model: str | None = None
+    # Speculative decoding with an EAGLE-3 head: its directory. Every rank loads all of it
+    # (replicated, `rank_worker.eagle3_head`), with a one-layer KV cache on the pool's block ids.
+    eagle3_head: str | None = None
     # Fields merged into the checkpoint's config.json before anything reads it (vLLM's
     # `--hf-overrides`: YaRN, `is_matryoshka`, a reranker's architecture).
     hf_overrides: dict[str, Any] | None = None

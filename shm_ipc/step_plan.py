@@ -140,6 +140,23 @@ SECTIONS: dict[str, Section] = {
             "`shm_ipc.block_copies.encode_block_copies` lays them out; block ids are the "
             "ranks' to bound-check.",
         ),
+        Section(
+            "eagle_drafts",
+            3,
+            SectionLength.PER_SEQUENCE,
+            1,
+            "an EAGLE-3 DRAFT plan: how many chained drafts each sequence wants; the ranks run "
+            "the head's chain to the largest (`rank_worker.eagle3_runner`).",
+        ),
+        Section(
+            "hidden_rows",
+            4,
+            SectionLength.ANY,
+            0,
+            "token indices of a RUN plan whose EAGLE-3 target states (the three captured "
+            "layers, concatenated) rank 0 wants back in `StepResult.hidden_states`; the ranks "
+            "bound-check them against the plan's tokens.",
+        ),
     )
 }
 _SECTIONS_BY_ID = {section.wire_id: section for section in SECTIONS.values()}

@@ -100,7 +100,8 @@ def test_runner_config_copies_every_shared_field() -> None:
     assert runner.max_num_batched_tokens == config.resolved_max_num_batched_tokens
     # What the ranks hear of that is not an engine field: derived here, or the ranks' own.
     assert runner_fields - set(FIELDS) == {
-        "max_num_logits_rows", "max_num_sampled_rows", "draft_model", "head", "layer_kernels",
+        "max_num_logits_rows", "max_num_sampled_rows", "draft_model", "eagle3_head", "head",
+        "layer_kernels",
     }  # fmt: skip
 
 

@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from rank_worker.eagle3_format import read_eagle3_config
 from rank_worker.fault_injection import Fault
 from rank_worker.model_spec import ModelSpec, load_hf_config
 from rank_worker.tp import TPInfo
@@ -31,7 +32,7 @@ from tp_engine.core.kv.file_tier import open_file_tier
 from tp_engine.core.sampling.profiling import profile_sampling
 from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.executor.control import EngineControl
-from tp_engine.executor.rank_config import draft_model_dir, runner_config_for
+from tp_engine.executor.rank_config import draft_model_dir, eagle3_head_dir, runner_config_for
 from tp_engine.executor.tp import TPExecutor
 from tp_engine.failures import EngineDeadError
 from tp_engine.features import speculative
@@ -76,6 +77,10 @@ class LLMEngine(EngineCore):
         draft_dir = draft_model_dir(config)
         if draft_dir is not None:
             check_draft_model(draft_dir, vocab_size, tokenizer)
+        head_dir = eagle3_head_dir(config)
+        if head_dir is not None:
+            # Refused here, with the key or tensor that does not fit, before any rank starts.
+            read_eagle3_config(head_dir, hf_config)
         # A pooling model samples nothing: no sampler to leave room for.
         executor = TPExecutor.start(
             model_dir,

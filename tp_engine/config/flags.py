@@ -93,8 +93,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("async_scheduling", "schedule step t+1 while step t runs (default: on with a GPU, off "
          "on CPU; off with speculative decoding)", kind="toggle"),
     Flag("speculative_config", "speculative decoding, vLLM's shape: '{\"method\": \"ngram\", "
-         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or a draft model's "
-         "'{\"model\": DIR, \"num_speculative_tokens\": 4}'", metavar="JSON"),
+         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', a draft model's "
+         "'{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}' "
+         "or an EAGLE-3 head's '{\"method\": \"eagle3\", \"model\": DIR, "
+         "\"num_speculative_tokens\": 3}'", metavar="JSON"),
     Flag("gpu_memory_utilization", "fraction of each GPU's memory the engine may use (weights, "
          "activations, KV cache)", type=float),
     Flag("dtype", "parameter dtype (auto: the checkpoint's torch_dtype on a GPU, float32 on CPU)",

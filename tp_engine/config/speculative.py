@@ -3,6 +3,10 @@
     {"method": "ngram", "num_speculative_tokens": k,
      "prompt_lookup_min": a, "prompt_lookup_max": b}
     {"method": "draft_model", "model": DIR, "num_speculative_tokens": k}
+    {"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": k}
+
+SGLang's spelling (`--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR
+--speculative-num-steps k`) is turned into the same dict by `from_sglang`.
 
 Unknown keys, a bad method or a bad value are refused with what is wrong.
 """
@@ -13,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
 # prompt_lookup_max when neither bound is given.
 _DEFAULT_LOOKUP_MAX = 5
 
@@ -25,7 +29,8 @@ class SpeculativeConfig:
     # ngram: the longest and shortest suffix of the sequence looked up in its earlier tokens.
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = _DEFAULT_LOOKUP_MAX
-    # draft_model: the drafter's checkpoint directory.
+    # draft_model: the drafter's checkpoint directory; eagle3: the head's (either published
+    # layout, `rank_worker.eagle3_format`).
     model: str | None = None
 
     def __post_init__(self) -> None:
@@ -46,8 +51,10 @@ class SpeculativeConfig:
                 "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{lo} and {hi}"
             )
-        if self.method == "draft_model" and not self.model:
-            raise ValueError('speculative_config: method "draft_model" needs "model" (a directory)')
+        if self.method in ("draft_model", "eagle3") and not self.model:
+            raise ValueError(
+                f'speculative_config: method "{self.method}" needs "model" (a directory)'
+            )
         if self.method == "ngram" and self.model is not None:
             raise ValueError('speculative_config: method "ngram" takes no "model"')
 
@@ -83,6 +90,29 @@ class SpeculativeConfig:
         fields["prompt_lookup_min"] = 1 if lo is None else lo
         fields["prompt_lookup_max"] = hi
         return cls(**fields)
+
+    @classmethod
+    def from_sglang(
+        cls, algorithm: str | None, draft_model_path: str | None, num_steps: int | None
+    ) -> SpeculativeConfig | None:
+        """SGLang's flags as a config: `EAGLE3` (or `EAGLE`, which SGLang also runs EAGLE-3
+        heads under when the head says so: here it must be an EAGLE-3 head) with the head's
+        directory and the chain length; None when no algorithm is given."""
+        if algorithm is None:
+            if draft_model_path is not None or num_steps is not None:
+                raise ValueError(
+                    "--speculative-draft-model-path / --speculative-num-steps need "
+                    "--speculative-algorithm EAGLE3"
+                )
+            return None
+        if algorithm.upper() not in ("EAGLE3", "EAGLE"):
+            raise ValueError(
+                f"--speculative-algorithm {algorithm!r} is not supported (EAGLE3; for n-gram "
+                "or a draft model use --speculative-config)"
+            )
+        if draft_model_path is None:
+            raise ValueError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
+        return cls("eagle3", 3 if num_steps is None else num_steps, model=draft_model_path)
 
     @property
     def k(self) -> int:

@@ -54,6 +54,7 @@ def runner_config_for(config: EngineConfig, head: HeadSpec | None = None) -> Run
         max_num_logits_rows=max_logits_rows_per_step(config),
         max_num_sampled_rows=max_sampled_rows_per_step(config),
         draft_model=draft_model_dir(config),
+        eagle3_head=eagle3_head_dir(config),
         head=None if head is None else head.to_dict(),
     )
 
@@ -62,7 +63,7 @@ _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # RunnerConfig fields that `runner_config_for` derives rather than copies.
 _DERIVED = frozenset(
     {"max_num_batched_tokens", "max_num_logits_rows", "max_num_sampled_rows", "draft_model",
-     "head"}
+     "eagle3_head", "head"}
 )  # fmt: skip
 
 
@@ -70,5 +71,13 @@ def draft_model_dir(config: EngineConfig) -> str | None:
     """The draft model's checkpoint directory, for speculative decoding with one."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
+        return None
+    return spec.model
+
+
+def eagle3_head_dir(config: EngineConfig) -> str | None:
+    """The EAGLE-3 head's directory, for speculative decoding with one."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "eagle3":
         return None
     return spec.model

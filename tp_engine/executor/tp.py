@@ -102,7 +102,8 @@ class TPExecutor:
         ):
             logits = self.step_executor.run(plan, sampled)
         assert logits is not None  # rank 0 always gets the gathered logits
-        return StepResult(logits)
+        eagle3 = self.runner.eagle3
+        return StepResult(logits, None if eagle3 is None else eagle3.take_hidden_states())
 
     def control(self, call: ControlCall) -> ControlResult:
         if self.channel is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from tp_engine.config import EngineConfig
 from tp_engine.config.flags import add_engine_flags, engine_kwargs
 from tp_engine.config.help_format import HelpFormatter
+from tp_engine.config.speculative import SpeculativeConfig
 from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.api.guards import RequestLimits, allowed_hosts
@@ -286,6 +287,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="GiB of host memory per rank for it (SGLang's --hicache-ratio is not supported: "
         "give the size; default: none)",
     )  # fmt: skip
+    sglang_spec = p.add_argument_group(
+        "speculative decoding (SGLang's spelling of --speculative-config)",
+        "an EAGLE-3 head as SGLang's flags name it; the same as --speculative-config "
+        '\'{"method": "eagle3", "model": DIR, "num_speculative_tokens": k}\'',
+    )
+    sglang_spec.add_argument(
+        "--speculative-algorithm", default=None, metavar="EAGLE3",
+        help="EAGLE3 (an EAGLE-3 head, SpecForge/SGLang or vLLM speculators layout)",
+    )  # fmt: skip
+    sglang_spec.add_argument(
+        "--speculative-draft-model-path", default=None, metavar="DIR",
+        help="the head's directory",
+    )  # fmt: skip
+    sglang_spec.add_argument(
+        "--speculative-num-steps", type=int, default=None, metavar="K",
+        help="drafts per step, chained (default: 3)",
+    )  # fmt: skip
     p.add_argument(
         "--enable-weight-updates-from-tensor", action="store_true",
         help="also offer SGLang's /update_weights_from_tensor (slime's colocated weight sync): "
@@ -302,6 +320,13 @@ def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
     kwargs["enable_lora"] = args.enable_lora or bool(args.lora_modules)
     if args.enable_hierarchical_cache or args.hicache_size is not None:
         kwargs["kv_offloading_size"] = hierarchical_cache_size(args)
+    sglang_spec = SpeculativeConfig.from_sglang(
+        args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps
+    )
+    if sglang_spec is not None:
+        if args.speculative_config is not None:
+            raise ValueError("give --speculative-config or --speculative-algorithm, not both")
+        kwargs["speculative_config"] = sglang_spec
     return EngineConfig(model=args.model, tensor_parallel_size=tp_size, **kwargs)
 
 

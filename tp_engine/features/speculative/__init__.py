@@ -1,7 +1,8 @@
 """Speculative decoding: a proposer guesses each decoding sequence's next tokens, and the target
 model checks them all in one forward pass (see `tp_engine.core.spec_verify`). The proposers:
-`ngram` (lookup in the sequence's own tokens) and `draft_model` (a smaller model on the same
-ranks; import it from `tp_engine.features.speculative.draft_model`, which needs the plan builder).
+`ngram` (lookup in the sequence's own tokens), `draft_model` (a smaller model on the same
+ranks; import it from `tp_engine.features.speculative.draft_model`, which needs the plan builder)
+and `eagle3` (an EAGLE-3 head fed by the target's hidden states, `...speculative.eagle3`).
 `plug_in` hands the core the proposer its config names; the verification rule and the counters
 are the step pipeline's (`tp_engine.core.spec_verify`, `tp_engine.core.spec_metrics`)."""
 
@@ -30,7 +31,7 @@ __all__ = [
 
 def plug_in(spec: SpeculativeConfig, hooks: CoreHooks) -> None:
     """Give the core the proposer `spec` names (`CoreHooks.build_proposer`): n-gram lookup, or a
-    draft model whose forward passes the core runs on every rank."""
+    draft model or EAGLE-3 head whose forward passes the core runs on every rank."""
 
     def build(run_draft_plan: Callable[..., Any], may_draft: Callable[..., Any]) -> Any:
         k = spec.num_speculative_tokens
@@ -38,6 +39,10 @@ def plug_in(spec: SpeculativeConfig, hooks: CoreHooks) -> None:
             from tp_engine.features.speculative.draft_model import DraftModelProposer
 
             return DraftModelProposer(k, run_draft_plan, may_draft=may_draft)
+        if spec.method == "eagle3":
+            from tp_engine.features.speculative.eagle3 import Eagle3Proposer
+
+            return Eagle3Proposer(k, run_draft_plan, may_draft=may_draft)
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, may_draft=may_draft)
 
     hooks.build_proposer = build

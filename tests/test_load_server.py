@@ -91,7 +91,7 @@ def server(tmp_path_factory):
         assert srv.get("/health")[0] == 200, srv.log_tail()
     finally:
         srv.stop()
-        assert shm_entries() <= shm_before
+        assert shm_entries(srv.run_pids()) <= shm_before
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 

@@ -14,7 +14,7 @@ behind the router (cache-aware policy), with `--restart-dead-replicas`:
   directory left.
 
 And a run of one replica behind the router drained by SIGTERM: the stream in flight finishes.
-Figures print as `DP-FIGURE` lines (`-s`).
+Figures print as `DP-FIGURE` lines (`-s -n 0`).
 """
 
 from __future__ import annotations

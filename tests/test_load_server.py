@@ -10,7 +10,7 @@ tests cover the synchronous loop).
 - The invalid-input table run while a load runs, with greedy requests sent in between giving
   exactly the tokens they gave before the load.
 
-Figures (requests, disconnects, seconds, RSS) are printed as `LOAD-FIGURE` lines (`-s`).
+Figures (requests, disconnects, seconds, RSS) are printed as `LOAD-FIGURE` lines (`-s -n 0`).
 """
 
 from __future__ import annotations

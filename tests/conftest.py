@@ -1,5 +1,5 @@
 """Shared pytest set-up: our `kernels` package first on the path, Triton's interpreter on machines
-without a GPU, hardware markers skipped."""
+without a GPU, hardware markers skipped, slow files scheduled first."""
 
 from __future__ import annotations
 
@@ -49,3 +49,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and num_gpus < 2:
             item.add_marker(skip_multigpu)
+    _slow_files_first(items)
+
+
+def _slow_files_first(items: list[pytest.Item]) -> None:
+    """Every file holding a `slow` test before the others; each file's tests stay together, in
+    their order (a stable sort on the file alone).
+
+    pytest-xdist (`--dist loadfile` in pyproject's addopts) hands whole files to its workers in
+    this order as they run low: the multi-process files, up to minutes each, go out first and
+    the many quick ones fill in behind them, so both workers finish at about the same time
+    rather than one running a long file alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

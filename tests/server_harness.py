@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,11 @@ class Server:
 
     def log_tail(self, n: int = 6000) -> str:
         return self.log()[-n:]
+
+    def run_pids(self) -> set[int]:
+        """The launcher and every process below it once it served: the processes whose /dev/shm
+        segments (`shm_entries(pids)`) are this run's."""
+        return {self.proc.pid} | {w.pid for w in self.watches}
 
     def descendants(self) -> set[int]:
         """Pids of every process below the launcher (the API process included)."""
@@ -249,8 +254,17 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def shm_entries() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("tpe-")}
+def shm_entries(pids: Iterable[int] | None = None) -> set[str]:
+    """The `tpe-*` names in /dev/shm; with `pids`, only the ones those processes created.
+
+    A segment's name starts with its creator's pid (`shm_ipc.handle.RunNames`), so a leak check
+    scoped to a run's own processes cannot read another run's segments (a second pytest worker,
+    another test run on the machine) as its leaks."""
+    names = {name for name in os.listdir("/dev/shm") if name.startswith("tpe-")}
+    if pids is None:
+        return names
+    prefixes = tuple(f"tpe-{pid}-" for pid in pids)
+    return {name for name in names if name.startswith(prefixes)}
 
 
 def wait_until(predicate: Any, timeout_s: float, what: str) -> None:

@@ -13,7 +13,7 @@ raising rank and a stalled one):
 - after each: no process, /dev/shm `tpe-*` segment or socket/run-directory file is left.
 
 Each test prints a `FAULT-FIGURE` line (what was injected, seconds to detect it, seconds until
-every process was gone) for the README report; run with `-s` to see them.
+every process was gone) for the README report; run with `-s -n 0` to see them.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def wait_health_not_ok(server: Server, t0: float) -> float:
 def check_nothing_left(server: Server, tmpdir: Path, shm_before: set[str], t0: float) -> float:
     wait_until(lambda: not server.alive_pids(), EXIT_BOUND_S, "every process to exit")
     gone_s = time.monotonic() - t0
-    leaked = shm_entries() - shm_before
+    leaked = shm_entries(server.run_pids()) - shm_before
     assert not leaked, f"/dev/shm left behind: {leaked}"
     left = [p.name for p in tmpdir.iterdir() if p.name.startswith("tpe-")]
     assert not left, f"left in TMPDIR: {left}"

@@ -4,7 +4,7 @@ The checkpoints are made here (`tests.fp8_cases`): a random bf16 Qwen3 (dense, a
 block-quantized to Qwen's FP8 format, and the reference is transformers in float32 on the
 *dequantized* weights. The engine quantizes activations too, so the judge accepts a divergence
 only as a near-tie (`NEAR_TIE_NATS`) and reports the measure (the fraction of tokens before the
-first divergence, the logprob gap at each divergence) in the test output (`-s` shows it).
+first divergence, the logprob gap at each divergence) in the test output (`-s -n 0` shows it).
 
 Covered: TP 1, 2, 4 dense; MoE at TP 1, TP 2 (experts sliced into whole blocks) and expert
 parallel at 2 and 4 ranks; the refusal of TP 4 for these experts (a slice of 64 features would

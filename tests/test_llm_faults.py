@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from tests.server_harness import shm_entries
 from tests.tp_cases import build_checkpoints
 from tp_engine import LLM, SamplingParams
 from tp_engine.engine import EngineDeadError
@@ -26,10 +27,6 @@ def checkpoints(tmp_path_factory):
     return build_checkpoints(tmp_path_factory.mktemp("ckpt"))
 
 
-def _shm_entries() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("tpe-")}
-
-
 @pytest.mark.parametrize(
     ("kind", "async_scheduling"),
     [("raise", False), ("exit", False), ("raise", True), ("exit", True)],
@@ -39,7 +36,7 @@ def test_a_failing_worker_fails_generate_naming_the_rank(
     checkpoints, monkeypatch, kind, async_scheduling
 ):
     # With asynchronous scheduling the failure hits while rank 0 has a step in flight.
-    before = _shm_entries()
+    before = shm_entries([os.getpid()])  # rank 0 is this process
     monkeypatch.setenv("TP_ENGINE_FAULT", f"rank=1,step=2,kind={kind}")
     llm = LLM(
         str(checkpoints["tied_kv2_oddvocab"]),
@@ -55,7 +52,7 @@ def test_a_failing_worker_fails_generate_naming_the_rank(
     if kind == "raise":
         assert "injected fault on rank 1 at step 2" in str(info.value)
     assert all(p.poll() is not None for p in workers), "a worker outlived the failed engine"
-    assert _shm_entries() <= before
+    assert shm_entries([os.getpid(), *(p.pid for p in workers)]) <= before
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2]], greedy(2), use_tqdm=False)
 

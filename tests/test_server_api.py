@@ -614,6 +614,6 @@ def test_sigterm_drains_in_flight_requests_and_leaves_nothing_behind(server, env
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert server.proc.wait(timeout=60) == 0, server.log_tail()
     wait_until(lambda: not server.alive_pids(), timeout_s=10, what="every process to exit")
-    assert shm_entries() <= server.shm_before
+    assert shm_entries(server.run_pids()) <= server.shm_before
     assert not [p for p in Path(env["TMPDIR"]).iterdir() if p.name.startswith("tpe-")]
     assert "Traceback" not in server.log(), server.log_tail()

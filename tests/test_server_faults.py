@@ -44,7 +44,7 @@ def start(cmd, cache, fault, tmp_path):
 def check_dies_cleanly(server, tmpdir, shm_before):
     assert server.proc.wait(timeout=60) != 0, server.log_tail()
     assert not server.alive_pids(), f"left running: {server.alive_pids()}\n{server.log_tail()}"
-    assert shm_entries() <= shm_before
+    assert shm_entries(server.run_pids()) <= shm_before
     assert not [p for p in tmpdir.iterdir() if p.name.startswith("tpe-")]
 
 

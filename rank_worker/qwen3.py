@@ -155,17 +155,22 @@ class Qwen3Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim], local heads
-        if self.fused_kv_store and not (meta.fresh_prefill and self.backend.reads_fresh_kv):
+        q, k, v = qkv.split(
+            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1
+        )
+        q = q.view(num_tokens, self.num_local_heads, self.head_dim)  # [T, heads, d]
+        k = k.view(num_tokens, self.num_local_kv_heads, self.head_dim)  # [T, kv_heads, d]
+        v = v.view(num_tokens, self.num_local_kv_heads, self.head_dim)  # [T, kv_heads, d]
+        k_cache, v_cache = kv_cache
+        if self.fused_kv_store and not self.backend.attends_fresh_kv(q, k, v, k_cache, meta):
             # q and k normalised and rotated in place, K and V stored in the cache, one launch;
             # then attention over the cache alone (the store is done).
-            k_cache, v_cache = kv_cache
             self._qk_norm_rope_store_kv(
                 qkv, positions, self.q_norm.weight, self.k_norm.weight,
                 self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
                 self.num_local_heads, self.num_local_kv_heads, self.head_dim, self.eps,
                 self.kv_scales,
             )  # fmt: skip
-            q = qkv[:, : self.qkv_proj.q_size].view(num_tokens, self.num_local_heads, self.head_dim)
             o = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.kv_scales)
             return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
         if self.fused:
@@ -175,13 +180,7 @@ class Qwen3Attention(nn.Module):
                 self.rotary.cos_sin_cache, self.num_local_heads, self.num_local_kv_heads,
                 self.head_dim, self.eps,
             )  # fmt: skip
-        q, k, v = qkv.split(
-            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1
-        )
-        q = q.view(num_tokens, self.num_local_heads, self.head_dim)  # [T, heads, d]
-        k = k.view(num_tokens, self.num_local_kv_heads, self.head_dim)  # [T, kv_heads, d]
-        v = v.view(num_tokens, self.num_local_kv_heads, self.head_dim)  # [T, kv_heads, d]
-        if not self.fused:
+        else:
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
         # [T, heads, head_dim]
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
@@ -193,7 +192,8 @@ def _stores_with_the_kernel(backend: AttentionBackend) -> bool:
     then `qk_norm_rope_store_kv` may do its store (the cache ends up bit for bit the same) and
     the layer calls `attend` alone. A backend that stores otherwise (the torch backend's
     indexing) or wraps `forward` keeps its own store; one whose `forward` differs only on
-    fresh prompts (`reads_fresh_kv`) gets `forward` on those steps."""
+    fresh prompts (`reads_fresh_kv`) gets `forward` on the steps it says it attends from the
+    step's own K/V (`attends_fresh_kv`)."""
     from rank_worker.attention.backend import AttentionBackend as Base
     from rank_worker.attention.kernel_store import KernelStoreBackend
 

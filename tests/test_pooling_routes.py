@@ -57,6 +57,7 @@ class ScriptedEngine:
     def __init__(self, hello: Hello) -> None:
         self.hello = hello
         self.metrics = ServerMetrics(hello.served_model_names[0])
+        self.trace = None  # the EngineClient's request trace: off (`request_trace`)
         self.dead: str | None = None
         self.draining = False
         self.sent: list[tuple[list[int], dict[str, Any]]] = []

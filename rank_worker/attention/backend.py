@@ -36,9 +36,20 @@ class AttentionBackend(ABC):
     # Decode-only batches may be captured in a CUDA graph (see the module docstring).
     supports_cuda_graphs: bool = False
     # `forward` may attend a fresh prompt from the step's own K/V rather than the cache (the
-    # triton backend's TMA prefill): a layer that stores K/V itself calls `forward` on steps
-    # with fresh prompts (`AttentionMetadata.fresh_prefill`), `attend` on the others.
+    # triton backend's TMA prefill): a layer that stores K/V itself calls `forward` on the
+    # steps `attends_fresh_kv` names, `attend` on the others.
     reads_fresh_kv: bool = False
+
+    def attends_fresh_kv(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> bool:
+        """Whether `forward` attends this step from its own K/V (then the layer must call it)."""
+        return False
 
     @abstractmethod
     def store_kv(

@@ -82,6 +82,16 @@ class TritonAttentionBackend(KernelStoreBackend):
         )  # fmt: skip
         return out
 
+    def attends_fresh_kv(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> bool:
+        return self._fresh_prefill_tile(query, key, value, k_cache, meta) is not None
+
     @staticmethod
     def _fresh_prefill_tile(
         query: torch.Tensor,

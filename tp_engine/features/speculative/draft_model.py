@@ -15,50 +15,22 @@ come to the host once, at the end.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
 from shm_ipc.step_plan import Command, StepPlan
 from tp_engine.core.plan_builder import table_change_arrays
-from tp_engine.core.running_batch import RunningBatch, TableChanges
-
-# Sends a DRAFT plan to every rank and runs rank 0's pass: the draft's logits [B, V]. The
-# tensor is what the plan's placeholder inputs read (the previous pass's tokens), or None.
-RunDraftPlan = Callable[[StepPlan, torch.Tensor | None], torch.Tensor]
+from tp_engine.core.running_batch import TableChanges
+from tp_engine.features.speculative.planned import PlannedDraftProposer
 
 
-class DraftModelProposer:
+class DraftModelProposer(PlannedDraftProposer):
     """The step pipeline's `DraftProposer` for a draft model (`tp_engine.core.drafting` asks
     it once the verify entries hold their blocks)."""
 
-    drafts_after_allocation = True
-
-    def __init__(
-        self,
-        k: int,
-        run: RunDraftPlan,
-        may_draft: Callable[[np.ndarray], np.ndarray] | None = None,
-    ) -> None:
-        self.num_speculative_tokens = k
-        self.run = run
-        self.may_draft = may_draft
-        self._batch: RunningBatch | None = None
-
-    def follow(self, batch: RunningBatch) -> None:
-        """The batch whose rows are drafted (the scheduler's)."""
-        self._batch = batch
-
-    def eligible(self, rows: np.ndarray) -> np.ndarray:
-        if self.may_draft is None:
-            return np.ones(rows.size, dtype=bool)
-        return self.may_draft(rows)
-
     def propose(self, rows: np.ndarray, max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Exactly `max_drafts[i]` greedy drafts for row i, whose blocks hold those positions."""
-        b = self._batch
-        assert b is not None, "follow() the batch first"
+        b = self.batch
         wanted = np.asarray(max_drafts, dtype=np.int32)
         # Each row's last token (known, not yet computed by either model) sits at num_tokens - 1.
         first_pos = b.num_tokens[rows].astype(np.int64) - 1

@@ -155,22 +155,17 @@ class Qwen3Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim], local heads
-        q, k, v = qkv.split(
-            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1
-        )
-        q = q.view(num_tokens, self.num_local_heads, self.head_dim)  # [T, heads, d]
-        k = k.view(num_tokens, self.num_local_kv_heads, self.head_dim)  # [T, kv_heads, d]
-        v = v.view(num_tokens, self.num_local_kv_heads, self.head_dim)  # [T, kv_heads, d]
-        k_cache, v_cache = kv_cache
-        if self.fused_kv_store and not self.backend.attends_fresh_kv(q, k, v, k_cache, meta):
+        if self.fused_kv_store and not self._attends_fresh_kv(qkv, kv_cache, meta):
             # q and k normalised and rotated in place, K and V stored in the cache, one launch;
             # then attention over the cache alone (the store is done).
+            k_cache, v_cache = kv_cache
             self._qk_norm_rope_store_kv(
                 qkv, positions, self.q_norm.weight, self.k_norm.weight,
                 self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
                 self.num_local_heads, self.num_local_kv_heads, self.head_dim, self.eps,
                 self.kv_scales,
             )  # fmt: skip
+            q = qkv[:, : self.qkv_proj.q_size].view(num_tokens, self.num_local_heads, self.head_dim)
             o = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.kv_scales)
             return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
         if self.fused:
@@ -180,11 +175,34 @@ class Qwen3Attention(nn.Module):
                 self.rotary.cos_sin_cache, self.num_local_heads, self.num_local_kv_heads,
                 self.head_dim, self.eps,
             )  # fmt: skip
-        else:
+        q, k, v = self._qkv_views(qkv)
+        if not self.fused:
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
         # [T, heads, head_dim]
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
         return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
+
+    def _qkv_views(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, d], k and v [T, kv_heads, d]: views of the QKV projection's rows."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(
+            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1
+        )
+        return (
+            q.view(num_tokens, self.num_local_heads, self.head_dim),
+            k.view(num_tokens, self.num_local_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_local_kv_heads, self.head_dim),
+        )
+
+    def _attends_fresh_kv(
+        self, qkv: torch.Tensor, kv_cache: KVCachePair, meta: AttentionMetadata
+    ) -> bool:
+        """Whether the backend attends this step from its own K/V (`reads_fresh_kv`): asked
+        only on steps with fresh prompts, so a decode step pays two attribute reads."""
+        if not (meta.fresh_prefill and self.backend.reads_fresh_kv):
+            return False
+        q, k, v = self._qkv_views(qkv)
+        return self.backend.attends_fresh_kv(q, k, v, kv_cache[0], meta)
 
 
 def _stores_with_the_kernel(backend: AttentionBackend) -> bool:

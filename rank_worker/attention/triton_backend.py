@@ -64,10 +64,10 @@ class TritonAttentionBackend(KernelStoreBackend):
         """Store this step's K/V, then attend: fresh prompts from the dense K/V when the prefill
         table says so (see the module docstring), everything else from the cache."""
         k_cache, v_cache = kv_cache
-        self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, kv_scales)
         tile = self._fresh_prefill_tile(query, key, value, k_cache, meta)
         if tile is None:
-            return self.attend(query, k_cache, v_cache, meta, scale, kv_scales)
+            return super().forward(query, key, value, kv_cache, meta, scale, kv_scales)
+        self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, kv_scales)
         n = meta.num_leading_decodes
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, heads, d]
         if n:

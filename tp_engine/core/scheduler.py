@@ -46,7 +46,6 @@ is never mistaken for the old one.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections import deque
@@ -298,8 +297,7 @@ class Scheduler(VerifyPlanning, StepUpdate):
                 # the plan's forward pass waits for its copies.
                 self._add_entry(entries, *loading[0])
                 reads_copies_up = True
-        step = self._finish_step(single, start, num_known, entries, preempted)
-        return dataclasses.replace(step, reads_copies_up=True) if reads_copies_up else step
+        return self._finish_step(single, start, num_known, entries, preempted, reads_copies_up)
 
     def _allocate_decode_blocks(
         self, single: np.ndarray, start: np.ndarray, preempted: list[Sequence]
@@ -447,6 +445,7 @@ class Scheduler(VerifyPlanning, StepUpdate):
         num_known: np.ndarray,
         entries: EntryLists,
         preempted: list[Sequence],
+        reads_copies_up: bool = False,
     ) -> ScheduledStep:
         """The step's arrays: the single-token entries (rows `single`, with tokens at positions
         `start` of their `num_known` known ones; vectorised) then the others; sample rows are
@@ -516,6 +515,7 @@ class Scheduler(VerifyPlanning, StepUpdate):
             num_drafts=num_drafts,
             draft_tokens=draft_tokens,
             late_drafts=late,
+            reads_copies_up=reads_copies_up,
         )
 
     def _pick_victim(self, in_step_rows: set[int]) -> Sequence:

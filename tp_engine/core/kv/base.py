@@ -18,7 +18,7 @@ sequences (ref counted), or cached and unreferenced (reusable, evicted on reuse)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as TokenIds
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -125,8 +125,9 @@ class LowerTier(Protocol):
         """Take copies of the full device blocks `device_blocks` (holding `blocks`), evicting
         its own least recently used ones (never one a pending copy reads); the copies down."""
 
-    def committed(self, block: LowerHit) -> None:
-        """The device tier registered `block` in its prefix cache (each chain in order)."""
+    # Called with each block the device tier registers in its prefix cache (each chain in
+    # order); None: the tier needs no such call (the device tier's commits are a hot path).
+    committed: Callable[[LowerHit], None] | None
 
     def unpin(self) -> None:
         """The copies decided so far have left in a plan: blocks they read may be evicted."""

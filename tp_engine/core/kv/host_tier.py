@@ -19,7 +19,7 @@ Accounting (`check_integrity`): every host block is free or holds exactly one ha
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -112,9 +112,11 @@ class HostTier:
         if self.lower is not None:
             self.lower.unpin()
 
-    def committed(self, block: LowerHit) -> None:
-        if self.lower is not None:
-            self.lower.committed(block)
+    @property
+    def committed(self) -> Callable[[LowerHit], None] | None:
+        """`LowerTier.committed`: the file tier's, if there is one (it keys chains as they
+        grow); None without one, so the device tier's commits call nothing."""
+        return None if self.lower is None else self.lower.committed
 
     def store(self, blocks: Sequence[LowerHit], device_blocks: Sequence[int]) -> list[BlockCopy]:
         """Take copies of the full device blocks `device_blocks` (holding `blocks`, a chain's

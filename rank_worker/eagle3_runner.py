@@ -52,8 +52,9 @@ import torch
 from rank_worker.attention.backend import AttentionBackend
 from rank_worker.block_tables import BlockTables
 from rank_worker.eagle3_format import Eagle3HeadConfig, load_eagle3_tensors, read_eagle3_config
+from rank_worker.eagle3_graphs import DraftChainGraphs
 from rank_worker.eagle3_head import Eagle3Head
-from rank_worker.input_prep import StepInputBuffers, prepare_inputs
+from rank_worker.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from rank_worker.qwen3 import KVCachePair
 from shm_ipc.step_plan import Command, StepPlan
@@ -125,6 +126,9 @@ class Eagle3Runner:
         self._kept: _Kept | None = None
         # The aux states of the tokens the last RUN plan's `hidden_rows` section named.
         self._requested: torch.Tensor | None = None
+        self.max_model_len = max_positions
+        # The chain's CUDA graphs (`eagle3_graphs`), built beside the target's decode graphs.
+        self.chain_graphs: DraftChainGraphs | None = None
 
     @classmethod
     def for_runner(cls, runner: Any) -> Eagle3Runner:
@@ -156,6 +160,32 @@ class Eagle3Runner:
         """The head's cache on the pool's block ids (a block of the pool holds both models')."""
         self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device)[0]
         self._kept = None
+
+    def build_chain_graphs(
+        self, num_steps: int, max_num_seqs: int, *, capture: bool, pool: object | None = None
+    ) -> None:
+        """The chain's graphs for chains of `num_steps` drafts and up to `max_num_seqs` rows,
+        captured (a GPU; every rank alike: the embedding's all-reduce is captured) or, with
+        `capture` False, the padded chain run eagerly (`TP_ENGINE_DECODE_GRAPHS=padded`)."""
+        assert self.kv_cache is not None, "allocate() first"
+        self.chain_graphs = DraftChainGraphs(
+            self.head,
+            self.embed,
+            self.kv_cache,
+            num_steps=num_steps,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.kv_spec.block_size,
+            device=self.device,
+        )
+        if capture:
+            self.chain_graphs.capture(pool)
+
+    def release_chain_graphs(self) -> None:
+        """Drop the chain's graphs (before sleep releases what they hold, and at release)."""
+        if self.chain_graphs is not None:
+            self.chain_graphs.release()
+            self.chain_graphs = None
 
     def forget_rewritten_rows(self, plan: StepPlan) -> None:
         """Rows that `plan` rewrites from column 0 hold a new sequence: drop what was kept."""
@@ -234,31 +264,52 @@ class Eagle3Runner:
 
     @torch.inference_mode()
     def draft(self, plan: StepPlan, tables: BlockTables, buffers: StepInputBuffers) -> torch.Tensor:
-        """`[R, max drafts]` int64 target ids: row i's first `eagle_drafts[i]` are its drafts."""
+        """`[R, max drafts]` int64 target ids: row i's first `eagle_drafts[i]` are its drafts
+        (the rest is garbage). Through the chain's graphs when they fit (`eagle3_graphs`)."""
         assert self.kv_cache is not None, "allocate() first"
         wanted = plan.section("eagle_drafts").astype(np.int64)
         if wanted.size != plan.num_seqs:
             raise ValueError(f"step {plan.step_id}: an EAGLE-3 DRAFT plan needs eagle_drafts")
         self.forget_rewritten_rows(plan)
-        num = plan.num_seqs
+        hidden = self._kept_states(plan)  # [R, H]
+        inputs = prepare_inputs(plan, tables, buffers=buffers)  # the step's table edits too
+        chain = self.chain_graphs
+        if chain is not None and chain.can_run(plan.num_seqs, wanted):
+            return chain.run(inputs, hidden, plan.rows, wanted, tables)
+        return self._eager_chain(plan, inputs, hidden, wanted, tables, buffers)
+
+    def _kept_states(self, plan: StepPlan) -> torch.Tensor:
+        """`[R, H]`: fc(target states at L-1) of each row, from the last RUN plan. Missing
+        states (the row was not in that plan) are zeros: a poor draft, never a wrong output
+        (verification is exact)."""
         last_pos = plan.seq_lens.astype(np.int64) - 1  # entry L-1 of each sequence
         idx = (
             self._kept.lookup(plan.rows.astype(np.int64), last_pos)
             if self._kept is not None
-            else np.full(num, -1, dtype=np.int64)
+            else np.full(plan.num_seqs, -1, dtype=np.int64)
         )
         hidden = torch.zeros(
-            num, self.cfg.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device
+            plan.num_seqs, self.cfg.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device
         )
         found = np.flatnonzero(idx >= 0)
         if found.size:
-            # Missing states (the row was not in the last RUN plan) leave zeros: a poor draft,
-            # never a wrong output (verification is exact).
             assert self._kept is not None
             hidden[torch.from_numpy(found).to(self.device)] = self._kept.states[
                 torch.from_numpy(idx[found]).to(self.device)
             ]
-        inputs = prepare_inputs(plan, tables, buffers=buffers)  # the step's table edits too
+        return hidden
+
+    def _eager_chain(
+        self,
+        plan: StepPlan,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        wanted: np.ndarray,
+        tables: BlockTables,
+        buffers: StepInputBuffers,
+    ) -> torch.Tensor:
+        """The chain step by step, each over the rows that still want a draft."""
+        num = plan.num_seqs
         y = self.head(
             self.embed(inputs.input_ids), hidden, inputs.positions, inputs.meta, self.kv_cache
         )
@@ -280,12 +331,12 @@ class Eagle3Runner:
                 logits_indices=np.zeros(0, dtype=np.int32),
                 **_NO_EDITS,
             )
-            inputs = prepare_inputs(step, tables, buffers=buffers)
+            step_inputs = prepare_inputs(step, tables, buffers=buffers)
             y = self.head(
                 self.embed(tokens[at_prev]),
                 y[at_prev],
-                inputs.positions,
-                inputs.meta,
+                step_inputs.positions,
+                step_inputs.meta,
                 self.kv_cache,
             )
             tokens = self.head.draft_tokens(y)

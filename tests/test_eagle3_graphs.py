@@ -1,0 +1,177 @@
+"""The EAGLE-3 draft chain's CUDA graphs (`rank_worker.eagle3_graphs`).
+
+CPU: the chain over the padded static buffers (what a graph replays), run eagerly before any
+capture, against the plain step-by-step chain (`Eagle3Runner._eager_chain`): the same drafts for
+every wanted draft, the same head cache, and nothing written by padding rows or by rows past
+their last wanted draft. Batches of 5 rows (run in 8) and 3 (in 4), rows wanting 1 to k drafts,
+a row whose target states were not kept; the torch and the Triton (interpreted) backends.
+GPU (`gpu` marker): captured and replayed against the eager chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from rank_worker.model_runner import ModelRunner
+from rank_worker.runner_config import RunnerConfig
+from rank_worker.tp import TPInfo
+from shm_ipc.step_plan import Command, StepPlan
+
+K = 3
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 64
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Prompt lengths; each sequence i owns blocks 1 + 8i .. 8 + 8i (never block 0, which padding
+# rows read), enough for its prompt, a verify entry and a chain.
+LENS = (3, 8, 13, 5, 20)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from tp_engine.testing.eagle3_heads import cached_eagle3_pair
+
+    return cached_eagle3_pair()
+
+
+def _plan(
+    command: Command,
+    tokens: list[list[int]],
+    seq_lens: list[int],
+    rows: list[int],
+    new_rows: list[int] | tuple[int, ...] = (),
+    **sections: np.ndarray,
+) -> StepPlan:
+    """A plan of `tokens[i]` (the last of sequence `rows[i]`'s `seq_lens[i]` positions);
+    `new_rows` are written from column 0 with their blocks."""
+    q = np.array([len(t) for t in tokens], dtype=np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    blocks = [list(range(1 + 8 * r, 9 + 8 * r)) for r in new_rows]
+    plan = StepPlan(
+        step_id=0,
+        command=command,
+        input_ids=np.concatenate([np.asarray(t) for t in tokens]).astype(np.int32),
+        query_start_loc=qsl,
+        seq_lens=np.asarray(seq_lens, dtype=np.int32),
+        rows=np.asarray(rows, dtype=np.int32),
+        logits_indices=(qsl[1:] - 1).astype(np.int32)
+        if command == Command.RUN
+        else np.zeros(0, np.int32),
+        edit_rows=np.asarray(new_rows, dtype=np.int32),
+        edit_starts=np.zeros(len(blocks), dtype=np.int32),
+        edit_offsets=np.arange(len(blocks) + 1, dtype=np.int32) * 8,
+        edit_blocks=np.asarray([b for bs in blocks for b in bs], dtype=np.int32),
+    )
+    if sections:
+        plan = plan.with_sections(**sections)
+    plan.validate()
+    return plan
+
+
+def scenario() -> list[StepPlan]:
+    """Prefill five sequences; draft for all five (wanting 3, 1, 2, 3, 3: a batch of 5 in 8);
+    verify entries of 1 + wanted tokens beside a sixth prompt; draft for three of the five and
+    for the sixth at a position past its prompt, whose states no RUN plan computed (hidden
+    zeros; 4 rows in 4)."""
+    rng = np.random.default_rng(0)
+    tok = lambda n: rng.integers(0, 643, n).tolist()  # noqa: E731
+    wanted = np.array([3, 1, 2, 3, 3], dtype=np.int32)
+    everyone = list(range(5))
+    verify_lens = [n + 1 + w for n, w in zip(LENS, wanted, strict=True)]
+    rows = [0, 2, 4]
+    again = [LENS[r] + 2 for r in rows]  # a position the verify entry computed
+    return [
+        _plan(Command.RUN, [tok(n) for n in LENS], list(LENS), everyone, new_rows=everyone),
+        _plan(Command.DRAFT, [tok(1)] * 5, list(LENS), everyone, eagle_drafts=wanted),
+        _plan(
+            Command.RUN,
+            [*(tok(1 + w) for w in wanted), tok(6)],
+            [*verify_lens, 6],
+            [*everyone, 5],
+            new_rows=[5],
+        ),
+        _plan(
+            Command.DRAFT,
+            [tok(1)] * 4,
+            [*again, 7],
+            [*rows, 5],
+            eagle_drafts=np.array([2, 3, 1, 3], dtype=np.int32),
+        ),
+    ]
+
+
+def run(pair, backend: str, device: str, chain: str) -> tuple[list, torch.Tensor, ModelRunner]:
+    """The scenario's drafts (each DRAFT plan's, masked to what each row wants) and the head's
+    cache; `chain`: "eager", "padded" (the graphs' buffers, uncaptured) or "captured" (GPU)."""
+    target, head = pair
+    config = RunnerConfig(
+        max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_seqs=8,
+        max_num_batched_tokens=64, num_kv_blocks=56, eagle3_head=str(head),
+        attention_backend=backend, enforce_eager=True,
+    )  # fmt: skip
+    runner = ModelRunner(target, config, TPInfo(0, 1), device)
+    runner.init_kv_cache(runner.determine_num_kv_blocks())
+    runner.kept = []  # per DRAFT plan: which rows found their kept target states
+    if chain != "eager":
+        runner.eagle3.build_chain_graphs(K, 8, capture=chain == "captured")
+    drafts = []
+    for step_id, plan in enumerate(scenario()):
+        plan = dataclasses.replace(plan, step_id=step_id)
+        if plan.command == Command.RUN:
+            runner.execute(plan)
+            continue
+        wanted = plan.section("eagle_drafts")
+        kept = runner.eagle3._kept_states(plan).abs().sum(dim=1) > 0  # [R] states found
+        runner.kept.append(kept.tolist())
+        out = runner.execute_draft(plan).cpu()
+        drafts.append([out[i, :w].tolist() for i, w in enumerate(wanted)])
+    k_cache, v_cache = runner.eagle3.kv_cache
+    return drafts, torch.stack([k_cache, v_cache]).cpu(), runner
+
+
+@pytest.mark.parametrize(("backend", "device"), [("torch", "cpu"), ("triton", KERNEL_DEVICE)])
+def test_padded_chain_matches_the_eager_chain(pair, backend, device):
+    eager, eager_cache, _ = run(pair, backend, device, "eager")
+    padded, padded_cache, runner = run(pair, backend, device, "padded")
+    chain = runner.eagle3.chain_graphs
+    assert (chain.num_padded_runs, chain.num_replays) == (2, 0)
+    assert chain.sizes == [1, 2, 4, 8]
+    assert [len(d) for d in eager] == [5, 4]
+    assert [[len(row) for row in d] for d in eager] == [[3, 1, 2, 3, 3], [2, 3, 1, 3]]
+    assert runner.kept == [[True] * 5, [True, True, True, False]]
+    assert padded == eager
+    # fp32: a padded batch changes only the matmuls' row count (summation order), compounded
+    # over the chain's steps: a few 1e-6.
+    torch.testing.assert_close(padded_cache, eager_cache, atol=1e-5, rtol=1e-4)
+    assert not padded_cache[:, 0].any()  # block 0: read by padding rows, written by nobody
+    # Row 1 wanted one draft: its chain wrote entry L-1 alone, the verify entry then L-1 and L;
+    # entry L+1 (the chain's third step, were it not masked) holds nothing.
+    entries = padded_cache[0].flatten(0, 1).abs().sum(dim=(1, 2)) != 0  # [slots]
+    slot = lambda pos: (1 + 8 * 1) * BLOCK_SIZE + pos  # noqa: E731  (row 1's blocks: 9, 10, ..)
+    assert entries[slot(LENS[1])] and not entries[slot(LENS[1] + 1)]
+
+
+def test_chain_without_enough_steps_runs_eagerly(pair):
+    """A plan whose rows want more drafts than the graphs chain takes the eager path."""
+    _, _, runner = run(pair, "torch", "cpu", "eager")
+    runner.eagle3.build_chain_graphs(2, 8, capture=False)
+    chain = runner.eagle3.chain_graphs
+    assert chain.can_run(3, np.array([2, 1, 2])) and not chain.can_run(3, np.array([1, 3, 1]))
+    assert not chain.can_run(9, np.array([1] * 9))
+    with pytest.raises(ValueError, match="at least one step"):
+        runner.eagle3.build_chain_graphs(0, 8, capture=False)
+
+
+@pytest.mark.gpu
+def test_captured_chain_matches_the_eager_chain_gpu(pair):
+    eager, eager_cache, _ = run(pair, "triton", "cuda", "eager")
+    captured, captured_cache, runner = run(pair, "triton", "cuda", "captured")
+    chain = runner.eagle3.chain_graphs
+    assert sorted(chain.graphs) == [1, 2, 4, 8]
+    assert (chain.num_replays, chain.num_padded_runs) == (2, 0)
+    assert captured == eager  # fp32 greedy drafts
+    torch.testing.assert_close(captured_cache, eager_cache, atol=1e-4, rtol=1e-4)
+    assert not captured_cache[:, 0].any()

@@ -26,13 +26,13 @@ sequence in it) is forgotten, so a newcomer never reads its predecessor's states
 is request state: it is the last step's tensors, as the block-table mirror is the last
 plans' tables.
 
-Not yet done (GPU work, none of it needed for exact outputs):
-- CUDA graphs. With a head loaded the target runs eagerly (`ModelRunner.capture_graphs`): a
-  captured decode would have to return the captured states too (static `[B, H]` embedding and
-  `[B, 3H]` state buffers as graph outputs). The chain's steps are decode-shaped (one token per
-  sequence over a one-layer cache) and could be captured per batch size like the target's
-  decode, with the host work before each replay: the `_Kept` lookup (numpy), each step's
-  `prepare_inputs` (slots and block table), and the embedding's all-reduce inside the graph.
+CUDA graphs: where the target's decode graphs are on, the DRAFT plan's chain replays one
+graph per batch size (`rank_worker.eagle3_graphs`; the host work left is `prepare_inputs` of the
+plan and the `_Kept` lookup), and the target's graphs return its captured states
+(`rank_worker.cuda_graphs`). The RUN plan's pass (`after_run`) stays eager: its entries
+depend on which tokens the previous plan kept, a host-side lookup per sequence.
+
+Not yet done (none of it needed for exact outputs):
 - Memory: the KV sizing's warm-up forward captures the states (counted), but does not run the
   head's pass; sleep mode releases neither the head's weights nor its cache.
 - Entry p depends on the token after p, which the prefix cache's hash of p's block does not

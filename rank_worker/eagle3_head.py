@@ -125,17 +125,45 @@ class Eagle3Head(nn.Module):
         (before the final norm); stores each entry's K/V at its slot."""
         cfg = self.cfg
         t = embeds.shape[0]
-        normed_h = self.hidden_norm(hidden)
+        normed_h, z = self._layer_inputs(embeds, hidden)
         residual = normed_h if cfg.norm_before_residual else hidden
-        z = torch.cat([self.input_layernorm(embeds), normed_h], dim=-1)  # [T, 2H]
         q = self.q_proj(z).view(t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(z).view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(z).view(t, cfg.num_kv_heads, cfg.head_dim)
+        k, v = self._kv(z)
         q, k = self.rotary(positions, q, k)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
         y = residual + self.o_proj(o.reshape(t, -1))
         n = self.post_attention_layernorm(y)
         return y + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
+
+    def store_entries(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache: KVCachePair,
+    ) -> None:
+        """Only the K/V of entries `[T]` (inputs as `forward`), stored at `slot_mapping [T]`:
+        all a RUN plan's entries are for (later entries attend to them; their own y is never
+        read), without the attention, o_proj and MLP that `forward` adds. The same values
+        `forward` stores."""
+        _, z = self._layer_inputs(embeds, hidden)
+        k, v = self._kv(z)
+        k = self.rotary.rotate(positions, k)
+        self.backend.store_kv(k, v, *kv_cache, slot_mapping, self.kv_scales)
+
+    def _layer_inputs(
+        self, embeds: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(hidden_norm(h) [T, H], z = [input_layernorm(e) ; hidden_norm(h)] [T, 2H])`."""
+        normed_h = self.hidden_norm(hidden)
+        return normed_h, torch.cat([self.input_layernorm(embeds), normed_h], dim=-1)
+
+    def _kv(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`z [T, 2H]` -> k, v `[T, num_kv_heads, head_dim]` (k not yet rotated)."""
+        cfg, t = self.cfg, z.shape[0]
+        k = self.k_proj(z).view(t, cfg.num_kv_heads, cfg.head_dim)
+        return k, self.v_proj(z).view(t, cfg.num_kv_heads, cfg.head_dim)
 
     def draft_tokens(self, y: torch.Tensor) -> torch.Tensor:
         """`y [T, H]` -> the greedy draft of each entry as a target id `[T]` int64."""

@@ -8,7 +8,8 @@ at p + 1. So the passes are:
 
     RUN plan, tokens at positions c .. c+m-1 (after the target's forward, which captured its
     embeddings and the three aux states of every token):
-        entries c-1 .. c+m-2: token x_q beside the states of position q - 1. Entry c-1 takes
+        entries c-1 .. c+m-2 (their K/V alone, `Eagle3Head.store_entries`: nothing reads
+        their outputs): token x_q beside the states of position q - 1. Entry c-1 takes
         the states of position c-1 from the previous RUN plan (kept here, `_Kept`); without
         them (c = 0, or position c-1 was not in that plan) the sequence starts at entry c.
         A verify entry's positions after its first rejected draft get entries from rejected
@@ -251,7 +252,9 @@ class Eagle3Runner:
             )
             inputs = prepare_inputs(head_plan, tables, buffers=buffers)
             tok = torch.from_numpy(tok_idx).to(self.device)
-            self.head(embeds[tok], pool[index], inputs.positions, inputs.meta, self.kv_cache)
+            self.head.store_entries(
+                embeds[tok], pool[index], inputs.positions, inputs.meta.slot_mapping, self.kv_cache
+            )
         self._kept = _Kept(
             states=states,
             slot_of_row={int(r): i for i, r in enumerate(rows.tolist())},

@@ -175,3 +175,48 @@ def test_captured_chain_matches_the_eager_chain_gpu(pair):
     assert captured == eager  # fp32 greedy drafts
     torch.testing.assert_close(captured_cache, eager_cache, atol=1e-4, rtol=1e-4)
     assert not captured_cache[:, 0].any()
+
+
+@pytest.mark.parametrize(("backend", "device"), [("torch", "cpu"), ("triton", KERNEL_DEVICE)])
+def test_entries_store_what_the_full_layer_stores(pair, backend, device):
+    """A RUN plan's entries are written by `store_entries` (K/V only, no attention or MLP):
+    the same cache bytes as the head's full forward over the same entries."""
+    _, _, runner = run(pair, backend, device, "eager")
+    head, cache = runner.eagle3.head, runner.eagle3.kv_cache
+    g = torch.Generator().manual_seed(3)
+    hidden_size = head.cfg.hidden_size
+    embeds = torch.randn(6, hidden_size, generator=g).to(device)
+    hidden = torch.randn(6, hidden_size, generator=g).to(device)
+    # Two sequences of 3 entries at positions 4..6 and 9..11, slots in blocks 50 and 51 (unused
+    # by the scenario); one entry with slot -1 stores nothing.
+    positions = torch.tensor([4, 5, 6, 9, 10, 11], device=device)
+    slots = torch.tensor([200, 201, 202, 205, -1, 207], device=device)
+    meta = _meta(slots, positions, device)
+    blank = [torch.zeros_like(c) for c in cache]
+    head.store_entries(embeds, hidden, positions, slots, blank)
+    full = [torch.zeros_like(c) for c in cache]
+    head(embeds, hidden, positions, meta, full)
+    for got, want in zip(blank, full, strict=True):
+        assert torch.equal(got, want)
+        assert got.flatten(0, 1)[[200, 201, 202, 205, 207]].abs().sum(dim=(1, 2)).all()
+        assert not got.flatten(0, 1)[206].any()
+
+
+def _meta(slots: torch.Tensor, positions: torch.Tensor, device: str):
+    """Metadata of two sequences of three entries ending at positions 6 and 11 (blocks 50, 51
+    hold them; the rest of each table is block 0)."""
+    from rank_worker.attention.metadata import AttentionMetadata
+
+    table = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    table[0, 1], table[1, 2] = 50, 51
+    seq_lens = positions.view(2, 3)[:, -1].int() + 1
+    return AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.tensor([0, 3, 6], dtype=torch.int32, device=device),
+        seq_lens=seq_lens,
+        block_table=table,
+        max_query_len=3,
+        max_seq_len=12,
+        query_start_loc_host=np.array([0, 3, 6], dtype=np.int32),
+        seq_lens_host=seq_lens.cpu().numpy(),
+    )

@@ -58,3 +58,10 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim / 2]
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One tensor `x [num_tokens, heads, head_dim]` rotated as `forward` rotates each (keys
+        alone: an EAGLE-3 head's entries, `rank_worker.eagle3_head`)."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim / 2]
+        sin = self.sin_cache[positions].unsqueeze(1).to(x.dtype)
+        return self._rotate(x, cos, sin)

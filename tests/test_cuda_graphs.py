@@ -503,6 +503,11 @@ def test_padded_verify_matches_eager(model_dir, backend, device):
     vocab = padded.runner.vocab_size
     assert eager.logits[2].shape == padded.logits[2].shape == (5 * Q, vocab)
     assert_same_run(padded, eager, dict(atol=1e-5, rtol=1e-5))
+    # The padding's own rows are finite too: each of their Q queries sees a key (a seq_len
+    # below Q would leave rows with none: NaN here, reads before the table on a GPU).
+    one = verify_scenario(vocab)[5]
+    graphs.buffers.load(prepare(one), Q, 8)
+    assert torch.isfinite(graphs._forward(Q, 8)[0]).all()
 
 
 def test_padded_path_keeps_the_targets_states(model_dir):

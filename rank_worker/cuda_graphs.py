@@ -356,6 +356,8 @@ class DecodeGraphRunner:
         # Steps run per q: replayed, and run eagerly on the padded buffers (nothing captured).
         self.replays_by_query_len: Counter[int] = Counter()
         self.eager_runs_by_query_len: Counter[int] = Counter()
+        # Of all those runs, per q, the ones with padding sequences (b < size).
+        self.padded_runs_by_query_len: Counter[int] = Counter()
 
     @property
     def sizes(self) -> list[int]:
@@ -455,6 +457,7 @@ class DecodeGraphRunner:
                 f"{'unequal numbers of' if q is None else q} tokens"
             )
         self.buffers.load(inputs, q, size)
+        self.padded_runs_by_query_len[q] += b < size
         key = (q, size)
         base = base_only and key in self.base_graphs
         graph = (self.base_graphs if base else self.graphs).get(key)

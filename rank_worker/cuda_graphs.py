@@ -235,7 +235,8 @@ class StaticDecodeBuffers:
         self.input_ids = torch.zeros(t, **i64)  # [T_max]
         self.positions = torch.zeros(t, **i64)  # [T_max]
         self.slot_mapping = torch.full((t,), _PAD_SLOT, **i64)  # [T_max]
-        self.seq_lens = torch.ones(n, **i32)  # [N]
+        # [N]; before any step, as capture runs them: q keys for the longest q (see `load`).
+        self.seq_lens = torch.full((n,), max(self.max_sizes), **i32)
         self.block_table = torch.full((n, width), _DUMMY_BLOCK, **i32)  # [N, W]
         # q -> [max_sizes[q] + 1] = 0, q, 2q, ...: never changes.
         self.query_start_loc = {

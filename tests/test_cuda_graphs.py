@@ -193,6 +193,7 @@ def test_static_buffers_pad_verify_steps():
     bs = 2
     buffers = StaticDecodeBuffers({1: 8, 3: 4}, 16, bs, torch.device("cpu"))
     assert (buffers.max_seqs, buffers.max_tokens) == (8, 12)
+    assert buffers.forward_args(3, 4)[2].seq_lens.tolist() == [3] * 4  # capture's padding
     wide = make_plan(0, [
         (list(range(10, 20)), [5, 6, 7, 8, 9], 7, 3),
         (list(range(30, 36)), [11, 12, 13], 3, 3),
@@ -504,10 +505,17 @@ def test_padded_verify_matches_eager(model_dir, backend, device):
     assert eager.logits[2].shape == padded.logits[2].shape == (5 * Q, vocab)
     assert_same_run(padded, eager, dict(atol=1e-5, rtol=1e-5))
     # The padding's own rows are finite too: each of their Q queries sees a key (a seq_len
-    # below Q would leave rows with none: NaN here, reads before the table on a GPU).
+    # below Q would leave rows with none: NaN here, reads before the table on a GPU)...
     one = verify_scenario(vocab)[5]
     graphs.buffers.load(prepare(one), Q, 8)
     assert torch.isfinite(graphs._forward(Q, 8)[0]).all()
+    # ...and so are the rows of fresh buffers, which capture runs before any step.
+    fresh = graph_runner_for(
+        padded.runner.model, padded.runner.kv_caches, padded.runner.config, torch.device(device),
+        None,
+    )  # fmt: skip
+    assert torch.isfinite(fresh._forward(Q, 8)[0]).all()
+    assert torch.isfinite(fresh._forward(1, 8)[0]).all()
 
 
 def test_padded_path_keeps_the_targets_states(model_dir):

@@ -111,8 +111,8 @@ def ladders(
     query_lens: Iterable[int], max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
 ) -> dict[int, list[int]]:
     """q -> the batch sizes captured for sequences of q tokens each: at most max_num_seqs
-    sequences and max_num_batched_tokens tokens. None for a q where not one sequence fits, or
-    where q reaches max_model_len (see the module docstring)."""
+    sequences and max_num_batched_tokens tokens. No ladder for a q where not one sequence
+    fits, or where q reaches max_model_len (see the module docstring)."""
     out = {}
     for q in sorted(set(query_lens)):
         if q < 1:
@@ -169,15 +169,16 @@ def disabled_reason(
     return None
 
 
-def padded_without_capture(device: torch.device, config: RunnerConfig) -> bool:
+def padded_without_capture(reason: str | None, device: torch.device, config: RunnerConfig) -> bool:
     """Whether a runner that captures nothing is wanted anyway: `TP_ENGINE_DECODE_GRAPHS=padded`
-    on a CPU device (the one reason `disabled_reason` gives first), not with enforce_eager."""
+    where graphs are off (`reason`, from `disabled_reason`) only because the device is a CPU,
+    not with enforce_eager."""
     value = os.environ.get(ENV_VAR)
     if value is None:
         return False
     if value != PADDED:
         raise ValueError(f"${ENV_VAR} must be {PADDED!r} or unset, got {value!r}")
-    return device.type != "cuda" and not config.enforce_eager
+    return reason is not None and device.type != "cuda" and not config.enforce_eager
 
 
 # What the log line of a rank without graphs adds when the padded path runs all the same.

@@ -322,7 +322,7 @@ class ModelRunner:
         if self.eagle3 is not None:  # the graphs would not capture the head's target states
             reason = reason or "an EAGLE-3 head runs after every target forward (eager)"
         # Tests: the graphs' padded path, uncaptured, where only the CPU device says no.
-        padded = self.eagle3 is None and padded_without_capture(self.device, self.config)
+        padded = self.eagle3 is None and padded_without_capture(reason, self.device, self.config)
         if reason is not None:
             note = PADDED_NOTE if padded else ""
             logger.info("rank %d: no CUDA graphs: %s%s", self.tp.rank, reason, note)

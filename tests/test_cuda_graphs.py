@@ -295,15 +295,19 @@ def test_the_local_gpu_even_under_gloo(monkeypatch):
 def test_padded_knob(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     config = RunnerConfig(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
+    on_cpu = "the model runs on cpu"
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert not padded_without_capture(cpu, config)
+    assert not padded_without_capture(on_cpu, cpu, config)
     monkeypatch.setenv(ENV_VAR, "padded")
-    assert padded_without_capture(cpu, config)
-    assert not padded_without_capture(cuda, config)  # a GPU captures, or has its own reason
-    assert not padded_without_capture(cpu, dataclasses.replace(config, enforce_eager=True))
+    assert padded_without_capture(on_cpu, cpu, config)
+    assert not padded_without_capture(None, cpu, config)  # graphs on (a stand-in): capture
+    # A GPU captures, or has a reason of its own.
+    assert not padded_without_capture("enforce_eager is set", cuda, config)
+    eager = dataclasses.replace(config, enforce_eager=True)
+    assert not padded_without_capture(on_cpu, cpu, eager)
     monkeypatch.setenv(ENV_VAR, "captured")
     with pytest.raises(ValueError, match="TP_ENGINE_DECODE_GRAPHS must be 'padded' or unset"):
-        padded_without_capture(cpu, config)
+        padded_without_capture(on_cpu, cpu, config)
 
 
 def test_runner_config_tells_the_ranks_k():

@@ -133,10 +133,13 @@ def startup_record(llm: LLM, total_s: float) -> dict:
     """How long the engine took to start, by phase (rank 0's), and what it captured."""
     runner = llm.engine.runner
     graphs = runner.graph_runner
+    captured = sorted(graphs.graphs) if graphs is not None else []  # (q tokens per seq, size)
     return {
         "total": total_s,
         **runner.startup_s,
-        "cuda_graph_sizes": sorted(graphs.graphs) if graphs is not None else [],
+        "cuda_graph_sizes": [s for q, s in captured if q == 1],
+        # With speculative decoding, those of verify steps (q = 1 + k).
+        "cuda_verify_graph_sizes": [s for q, s in captured if q > 1],
         "static_block_table_width": graphs.buffers.width if graphs is not None else None,
         "num_kv_blocks": runner.num_kv_blocks,
     }

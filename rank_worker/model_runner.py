@@ -12,8 +12,8 @@ on GPU it then captures the decode CUDA graphs, a collective too) → `execute(p
 last_sampled)` per step. `startup_s` records how long each start-up phase took. Each step's
 inputs reach the device in one copy through buffers the runner keeps for its life
 (`rank_worker.input_prep`).
-Decode-only steps replay a graph when one fits (`rank_worker.cuda_graphs`); every other step
-runs eagerly.
+Decode steps, and verify steps with as many drafts in every sequence, replay a graph when one
+fits (`rank_worker.cuda_graphs`); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -33,7 +33,13 @@ import torch
 from rank_worker.architectures import build_model
 from rank_worker.attention.selection import get_backend, select_backend, select_layer_kernels
 from rank_worker.block_tables import BlockTables
-from rank_worker.cuda_graphs import DecodeGraphRunner, disabled_reason
+from rank_worker.cuda_graphs import (
+    PADDED_NOTE,
+    DecodeGraphRunner,
+    disabled_reason,
+    graph_runner_for,
+    padded_without_capture,
+)
 from rank_worker.device_memory import CudaMemory, DeviceMemory, add_cuda_user, drop_cuda_user
 from rank_worker.device_sleep import DeviceSleep
 from rank_worker.eagle3_runner import Eagle3Runner
@@ -307,26 +313,27 @@ class ModelRunner:
         self.capture_graphs()
 
     def capture_graphs(self) -> None:
-        """Capture the decode CUDA graphs where they are on (a collective: every rank captures
-        the same sizes in the same order). At start-up, and again after a wake from sleep,
-        since a graph holds the addresses of the weights and the cache (`device_sleep`)."""
+        """Capture the decode and verify CUDA graphs where they are on (a collective: every rank
+        captures the same graphs in the same order). At start-up, and again after a wake from
+        sleep, since a graph holds the addresses of the weights and the cache (`device_sleep`)."""
         reason = disabled_reason(
             self.device, self.config.enforce_eager, self.attention_backend, self.tp
         )
         if self.eagle3 is not None:  # the graphs would not capture the head's target states
             reason = reason or "an EAGLE-3 head runs after every target forward (eager)"
+        # Tests: the graphs' padded path, uncaptured, where only the CPU device says no.
+        padded = self.eagle3 is None and padded_without_capture(reason, self.device, self.config)
         if reason is not None:
-            logger.info("rank %d: no CUDA graphs: %s", self.tp.rank, reason)
-            return
-        self.graph_runner = DecodeGraphRunner(
-            self.model,
-            self.kv_caches,
-            max_num_seqs=min(self.config.max_num_seqs, self.config.max_num_batched_tokens),
-            max_model_len=int(self.config.max_model_len),
-            block_size=self.config.block_size,
-            device=self.device,
-            set_lora=None if self.lora is None else self.lora.batch.capture_mode,
+            note = PADDED_NOTE if padded else ""
+            logger.info("rank %d: no CUDA graphs: %s%s", self.tp.rank, reason, note)
+            if not padded:
+                return
+        set_lora = None if self.lora is None else self.lora.batch.capture_mode
+        self.graph_runner = graph_runner_for(
+            self.model, self.kv_caches, self.config, self.device, set_lora
         )
+        if padded:
+            return
         start = time.perf_counter()
         self.graph_runner.capture()
         self.startup_s["capture"] = time.perf_counter() - start
@@ -386,7 +393,7 @@ class ModelRunner:
         inputs = self._prepare(plan, last_sampled)
         if self.graph_runner is not None and self.graph_runner.can_run(plan):
             base_only = self.lora is not None and self.lora.batch.skip
-            hidden = self.graph_runner.run(inputs, base_only)  # [B, hidden], a row per sequence
+            hidden = self.graph_runner.run(inputs, base_only)  # [T, hidden], as eager
             logits = self._logits(hidden, inputs.logits_indices)
         else:
             logits = self._forward(inputs, self.kv_caches)

@@ -101,7 +101,7 @@ def test_runner_config_copies_every_shared_field() -> None:
     # What the ranks hear of that is not an engine field: derived here, or the ranks' own.
     assert runner_fields - set(FIELDS) == {
         "max_num_logits_rows", "max_num_sampled_rows", "draft_model", "eagle3_head", "head",
-        "layer_kernels",
+        "layer_kernels", "num_speculative_tokens",
     }  # fmt: skip
 
 

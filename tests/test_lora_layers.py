@@ -288,7 +288,7 @@ def test_padded_decode_buffers_run_adapters(case: dict[str, Any]) -> None:
         runner.model, runner.kv_caches, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
         block_size=BLOCK_SIZE, device=runner.device,
     )  # fmt: skip
-    runner.graph_runner.sizes = [8]
+    runner.graph_runner.ladders[1] = [8]  # 4 sequences run in 8
     for name, path in adapters.items():
         assert lora_call(runner, tp, "LOAD_LORA", slot=SLOTS[name], lora_uid=name, path=path).ok
     prefill, decode = case["scenario"].plans[:2]

@@ -124,13 +124,13 @@ class LLMEngine(EngineCore):
         )
         if self.spec is not None:
             logger.info(
-                "speculative decoding (%s, k=%d): synchronous scheduling; verify steps run "
-                "eagerly%s",
+                "speculative decoding (%s, k=%d): synchronous scheduling; %s",
                 self.spec.method,
                 self.spec.num_speculative_tokens,
-                " (the decode CUDA graphs replay only steps without drafts)"
+                "a verify step replays a CUDA graph when every sequence verifies k drafts (or "
+                "every sequence none), and runs eagerly otherwise"
                 if executor.uses_cuda_graphs
-                else "",
+                else "verify steps run eagerly",
             )
 
     @property

@@ -5,11 +5,26 @@ paged cache, then attend from the step's queries over each sequence's cached con
 matters: a sequence's new tokens attend to each other, and they find each other in the cache.
 Backends are stateless apart from configuration, so one instance serves every layer.
 
-CUDA graphs. A backend with `supports_cuda_graphs` handles a decode-only batch
-(`max_query_len == 1`) with device work alone: no host synchronisation, no host-to-device copy,
-and the metadata's host fields (`seq_lens_host`, `max_seq_len`) used only as upper bounds to
-size work, since a captured graph is replayed with other sequence lengths than it was captured
-with (`rank_worker.cuda_graphs` captures with `max_model_len` there).
+CUDA graphs. A backend with `supports_cuda_graphs` handles a uniform batch, q new tokens for
+every sequence (a decode, q = 1; a speculative verify step, q = 1 + k), with device work alone:
+no host synchronisation, no host-to-device copy, and the metadata's host fields used only as
+bounds to size work (`max_query_len` = q, `max_seq_len` and `seq_lens_host` = max_model_len),
+since a captured graph is replayed with other sequence lengths than it was captured with
+(`rank_worker.cuda_graphs`). Padding sequences have seq_len q over a dummy block, so each of
+their query rows sees at least one key. How each backend keeps the contract:
+
+- triton: q = 1 takes the decode kernel (device seq_lens and table); q > 1 one launch of the
+  paged prefill kernel, whose grid is `(cdiv(max_query_len, BLOCK_M), num_seqs, kv_heads)`
+  from the host bound and the tensors' shapes, every length read on the device. A uniform batch
+  is never taken for fresh prompts (the graph runner never captures q >= max_model_len, the
+  only case where the bounds say so), so the TMA path, which ignores the cache, is not chosen.
+- flash_attn: q = 1 `flash_attn_with_kvcache`, q > 1 `flash_attn_varlen_func` with the block
+  table, `cu_seqlens_k` summed on the device and the bounds as max_seqlen_q / max_seqlen_k;
+  the wrapper reads nothing back (that flash-attn's own host code does not either, for the
+  paged varlen path, is not yet checked on a GPU).
+- torch: `supports_cuda_graphs` False (it loops on host values). On the padded path run
+  eagerly (tests) the bounds are still correct: it gathers max_model_len positions of every
+  sequence through its whole (valid) table row and masks with the device seq_lens.
 
 Cache layout (per layer, K and V alike): `[num_blocks, block_size, num_kv_heads, head_dim]`,
 token `i` of a sequence at `cache[block_table[i // block_size], i % block_size]`.
@@ -33,7 +48,8 @@ class AttentionBackend(ABC):
     """Paged attention over a `[num_blocks, block_size, num_kv_heads, head_dim]` KV cache."""
 
     name: str
-    # Decode-only batches may be captured in a CUDA graph (see the module docstring).
+    # Uniform batches (q tokens per sequence) may be captured in a CUDA graph (see the module
+    # docstring).
     supports_cuda_graphs: bool = False
     # `forward` may attend a fresh prompt from the step's own K/V rather than the cache (the
     # triton backend's TMA prefill): a layer that stores K/V itself calls `forward` on the

@@ -40,7 +40,7 @@ def runner_config_for(config: EngineConfig, head: HeadSpec | None = None) -> Run
 
     Every field the two configs share by name is copied as it is; the rest is derived here,
     in one place: the resolved token budget, the logits and sampled rows one step can need, the
-    draft model's directory and the head."""
+    draft model's (or EAGLE-3 head's) directory, the drafts per step and the head."""
     if config.max_model_len is None:
         raise ValueError("max_model_len is not resolved yet; call with_model_defaults first")
     shared = {
@@ -55,6 +55,7 @@ def runner_config_for(config: EngineConfig, head: HeadSpec | None = None) -> Run
         max_num_sampled_rows=max_sampled_rows_per_step(config),
         draft_model=draft_model_dir(config),
         eagle3_head=eagle3_head_dir(config),
+        num_speculative_tokens=_num_drafts(config),
         head=None if head is None else head.to_dict(),
     )
 
@@ -63,7 +64,7 @@ _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # RunnerConfig fields that `runner_config_for` derives rather than copies.
 _DERIVED = frozenset(
     {"max_num_batched_tokens", "max_num_logits_rows", "max_num_sampled_rows", "draft_model",
-     "eagle3_head", "head"}
+     "eagle3_head", "num_speculative_tokens", "head"}
 )  # fmt: skip
 
 

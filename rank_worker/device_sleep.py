@@ -57,12 +57,13 @@ class SleepingRunner(Protocol):
     model: torch.nn.Module
     draft: Any  # the draft model's ModelRunner, or None
     kv_caches: list[Any] | None  # (k, v) per layer
-    graph_runner: Any  # DecodeGraphRunner or None
     lora: Any  # rank_worker.lora.manager.LoraManager, or None without LoRA
     device: torch.device
     tp: TPInfo
 
     def capture_graphs(self) -> None: ...
+
+    def release_graphs(self) -> bool: ...
 
 
 logger = logging.getLogger(__name__)
@@ -271,10 +272,7 @@ class DeviceSleep:
             view.zero_()
 
     def _drop_graphs(self) -> None:
-        runner = self.runner
-        if runner.graph_runner is not None:
-            runner.graph_runner.release()
-            runner.graph_runner = None
+        if self.runner.release_graphs():
             self._had_graphs = True
 
     def _return_to_device(self) -> None:

@@ -319,10 +319,8 @@ class ModelRunner:
         reason = disabled_reason(
             self.device, self.config.enforce_eager, self.attention_backend, self.tp
         )
-        if self.eagle3 is not None:  # the graphs would not capture the head's target states
-            reason = reason or "an EAGLE-3 head runs after every target forward (eager)"
         # Tests: the graphs' padded path, uncaptured, where only the CPU device says no.
-        padded = self.eagle3 is None and padded_without_capture(reason, self.device, self.config)
+        padded = padded_without_capture(reason, self.device, self.config)
         if reason is not None:
             note = PADDED_NOTE if padded else ""
             logger.info("rank %d: no CUDA graphs: %s%s", self.tp.rank, reason, note)
@@ -332,11 +330,25 @@ class ModelRunner:
         self.graph_runner = graph_runner_for(
             self.model, self.kv_caches, self.config, self.device, set_lora
         )
-        if padded:
-            return
         start = time.perf_counter()
-        self.graph_runner.capture()
-        self.startup_s["capture"] = time.perf_counter() - start
+        if not padded:
+            self.graph_runner.capture()
+        k = self.config.num_speculative_tokens
+        if self.eagle3 is not None and k > 0:  # the draft chain's graphs, after the target's
+            self.eagle3.build_chain_graphs(k, self.config.max_num_seqs, capture=not padded)
+        if not padded:
+            self.startup_s["capture"] = time.perf_counter() - start
+
+    def release_graphs(self) -> bool:
+        """Drop every CUDA graph (the target's and the EAGLE-3 chain's) and their memory;
+        whether there were any. Sleep drops them before it gives back what they hold."""
+        had = self.graph_runner is not None
+        if had:
+            self.graph_runner.release()
+            self.graph_runner = None
+        if self.eagle3 is not None:
+            self.eagle3.release_chain_graphs()
+        return had
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Replace weights in place between steps: `named` holds full tensors under Hugging
@@ -353,9 +365,7 @@ class ModelRunner:
         pool, staging buffers, tables. The process's device memory returns to what it was
         before the runner (another engine may then size itself in it); the runner cannot run
         again. Idempotent."""
-        if self.graph_runner is not None:
-            self.graph_runner.release()
-        self.graph_runner = None
+        self.release_graphs()
         if self.draft is not None:
             self.draft.release()
             self.draft = None

@@ -220,3 +220,80 @@ def _meta(slots: torch.Tensor, positions: torch.Tensor, device: str):
         query_start_loc_host=np.array([0, 3, 6], dtype=np.int32),
         seq_lens_host=seq_lens.cpu().numpy(),
     )
+
+
+# -- the engine over the graphs' data path ----------------------------------------------------
+
+
+def _engine_run(pair, tp: int, prompts) -> tuple[list, list, object]:
+    """Greedy outputs one prompt at a time (batch 1: uniform verify steps), then all together
+    (rows wanting unequal drafts, mixed steps); the acceptance per draft position; the runner."""
+    from tests.test_speculative_eagle3 import GREEDY, _generate, _llm
+
+    target, head = pair
+    with _llm(target, tp, head) as llm:
+        outs = [_generate(llm, [p], GREEDY)[0] for p in prompts]
+        outs.append(_generate(llm, prompts, GREEDY))
+        stats = llm.engine.spec_stats
+        runner = llm.engine.runner
+        counters = (
+            None
+            if runner.graph_runner is None
+            else (
+                runner.eagle3.chain_graphs.num_padded_runs,
+                dict(runner.graph_runner.eager_runs_by_query_len),
+            )
+        )
+        return outs, [stats.num_drafts, *stats.accepted_per_pos], counters
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_drafts_through_the_padded_graphs(pair, monkeypatch, tp):
+    """`TP_ENGINE_DECODE_GRAPHS=padded`: every rank runs the target's decode and verify steps
+    and the draft chain over the graphs' padded buffers (at TP 2 a rank that did not would fail
+    the collectives). Greedy outputs equal transformers; at TP 1 the drafts are the eager
+    engine's (the same acceptance at every position)."""
+    from rank_worker.cuda_graphs import ENV_VAR
+    from tests.moe_cases import hf_greedy
+    from tests.test_speculative_eagle3 import MAX_TOKENS, _hf, _prompts
+
+    prompts = _prompts(4, (1, 8, 13, 21), seed=1)
+    expected = hf_greedy(_hf(pair[0]), prompts, MAX_TOKENS)
+    monkeypatch.setenv(ENV_VAR, "padded")  # the ranks, spawned below, inherit it
+    outs, acceptance, counters = _engine_run(pair, tp, prompts)
+    assert outs == [*expected, expected]
+    chain_runs, target_runs = counters
+    assert chain_runs > 0
+    assert target_runs[1 + K] > 0, target_runs  # verify steps, their states from the buffers
+    assert acceptance[1] > 0, acceptance  # drafts were accepted
+    if tp == 1:
+        monkeypatch.delenv(ENV_VAR)
+        eager_outs, eager_acceptance, eager_counters = _engine_run(pair, 1, prompts)
+        assert eager_counters is None and eager_outs == outs
+        assert acceptance == eager_acceptance
+
+
+def test_chain_graphs_come_and_go_with_the_targets(pair, monkeypatch):
+    """Built after the target's graphs (k steps, max_num_seqs rows), dropped with them (what
+    sleep does before it gives back the embedding the graphs read), built again on wake."""
+    from rank_worker.cuda_graphs import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, "padded")
+    target, head = pair
+    config = RunnerConfig(
+        max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_seqs=6,
+        max_num_batched_tokens=64, num_kv_blocks=56, eagle3_head=str(head),
+        attention_backend="torch", num_speculative_tokens=K,
+    )  # fmt: skip
+    runner = ModelRunner(target, config, TPInfo(0, 1), "cpu")
+    runner.init_kv_cache(runner.determine_num_kv_blocks())
+    chain = runner.eagle3.chain_graphs
+    assert runner.graph_runner is not None and chain is not None
+    assert (chain.num_steps, chain.sizes) == (K, [1, 2, 4, 6])
+    assert runner.release_graphs()
+    assert runner.graph_runner is None and runner.eagle3.chain_graphs is None
+    assert chain.kv_cache is None  # released
+    assert not runner.release_graphs()
+    runner.capture_graphs()
+    assert runner.eagle3.chain_graphs is not None and runner.eagle3.chain_graphs is not chain
+    runner.release()

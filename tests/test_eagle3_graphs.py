@@ -154,8 +154,9 @@ def test_padded_chain_matches_the_eager_chain(pair, backend, device):
     assert entries[slot(LENS[1])] and not entries[slot(LENS[1] + 1)]
 
 
-def test_chain_without_enough_steps_runs_eagerly(pair):
-    """A plan whose rows want more drafts than the graphs chain takes the eager path."""
+def test_chain_fits_plans_of_at_most_k_drafts(pair):
+    """A plan whose rows want more drafts than the graphs chain (or more rows than the largest
+    size) is not theirs: `Eagle3Runner.draft` runs it step by step."""
     _, _, runner = run(pair, "torch", "cpu", "eager")
     runner.eagle3.build_chain_graphs(2, 8, capture=False)
     chain = runner.eagle3.chain_graphs

@@ -11,7 +11,9 @@ Two kernels, chosen per batch from the metadata alone (no device-to-host copy):
   write their rows of one output tensor (no copies); their inputs are slices of the step's
   tensors at offsets that change from step to step, which the kernels do not specialise on.
 - a batch with no leading decodes: one launch of the prefill kernel (it treats a one-token
-  sequence as a query at its last position).
+  sequence as a query at its last position). A speculative verify step of q tokens in every
+  sequence is one, and CUDA graphs capture it too: the grid comes from `max_query_len` (q) and
+  the shapes, the lengths from the device.
 - a batch whose non-decode sequences are all fresh prompts (no cached prefix, no earlier
   chunk), when the prefill table (`kernels.attention_tables`, or $TP_ENGINE_PREFILL_KERNEL=tma)
   names the "tma" kernel for the longest prompt: those rows attend from the step's own dense

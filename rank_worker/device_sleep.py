@@ -9,14 +9,16 @@ the engine-wide view (`tp_engine.features.weights_and_sleep.sleep`). Two tags, a
     weights    every parameter and buffer of the model        bytes on the host   parameters
                (and of the draft model)                                           discarded,
                                                                                   buffers on host
-    kv_cache   the KV cache (one storage per model)           discarded           discarded
+               an EAGLE-3 head's parameters and buffers       bytes on the host   bytes on host
+    kv_cache   the KV cache (one storage per model, and the   discarded           discarded
+               EAGLE-3 head's)
 
 How memory is released: each tensor's storage is resized to 0 bytes (`UntypedStorage.resize_`)
 and back to its size at wake; parameters, buffers and the cache's per-layer views stay the same
 objects, so everything that holds them (the modules, `WeightMap`, the graph runner) stays
 valid. Buffers (rotary tables, the MoE expert map) are computed at start-up, not loaded, so a
 weight update would not refill them: they are kept on the host at both levels (vLLM's fix for
-its issue 16564). At wake:
+its issue 16564). So is an EAGLE-3 head, which no weight update writes either. At wake:
 
 - weights after level 1: the host copy is written back, bytes identical; after level 2: the
   storage comes back zero-filled and `weights_lost` stays set until new weights are loaded
@@ -56,6 +58,7 @@ class SleepingRunner(Protocol):
 
     model: torch.nn.Module
     draft: Any  # the draft model's ModelRunner, or None
+    eagle3: Any  # rank_worker.eagle3_runner.Eagle3Runner, or None
     kv_caches: list[Any] | None  # (k, v) per layer
     lora: Any  # rank_worker.lora.manager.LoraManager, or None without LoRA
     device: torch.device
@@ -148,17 +151,24 @@ class DeviceSleep:
         return [p for model in self._models() for p in model.parameters()]
 
     def _buffers(self) -> list[torch.Tensor]:
-        """What the weights tag keeps on the host at either level: the models' buffers, and
-        the LoRA slot stacks (no weight update writes them again; the adapters stay loaded)."""
+        """What the weights tag keeps on the host at either level: the models' buffers, the
+        LoRA slot stacks and an EAGLE-3 head (no weight update writes them again; the adapters
+        and the head stay loaded)."""
         buffers = [b for model in self._models() for b in model.buffers()]
-        lora = self.runner.lora
-        return buffers if lora is None else buffers + lora.device_tensors()
+        lora, eagle3 = self.runner.lora, self.runner.eagle3
+        if lora is not None:
+            buffers += lora.device_tensors()
+        if eagle3 is not None:
+            buffers += [*eagle3.head.parameters(), *eagle3.head.buffers()]
+        return buffers
 
     def _kv_tensors(self) -> list[torch.Tensor]:
         runner = self.runner
         caches = list(runner.kv_caches or [])
         if runner.draft is not None:
             caches += list(runner.draft.kv_caches or [])
+        if runner.eagle3 is not None and runner.eagle3.kv_cache is not None:
+            caches.append(runner.eagle3.kv_cache)
         return [t for pair in caches for t in pair]
 
     def device_bytes(self, tag: SleepTag) -> int:

@@ -35,7 +35,8 @@ depend on which tokens the previous plan kept, a host-side lookup per sequence.
 
 Not yet done (none of it needed for exact outputs):
 - Memory: the KV sizing's warm-up forward captures the states (counted), but does not run the
-  head's pass; sleep mode releases neither the head's weights nor its cache.
+  head's pass. (Sleep gives back the head's weights, kept on the host at both levels, and its
+  cache: `rank_worker.device_sleep`.)
 - Entry p depends on the token after p, which the prefix cache's hash of p's block does not
   cover. A hit starts a sequence at c > 0 with no kept states for entry c - 1, so that entry
   keeps what the block's first owner wrote (the new sequence writes nothing into a cached

@@ -430,3 +430,41 @@ def test_sglang_flags_spell_the_same_config(tmp_path):
         engine_config(build_parser().parse_args(sglang + vllm[2:]), 1)
     with pytest.raises(ValueError, match="NGRAM' is not supported"):
         engine_config(build_parser().parse_args(["--speculative-algorithm", "NGRAM"]), 1)
+
+
+def test_sleep_gives_back_the_head_and_keeps_it(eagle, reference):
+    """Sleep releases the head's weights and cache with the target's; the head's weights come
+    back bit for bit at either level (no weight update writes them: kept on the host), so after
+    sleep(2) and a reload of the target's weights the drafts are the same as before."""
+    from safetensors.torch import load_file as load
+
+    prompts, expected = reference
+    with _llm(eagle["target"], 1, eagle["head"]) as llm:
+        engine, head = llm.engine, llm.engine.runner.eagle3.head
+        weights = {n: t.clone() for n, t in (*head.named_parameters(), *head.named_buffers())}
+
+        def accepted() -> list[int]:
+            before = list(engine.spec_stats.accepted_per_pos) or [0] * K  # empty before any
+            assert _generate(llm, prompts) == expected
+            return [a - b for a, b in zip(engine.spec_stats.accepted_per_pos, before, strict=True)]
+
+        first = accepted()
+        assert sum(first) > 0
+        for level in (1, 2):
+            llm.sleep(level=level)
+            cache = llm.engine.runner.eagle3.kv_cache
+            assert all(t.untyped_storage().nbytes() == 0 for t in (*cache, *weights_of(head)))
+            llm.wake_up(["weights"])
+            if level == 2:
+                target = load(str(eagle["target"] / "model.safetensors")).items()
+                assert engine.runner.update_weights(target) == []
+                engine.note_weights_loaded()
+            llm.wake_up(["kv_cache"])
+            for name, t in (*head.named_parameters(), *head.named_buffers()):
+                assert torch.equal(t, weights[name]), name
+            assert not any(c.any() for c in llm.engine.runner.eagle3.kv_cache)  # zero-filled
+            assert accepted() == first, f"level {level}"
+
+
+def weights_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]

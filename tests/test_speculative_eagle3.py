@@ -468,3 +468,32 @@ def test_sleep_gives_back_the_head_and_keeps_it(eagle, reference):
 
 def weights_of(module: torch.nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(), *module.buffers()]
+
+
+def test_a_moe_target_drafts_with_a_head(eagle, tmp_path, monkeypatch):
+    """A Qwen3-MoE target keeps the head's states too (the same capture in the shared model
+    body): at TP 2, over the graphs' padded paths, greedy equals transformers. The head was
+    trained for the dense target, so few drafts are accepted: this is about exactness and the
+    plumbing, not acceptance."""
+    from rank_worker.cuda_graphs import ENV_VAR
+    from tests.moe_cases import MIN_ROUTER_MARGIN, load_hf_moe, router_margins
+    from tp_engine.testing import build_random_qwen3_moe
+
+    target = build_random_qwen3_moe(
+        tmp_path / "moe", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        max_position_embeddings=128, seed=5,
+    )  # fmt: skip
+    model = load_hf_moe(target)
+    prompts = _prompts(3, (5, 9, 14), seed=2)
+    expected = hf_greedy(model, prompts, MAX_TOKENS)
+    # No token of these sequences sits on a routing near-tie (tests/moe_cases.py).
+    margin = router_margins(model, [p + e for p, e in zip(prompts, expected, strict=True)])
+    assert margin > MIN_ROUTER_MARGIN
+    monkeypatch.setenv(ENV_VAR, "padded")
+    with _llm(target, 2, eagle["head"]) as llm:
+        assert llm.engine.runner.model.model.capture_layers == (1, 2, 3)
+        assert _generate(llm, prompts) == expected
+        assert [_generate(llm, [p])[0] for p in prompts] == expected
+        assert llm.engine.spec_stats.num_drafts > 0
+        assert llm.engine.runner.eagle3.chain_graphs.num_padded_runs > 0

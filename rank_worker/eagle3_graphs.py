@@ -39,6 +39,7 @@ the plain chain.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
@@ -78,15 +79,14 @@ class ChainBuffers:
     def load(
         self,
         inputs: StepInputs,
-        hidden: torch.Tensor,
         rows: np.ndarray,
         wanted: np.ndarray,
         tables: BlockTables,
         size: int,
     ) -> None:
         """A DRAFT plan's chain inputs into the first `size` rows, padded: `inputs` prepared
-        from the plan (its table edits applied), `hidden [b, H]` its rows' kept states,
-        `rows`/`wanted [b]` its batch rows and drafts wanted."""
+        from the plan (its table edits applied), `rows`/`wanted [b]` its batch rows and drafts
+        wanted. The caller has written the rows' kept states into `hidden[:b]`."""
         b = inputs.meta.num_seqs
         if b > size or size > self.max_size:
             raise ValueError(
@@ -100,7 +100,6 @@ class ChainBuffers:
             )
         self.tokens[:b].copy_(inputs.input_ids)
         self.seq_lens[:b].copy_(inputs.meta.seq_lens)
-        self.hidden[:b].copy_(hidden)
         # One host-to-device copy for the rows and what they want.
         host = torch.from_numpy(np.stack([rows, wanted]).astype(np.int64))  # [2, b]
         on_device = host.to(self.tokens.device, non_blocking=True)
@@ -142,7 +141,7 @@ class DraftChainGraphs:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.sizes = capture_sizes(max_num_seqs)
-        width = -(-max_model_len // block_size)
+        width = math.ceil(max_model_len / block_size)
         self.buffers = ChainBuffers(
             self.sizes[-1], head.cfg.hidden_size, width, head.fc.weight.dtype, device
         )
@@ -187,11 +186,11 @@ class DraftChainGraphs:
         return torch.stack(drafts, dim=1)
 
     @torch.inference_mode()
-    def capture(self, pool: object | None = None) -> None:
-        """One graph per size, largest first, in one memory pool (`pool`: share another's;
-        see `DecodeGraphRunner.capture` for why largest first and why each size runs once
-        eagerly first). The buffers hold padding rows (nothing live): nothing is stored."""
-        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    def capture(self) -> None:
+        """One graph per size, largest first, in a memory pool of their own (see
+        `DecodeGraphRunner.capture` for why largest first and why each size runs once eagerly
+        first). The buffers hold padding rows (nothing live): nothing is stored."""
+        pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             self._chain(size)
             torch.cuda.synchronize()
@@ -216,20 +215,15 @@ class DraftChainGraphs:
 
     @torch.inference_mode()
     def run(
-        self,
-        inputs: StepInputs,
-        hidden: torch.Tensor,
-        rows: np.ndarray,
-        wanted: np.ndarray,
-        tables: BlockTables,
+        self, inputs: StepInputs, rows: np.ndarray, wanted: np.ndarray, tables: BlockTables
     ) -> torch.Tensor:
         """`[b, max(wanted)]` int64 target ids of a DRAFT plan that `can_run` (arguments as
         `ChainBuffers.load`): row i's first `wanted[i]` are its drafts, the rest garbage."""
         b = inputs.meta.num_seqs
-        size = graph_size_for(b, self.sizes)
-        if size is None or not self.can_run(b, wanted):
+        if not self.can_run(b, wanted):
             raise ValueError(f"step {inputs.step_id}: no captured chain fits this DRAFT plan")
-        self.buffers.load(inputs, hidden, rows, wanted, tables, size)
+        size = graph_size_for(b, self.sizes)
+        self.buffers.load(inputs, rows, wanted, tables, size)
         graph = self.graphs.get(size)
         if graph is None:
             out = self._chain(size)

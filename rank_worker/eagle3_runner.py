@@ -163,9 +163,7 @@ class Eagle3Runner:
         self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device)[0]
         self._kept = None
 
-    def build_chain_graphs(
-        self, num_steps: int, max_num_seqs: int, *, capture: bool, pool: object | None = None
-    ) -> None:
+    def build_chain_graphs(self, num_steps: int, max_num_seqs: int, *, capture: bool) -> None:
         """The chain's graphs for chains of `num_steps` drafts and up to `max_num_seqs` rows,
         captured (a GPU; every rank alike: the embedding's all-reduce is captured) or, with
         `capture` False, the padded chain run eagerly (`TP_ENGINE_DECODE_GRAPHS=padded`)."""
@@ -181,7 +179,7 @@ class Eagle3Runner:
             device=self.device,
         )
         if capture:
-            self.chain_graphs.capture(pool)
+            self.chain_graphs.capture()
 
     def release_chain_graphs(self) -> None:
         """Drop the chain's graphs (before sleep releases what they hold, and at release)."""
@@ -275,26 +273,29 @@ class Eagle3Runner:
         if wanted.size != plan.num_seqs:
             raise ValueError(f"step {plan.step_id}: an EAGLE-3 DRAFT plan needs eagle_drafts")
         self.forget_rewritten_rows(plan)
-        hidden = self._kept_states(plan)  # [R, H]
         inputs = prepare_inputs(plan, tables, buffers=buffers)  # the step's table edits too
         chain = self.chain_graphs
         if chain is not None and chain.can_run(plan.num_seqs, wanted):
-            return chain.run(inputs, hidden, plan.rows, wanted, tables)
+            # The kept states go straight into the chain's static rows.
+            self._kept_states(plan, out=chain.buffers.hidden[: plan.num_seqs])
+            return chain.run(inputs, plan.rows, wanted, tables)
+        hidden = self._kept_states(plan)  # [R, H]
         return self._eager_chain(plan, inputs, hidden, wanted, tables, buffers)
 
-    def _kept_states(self, plan: StepPlan) -> torch.Tensor:
-        """`[R, H]`: fc(target states at L-1) of each row, from the last RUN plan. Missing
-        states (the row was not in that plan) are zeros: a poor draft, never a wrong output
-        (verification is exact)."""
+    def _kept_states(self, plan: StepPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`[R, H]` (into `out` when given): fc(target states at L-1) of each row, from the
+        last RUN plan. Missing states (the row was not in that plan) are zeros: a poor draft,
+        never a wrong output (verification is exact)."""
         last_pos = plan.seq_lens.astype(np.int64) - 1  # entry L-1 of each sequence
         idx = (
             self._kept.lookup(plan.rows.astype(np.int64), last_pos)
             if self._kept is not None
             else np.full(plan.num_seqs, -1, dtype=np.int64)
         )
-        hidden = torch.zeros(
-            plan.num_seqs, self.cfg.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device
-        )
+        if out is None:
+            dtype = self.head.fc.weight.dtype
+            out = torch.empty(plan.num_seqs, self.cfg.hidden_size, dtype=dtype, device=self.device)
+        hidden = out.zero_()
         found = np.flatnonzero(idx >= 0)
         if found.size:
             assert self._kept is not None

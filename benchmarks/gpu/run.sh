@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU pass of issue 12, in parts that each fit one device call (under 9 minutes):
+# The GPU pass in parts that each fit one device call (under 9 minutes):
 #
+#   benchmarks/gpu/run.sh plan [BUDGET_S] # CPU: the one prepared command for the next lease
+#   benchmarks/gpu/run.sh lease   # the ledger's due parts by priority within $LEASE_DEADLINE s
 #   benchmarks/gpu/run.sh check   # versions, `gpu` tests, compile test, greedy checks, attention
 #   benchmarks/gpu/run.sh bench   # bench.py 0.6B and 8B (async on/off), serving, profile
 #   benchmarks/gpu/run.sh moe     # fused MoE kernel vs torch, Qwen3-30B-A3B experts, B 1/64/256;
@@ -11,11 +13,6 @@
 #                                 # benchmark (0, 1, 4, 16 adapters; LOAD_LORA), 0.6B shape
 #   benchmarks/gpu/run.sh pooling # embedding/reranker and YaRN tests natively, then
 #                                 # benchmarks/embeddings.py on the 0.6B shape (sequences/s)
-#   benchmarks/gpu/run.sh lease   # all of it by priority for a short lease, within $DEADLINE s
-#                                 # (default 520): the `gpu` tests in two concurrent groups, the
-#                                 # greedy checks, then the attention sweeps (which write the
-#                                 # decode and prefill tables into kernels/tuned/ and $OUT/tables/),
-#                                 # then benchmarks and profiles with those tables, while time lasts
 #   benchmarks/gpu/run.sh kvtier  # the multi-turn benchmark with and without the host and file
 #                                 # KV tiers (a restart on the files), 0.6B shape
 #   benchmarks/gpu/run.sh ttft    # where a served request's TTFT goes (1k prompts, 8 req/s)
@@ -23,10 +20,31 @@
 #                                 # tables go to $OUT/tables/ only, never into the tree)
 #   benchmarks/gpu/run.sh PART... # any of the steps below by name, in the order given
 #
+# Plan, lease, ledger (issue 53; a lease is 15 minutes of device time in all, start included):
+#   1. Here, on CPU: `benchmarks/gpu/run.sh plan` (default budget 480 s, about 8 minutes of the
+#      lease; pass what is left, e.g. `plan 300`, for a second call). It reads
+#      benchmarks/gpu/ledger.json (every part: class, estimated seconds, last run) and prints the
+#      parts that fit, in order (by the ledger's priority classes: the `gpu` test groups, the
+#      attention sweeps, the 0.6B workload, serving TTFT, spec, KV tiers, FP8, MoE, LoRA,
+#      pooling, RL, 8B; within a class what never ran, failed or was cut off before what ran at
+#      older code; parts already run at this code are skipped), the fetch-wheels.sh line with
+#      the extra wheels they need, and the one device command with LEASE_COMMIT, LEASE_PARTS and
+#      LEASE_DEADLINE. Commit first: the device's copy of .git is not to be trusted.
+#   2. On the device: that command. `lease` copies the ledger to $OUT/ledger.json, marks each
+#      part cut off when it starts and records its status (passed/failed/cut_off), rc, pytest
+#      counts, figures and log paths when it ends, so a call killed at its limit still brings
+#      back what finished, and an unfinished part never reads as passed.
+#   3. Back here: commit $OUT/ledger.json as benchmarks/gpu/ledger.json with the results (their
+#      logs are named benchmarks/results/<gpu>/<date>/STEP.log in it); the next plan continues
+#      where this lease stopped. benchmarks/gpu/ledger.py holds the ordering; its tests are
+#      tests/test_gpu_ledger.py (LEDGER=planted file, LEDGER_FAKE_PARTS=1: steps echo, and
+#      LEDGER_FAKE="STEP:SLEEP_S:RC ..." plays a step's time and exit status).
+#
 # Everything goes under $OUT (default /tmp/gpu-out): one log per step, the result files, and
 # results.tgz re-packed after every step so that a call killed at its limit still brings back
 # what finished. Every step runs under its own timeout and a failing step does not stop the
-# rest. Without a GPU it dry-runs the same steps on tiny shapes (the demo model, CPU).
+# rest. Without a GPU it dry-runs the same steps on tiny shapes (the demo model, CPU); a dry
+# run's ledger entries say `dry_run` and never count as a GPU run.
 #
 # The size presets (0.6B, 8B) carry Qwen3's tokenizer, built from the `dashscope` wheel's
 # qwen.tiktoken (found, not imported: `../shared/device/fetch-wheels.sh dashscope` is enough), so
@@ -34,6 +52,11 @@
 # per output token and refuses TPOT/ITL when they are far below one.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+LPY=${LPY:-python3}  # the ledger's interpreter: pure Python, any python3 >= 3.10
+LEDGER_PY=benchmarks/gpu/ledger.py
+if [ "${1:-}" = plan ]; then
+  exec $LPY $LEDGER_PY plan --budget "${2:-480}" ${LEDGER:+--ledger "$LEDGER"}
+fi
 
 OUT=${OUT:-/tmp/gpu-out}
 WORK=${WORK:-/tmp/gpu-work}
@@ -43,7 +66,11 @@ export TP_ENGINE_CACHE=${TP_ENGINE_CACHE:-/tmp/tp-engine-cache}
 unset TRITON_INTERPRET
 PY=${PY:-python3}
 
-if $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+FAKE=${LEDGER_FAKE_PARTS:-0}
+if [ "$FAKE" = 1 ]; then
+  GPU=0 PY=echo  # every step echoes; what parts compute outside steps is echoed too
+  echo "fake parts: steps echo instead of running"
+elif $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   GPU=1
 else
   GPU=0
@@ -60,26 +87,53 @@ pack() {
 }
 
 # A whole pass's deadline (seconds since start): a step gets at most what is left of it, and
-# one with under 20 s left is not started.
+# one with under $STEP_MIN_S (20) left is not started.
 DEADLINE=${DEADLINE:-100000}
+STEP_MIN_S=${STEP_MIN_S:-20}
+STEPS_FILE=""  # set by lease: each step appends `NAME RC CUT` (CUT 1: the deadline stopped it)
+
+# fake_params NAME: `SLEEP_S RC` of the stand-in for step NAME under LEDGER_FAKE_PARTS=1, as
+# LEDGER_FAKE gives them ("NAME:SLEEP_S:RC ...", default 0 0).
+fake_params() {
+  local t sleep_s=0 rc=0
+  for t in ${LEDGER_FAKE:-}; do
+    if [ "${t%%:*}" = "$1" ]; then
+      t=${t#*:}; sleep_s=${t%%:*}; rc=${t#*:}
+    fi
+  done
+  echo "$sleep_s $rc"
+}
 
 # step NAME TIMEOUT_S CMD...: runs CMD with its output in $WORK/NAME.log (first line: the command).
 step() {
-  local name=$1 limit=$2
+  local name=$1 limit=$2 cut_by_deadline=0
   shift 2
   local left=$((DEADLINE - SECONDS))
-  if [ $left -lt 20 ]; then
+  if [ $left -lt "$STEP_MIN_S" ]; then
     echo "[$(date +%T) +${SECONDS}s] $name: not started, ${left}s of the deadline left"
+    [ -z "$STEPS_FILE" ] || echo "$name 0 1" >>"$STEPS_FILE"
     return 0
   fi
-  [ "$limit" -le "$left" ] || limit=$left
+  [ "$limit" -le "$left" ] || { limit=$left; cut_by_deadline=1; }
   echo "[$(date +%T) +${SECONDS}s] $name: $*"
   { echo "\$ $*"; echo; } >"$WORK/$name.log"
-  timeout -k 15 "$limit" "$@" >>"$WORK/$name.log" 2>&1
+  if [ "$FAKE" = 1 ]; then
+    local sleep_s fake_rc
+    read -r sleep_s fake_rc <<<"$(fake_params "$name")"
+    timeout -k 2 "$limit" bash -c "echo fake step $name: \$0; sleep $sleep_s; exit $fake_rc" "$*" \
+      >>"$WORK/$name.log" 2>&1
+  else
+    timeout -k 15 "$limit" "$@" >>"$WORK/$name.log" 2>&1
+  fi
   local rc=$?
   echo "rc=$rc" >>"$WORK/$name.log"
   echo "[$(date +%T) +${SECONDS}s] $name: rc=$rc"
   [ $rc -eq 0 ] || tail -n 25 "$WORK/$name.log" | sed 's/^/    /'
+  # 124/137: timeout's TERM and KILL; a cut-off only when the deadline, not the step's own
+  # limit, set the time (a step over its own limit failed).
+  local cut=0
+  [ $cut_by_deadline = 1 ] && { [ $rc = 124 ] || [ $rc = 137 ]; } && cut=1
+  [ -z "$STEPS_FILE" ] || echo "$name $rc $cut" >>"$STEPS_FILE"
   pack
   return 0
 }
@@ -327,79 +381,45 @@ ttft() {
 # no table, and the tree's committed one stays. Without a GPU the tables (dry-run figures,
 # capability [0, 0]) go to $OUT/tables/ only.
 sweeps() {
-  local tables=kernels/tuned budget=${SWEEP_BUDGET:-150}
-  [ $GPU = 1 ] || tables="$WORK/tables"
-  mkdir -p "$OUT/tables" "$WORK/tables"
-  step decode-tiles $((budget + 60)) $PY benchmarks/gpu/decode_tiles.py --out "$WORK" \
-    --table "$tables/decode_tiles.json" --budget-s "$budget"
-  step attention 240 $PY benchmarks/gpu/attention_micro.py --out "$WORK" --quick \
-    --prefill-table "$tables/prefill_tiles.json"
-  local f
-  for f in decode_tiles.json prefill_tiles.json; do
-    [ -f "$tables/$f" ] || continue
-    cp "$tables/$f" "$OUT/tables/$f"
-    [ "$tables" = "$WORK/tables" ] || cp "$tables/$f" "$WORK/tables/$f"
-  done
+  part_decode_sweep
+  part_attention_micro
   echo "[$(date +%T) +${SECONDS}s] tables: $(ls "$OUT/tables" | tr '\n' ' ')"
   pack
 }
 
-# lease: the issue-35 pass for a lease of about 15 minutes, in one call. The `gpu` tests run as
-# two concurrent groups (the kernel tests spread over pytest-xdist workers, when it is installed;
-# the engine-level tests in one process, since they size memory from what the device has free)
-# while the 0.6B checkpoint is built; the greedy checks follow the engine-level group. Timed work
-# starts only once every test has finished, so that nothing else shares the GPU while it runs.
-lease() {
-  DEADLINE=${LEASE_DEADLINE:-520}
-  env_info
-  local xdist=()
-  $PY -c 'import xdist' 2>/dev/null && xdist=(-n 6)
-  local kernel_tests=(tests/test_kernels_attention.py tests/test_kernels_attention_candidates.py
-    tests/test_kernels_store_kv.py tests/test_kernels_qk_norm_rope_store.py
-    tests/test_kernels_elementwise.py tests/test_kernels_moe.py tests/test_kernels_fp8.py
-    tests/test_kernels_lora.py)
-  step pytest-gpu-kernels 400 $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 -rs \
-    "${xdist[@]}" "${kernel_tests[@]}" &
-  local kernels_pid=$!
-  # test_memory_profile compares cache sizes that count other processes' memory: it runs alone.
-  local ignore=(--ignore tests/test_memory_profile.py)
-  for f in "${kernel_tests[@]}"; do ignore+=(--ignore "$f"); done
-  local model=0.6B tiny=() prof_tiny=() prof_256=(--num-seqs 256 --prompt-len 1024)
-  if [ $GPU = 0 ]; then
-    model=$($PY -c 'from benchmarks.models import resolve_model; print(resolve_model(None))')
-    tiny=(--num-seqs 8 --min-input-len 16 --max-input-len 64 --min-output-len 8
-      --max-output-len 32 --num-kv-blocks 256)
-    prof_tiny=(--steps 5)
-    prof_256=(--num-seqs 4 --prompt-len 16)
-  fi
-  step ckpt-0.6B 200 $PY -c 'import sys; from benchmarks.models import resolve_model as r
-print(r(sys.argv[1]))' "$model" &
-  local ckpt_pid=$!
-  step pytest-gpu-engine 300 $PY -m pytest -q -m gpu -p no:cacheprovider --durations=15 -rs \
-    "${ignore[@]}" tests
-  step greedy 300 $PY benchmarks/gpu/greedy_checks.py --out "$WORK/greedy" \
-    --gpu-memory-utilization 0.5
-  cp "$WORK/greedy/greedy_checks.json" "$WORK/" 2>/dev/null
-  wait $kernels_pid $ckpt_pid
-  step pytest-gpu-memory 120 $PY -m pytest -q -m gpu -p no:cacheprovider -rs \
-    tests/test_memory_profile.py
-  # The timing part: the sweeps first, so that the workload, profiles and serving below run
-  # with the tables they write.
-  sweeps
-  bench_one "$model" 0.6B-tp1-async --async-scheduling "${tiny[@]}"
-  # Serving's TTFT is one of issue 48's figures: before the profiles, while time is surest.
-  [ $((DEADLINE - SECONDS)) -gt 90 ] && serving
-  step profile-async-256 150 $PY benchmarks/gpu/profile_decode.py --model "$model" \
-    --out "$WORK/profile-async-256" "${prof_256[@]}" --steps 20 "${prof_tiny[@]}"
-  step profile-async-1 120 $PY benchmarks/gpu/profile_decode.py --model "$model" \
-    --out "$WORK/profile-async-1" --num-seqs 1 --steps 20 "${prof_tiny[@]}"
-  bench_one "$model" 0.6B-tp1-sync --no-async-scheduling "${tiny[@]}"
-  [ $((DEADLINE - SECONDS)) -gt 120 ] && ttft
-  [ $((DEADLINE - SECONDS)) -gt 120 ] && kvtier
-  [ $((DEADLINE - SECONDS)) -gt 120 ] && pooling
-  [ $((DEADLINE - SECONDS)) -gt 120 ] && lora
-  pack
+sweep_tables() {  # where the sweeps write their tables: the tree's on a GPU, $WORK's without
+  if [ $GPU = 1 ]; then echo kernels/tuned; else echo "$WORK/tables"; fi
 }
+
+keep_table() {  # keep_table FILE: the table comes back in $OUT/tables/ (and in results.tgz)
+  local tables
+  tables=$(sweep_tables)
+  mkdir -p "$OUT/tables" "$WORK/tables"
+  [ -f "$tables/$1" ] || return 0
+  cp "$tables/$1" "$OUT/tables/$1"
+  [ "$tables" = "$WORK/tables" ] || cp "$tables/$1" "$WORK/tables/$1"
+}
+
+part_decode_sweep() {
+  local tables budget=${SWEEP_BUDGET:-150}
+  tables=$(sweep_tables)
+  mkdir -p "$tables"
+  step decode-tiles $((budget + 60)) $PY benchmarks/gpu/decode_tiles.py --out "$WORK" \
+    --table "$tables/decode_tiles.json" --budget-s "$budget"
+  keep_table decode_tiles.json
+}
+
+part_attention_micro() {
+  local tables
+  tables=$(sweep_tables)
+  mkdir -p "$tables"
+  step attention 240 $PY benchmarks/gpu/attention_micro.py --out "$WORK" --quick \
+    --prefill-table "$tables/prefill_tiles.json"
+  keep_table prefill_tiles.json
+}
+
+# The ledger's parts (gpu_group, part_*) and `lease`.
+source benchmarks/gpu/lease_parts.sh
 
 # -- parts -------------------------------------------------------------------------------------
 
@@ -418,6 +438,7 @@ for part in "$@"; do
     kvtier) env_info; kvtier ;;
     ttft) env_info; ttft ;;
     env_info|tiles|gpu_tests|greedy|attention|bench_small|bench_8b|serving|profile|structured|fp8) $part ;;
+    part_*) $part ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

@@ -76,14 +76,14 @@ def part(ledger: dict, name: str) -> dict:
     raise ValueError(f"no part {name!r} in the ledger")
 
 
-def git_same_code(a: str, b: str) -> bool:
+def git_same_code(a: str, b: str, root: Path = ROOT) -> bool:
     """True when commits a and b differ only outside the code (NOT_CODE); False when unknown."""
     if a == b:
         return True
     excludes = [f":(exclude){p}" for p in NOT_CODE]
     try:
         r = subprocess.run(
-            ["git", "-C", str(ROOT), "diff", "--quiet", a, b, "--", ".", *excludes],
+            ["git", "-C", str(root), "diff", "--quiet", a, b, "--", ".", *excludes],
             capture_output=True,
             timeout=30,
         )
@@ -207,7 +207,7 @@ def _dotted(d: object, key: str) -> object:
 def record(
     ledger: dict,
     name: str,
-    steps: list[tuple[str, int, bool]],
+    steps: list[tuple[str, int | None, bool]],
     work: Path,
     results_dir: str,
     elapsed_s: int | None = None,
@@ -216,7 +216,7 @@ def record(
     p = part(ledger, name)
     last = p["last"]  # written by start(): commit, date, gpu
     cut = any(c for _, _, c in steps) or not steps
-    rcs = [rc for _, rc, _ in steps]
+    rcs = [rc for _, rc, _ in steps if rc is not None]
     counts: dict[str, int] = {}
     for step_name, _, _ in steps:
         log = work / f"{step_name}.log"
@@ -257,14 +257,15 @@ def record(
     return last
 
 
-def read_steps(path: Path) -> list[tuple[str, int, bool]]:
-    """run.sh step()'s lines: `NAME RC CUT` (CUT 1 when the deadline stopped or skipped it)."""
+def read_steps(path: Path) -> list[tuple[str, int | None, bool]]:
+    """run.sh step()'s lines: `NAME RC CUT` (CUT 1 when the deadline stopped or skipped it; RC
+    `-` for a step the deadline left no time to start)."""
     if not path.exists():
         return []
     out = []
     for line in path.read_text().splitlines():
         name, rc, cut = line.split()
-        out.append((name, int(rc), cut == "1"))
+        out.append((name, None if rc == "-" else int(rc), cut == "1"))
     return out
 
 

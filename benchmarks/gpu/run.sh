@@ -111,7 +111,7 @@ step() {
   local left=$((DEADLINE - SECONDS))
   if [ $left -lt "$STEP_MIN_S" ]; then
     echo "[$(date +%T) +${SECONDS}s] $name: not started, ${left}s of the deadline left"
-    [ -z "$STEPS_FILE" ] || echo "$name 0 1" >>"$STEPS_FILE"
+    [ -z "$STEPS_FILE" ] || echo "$name - 1" >>"$STEPS_FILE"  # no rc: it never ran
     return 0
   fi
   [ "$limit" -le "$left" ] || { limit=$left; cut_by_deadline=1; }

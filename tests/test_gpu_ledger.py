@@ -202,8 +202,11 @@ def test_record_passed_failed_and_cut_off(tmp_path):
     }
     cut = L.record(ledger, "b-never", [("pytest-b-never", 124, True)], tmp_path, "r")
     assert cut["status"] == "cut_off" and "not a pass" in cut["note"]
-    nothing = L.record(ledger, "w-older", [], tmp_path, "r")  # no step started: not a pass
-    assert nothing["status"] == "cut_off"
+    nothing = L.record(ledger, "w-older", [], tmp_path, "r")  # no step ran: not a pass
+    assert nothing["status"] == "not_run"
+    assert L.status(L.part(ledger, "w-older"), HEAD, same) == "never"
+    skipped = L.record(ledger, "b-never", [("eagle3", None, True)], tmp_path, "r")
+    assert (skipped["status"], skipped["rc"]) == ("cut_off", None)  # no time left to start it
     assert L.part(ledger, "w-older")["previous"]["status"] == "passed"
 
 

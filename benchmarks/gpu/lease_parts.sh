@@ -53,6 +53,8 @@ part_profile_1() {
     --out "$WORK/profile-async-1" --num-seqs 1 --steps 20 "${PROF_TINY[@]}"
 }
 
+# part_speculative: benchmarks/speculative.sh (issue 25: repetition workload; none, ngram and a
+# draft made of the target's first layer; 1, 4 and 32 sequences, greedy and T=0.8), 0.6B shape.
 part_speculative() {
   local model="" blocks=1024
   if [ $GPU = 1 ]; then
@@ -63,6 +65,8 @@ part_speculative() {
     step speculative 480 bash benchmarks/speculative.sh "$WORK/speculative"
 }
 
+# part_eagle3: EAGLE-3 (issue 47) at batch 1, 4, 32 with the tests' tiny target and head (no
+# published head reaches the machine): the verify and chain graphs' overhead, not a speed-up.
 part_eagle3() { step eagle3 300 $PY -m benchmarks.eagle3 --out-dir "$WORK/eagle3"; }
 
 # part_rl: the RL clients' tests on the device (SGLang's trainer helper from the sglang wheel,

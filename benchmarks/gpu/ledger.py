@@ -103,13 +103,16 @@ def effective_last(p: dict) -> dict | None:
 
 
 def status(p: dict, head: str, same_code: Callable[[str, str], bool], root: Path = ROOT) -> str:
-    """never | failed | cut_off | older | current | absent (a test group none of whose files exist)."""
+    """never | failed | cut_off | older | current | absent (a test group none of whose files
+    exist). A recorded `not_run` (no step ran) counts as never."""
     if "pytest" in p and not present_files(p, root):
         return "absent"
     last = effective_last(p)
     if not last or not last.get("status"):
         return "never"
     st = last["status"]
+    if st == "not_run":
+        return "never"
     if st == "cut_off":
         return "cut_off"  # never current: it did not finish
     if last.get("commit") and same_code(last["commit"], head):
@@ -215,7 +218,7 @@ def record(
     """Sets `name`'s last run from its steps (name, rc, cut off by the deadline); returns it."""
     p = part(ledger, name)
     last = p["last"]  # written by start(): commit, date, gpu
-    cut = any(c for _, _, c in steps) or not steps
+    cut = any(c for _, _, c in steps)
     rcs = [rc for _, rc, _ in steps if rc is not None]
     counts: dict[str, int] = {}
     for step_name, _, _ in steps:
@@ -238,7 +241,9 @@ def record(
             goals[label] = v >= target if op == ">=" else v <= target
     if goals:
         result["goals_met"] = goals
-    if cut:
+    if not steps:
+        st, note = "not_run", "no step ran (the part has nothing to run on this machine)"
+    elif cut:
         st, note = "cut_off", "cut off by the lease's deadline; not a pass"
     elif any(rcs) or counts.get("failed") or counts.get("errors"):
         st, note = "failed", None

@@ -301,18 +301,9 @@ build_random_qwen3(sys.argv[1], hidden_size=256, num_layers=2, num_heads=2, num_
 }
 
 spec() {
-  # Issue 25: benchmarks/speculative.sh (repetition workload; none, ngram and a draft made of
-  # the target's first layer; 1, 4 and 32 sequences, greedy and T=0.8) on the 0.6B shape.
-  local model="" blocks=1024
-  if [ $GPU = 1 ]; then
-    model=$($PY -c 'from benchmarks.models import resolve_model; print(resolve_model("0.6B"))')
-    blocks=""  # sized from memory
-  fi
-  MODEL=$model NUM_KV_BLOCKS=$blocks PYTHON=$PY \
-    step speculative 480 bash benchmarks/speculative.sh "$WORK/speculative"
-  # Issue 47: EAGLE-3 at batch 1, 4, 32 with the tests' tiny target and head (no published head
-  # reaches the machine): the verify and chain graphs' overhead, not a Qwen3-8B speed-up.
-  step eagle3 300 $PY -m benchmarks.eagle3 --out-dir "$WORK/eagle3"
+  # Issue 25's speculative.sh and issue 47's EAGLE-3 benchmark (lease_parts.sh).
+  part_speculative
+  part_eagle3
   pack
 }
 

@@ -297,6 +297,11 @@ def test_run_sh_plan_prints_the_command_for_the_chosen_parts(tmp_path):
     assert "Due but not in this budget (next lease): s-never, w-cut, w-older" in small
 
 
+def test_plan_caps_one_call_at_540_seconds():
+    text = L.plan_text(planted(), HEAD, 900, same)
+    assert "LEASE_DEADLINE=510 " in text and "timeout_s=600" in text and "at most 540 s" in text
+
+
 def lease_env(tmp_path: Path, ledger: dict, **extra: str) -> dict:
     return {**os.environ, "LEDGER": str(write(ledger, tmp_path / "planted.json")),
             "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),

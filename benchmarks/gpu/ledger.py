@@ -11,7 +11,7 @@ at every lease so far; the attention sweeps before the workloads that read their
 a class, first what never ran, failed or was cut off, then what ran at older code; in the
 ledger's own order after that. A part whose last complete run (passed or failed) is at the code
 of `head` is not due: a second lease continues where the first stopped. "The same code" means
-the two commits differ only in results, the ledger and documentation (`same_code`), so that the
+the two commits differ only in results, the ledger and documentation (`git_same_code`), so that the
 commit that brings a lease's results back does not make every part due again.
 
 Choosing (`choose`): in that order, each part that still fits in the budget (its seconds, plus
@@ -21,7 +21,8 @@ later, shorter one.
 Updating: `start` marks a part cut off before it runs (a lease killed mid-part leaves it so,
 never passed) and keeps the previous run under `previous`; `record` replaces that with the
 part's status from its steps (`STEP rc cut` lines written by run.sh's step()), pytest counts
-parsed from the logs and the figures read from its JSON results. Each writes the whole ledger
+parsed from the logs and the figures read from its JSON results (`not_run` when no step ran: it
+counts as never run). Each writes the whole ledger
 again (to a temporary file, then renamed), so `$OUT/ledger.json` is always whole.
 
     python benchmarks/gpu/ledger.py plan [--budget S] [--ledger PATH] [--head COMMIT]
@@ -302,25 +303,34 @@ def _dirty() -> bool:
 
 # -- command line (run.sh calls these; `plan` is for people) -------------------------------------
 
+MAX_CALL_S = 540  # of the device tool's 600 s per command: the install and the last pack after it
 INSTALL = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
     " --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;"
 )
 
 
-def _lines(ledger: dict, chosen: list[tuple[dict, int]]) -> str:
+def _lines(chosen: list[tuple[dict, int]]) -> str:
     """`NAME RUN EST` per part, for run.sh's loop."""
     return "".join(f"{p['name']} {p['run']} {est}\n" for p, est in chosen)
 
 
 def plan_text(ledger: dict, head: str, budget_s: int, same_code=git_same_code, root=ROOT) -> str:
-    """What `run.sh plan` prints: the parts, their seconds, the wheels and the one device call."""
+    """What `run.sh plan` prints: the parts, their seconds, the wheels and the one device call.
+    budget_s: the call's wall time (the lease's device time left, less a cold machine's start of
+    a few minutes); one call runs at most 600 s, so at most MAX_CALL_S of it is planned."""
+    capped = budget_s > MAX_CALL_S
+    budget_s = min(budget_s, MAX_CALL_S)
     deadline = budget_s - ledger.get("install_s", 0)
     ordered = due(ledger, head, same_code, root)
     chosen = choose(ledger, ordered, deadline)
     names = {p["name"] for p, _ in chosen}
     st = dict((p["name"], s) for p, s in ordered)
     out = [f"Lease plan at {head[:12]}: {budget_s} s for the device call, deadline {deadline} s"]
+    if capped:
+        out.append(
+            f"  (one call: at most {MAX_CALL_S} s planned of its 600; plan a second call after)"
+        )
     out.append(f"  {'part':<24}{'class':<15}{'status':<9}{'est_s':>6}")
     for p, est in chosen:
         out.append(f"  {p['name']:<24}{p['class']:<15}{st[p['name']]:<9}{est:>6}")
@@ -353,6 +363,8 @@ def plan_text(ledger: dict, head: str, budget_s: int, same_code=git_same_code, r
     ]
     if not parts:
         out.append("Nothing is due: every part ran at this code (or none fits the budget).")
+    if len(cmd) > 2000:  # the device tool's limit on one command line
+        out.append(f"WARNING: the command is {len(cmd)} characters, over the 2,000 allowed")
     return "\n".join(out) + "\n"
 
 
@@ -383,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             chosen = choose(ledger, ordered, float("inf"), overhead=False)
         else:  # the lease's start-up is behind it: a.budget is what is left
             chosen = choose(ledger, due(ledger, head), a.budget, overhead=False)
-        sys.stdout.write(_lines(ledger, chosen))
+        sys.stdout.write(_lines(chosen))
     elif a.command == "start":
         start(ledger, a.part, head, a.gpu, dry_run=a.dry_run)
         save(ledger, a.ledger)

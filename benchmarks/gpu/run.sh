@@ -55,7 +55,7 @@ cd "$(dirname "$0")/../.."
 LPY=${LPY:-python3}  # the ledger's interpreter: pure Python, any python3 >= 3.10
 LEDGER_PY=benchmarks/gpu/ledger.py
 if [ "${1:-}" = plan ]; then
-  exec $LPY $LEDGER_PY plan --budget "${2:-480}" ${LEDGER:+--ledger "$LEDGER"}
+  exec $LPY $LEDGER_PY plan --budget "${2:-480}"  # LEDGER=PATH: another ledger
 fi
 
 OUT=${OUT:-/tmp/gpu-out}

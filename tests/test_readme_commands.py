@@ -88,10 +88,11 @@ class Block:
             if pending.endswith("\\"):
                 continue
             try:
-                shlex.split(pending, comments=True)
+                words = shlex.split(pending, comments=True)
             except ValueError:  # a quote still open: the command goes on
                 continue
-            out.append(pending)
+            if words:  # a comment line alone is no command to run
+                out.append(pending)
             pending = ""
         assert not pending, f"unterminated command in {self.page.name}: {pending}"
         return out

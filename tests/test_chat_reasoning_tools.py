@@ -430,7 +430,7 @@ def test_tool_history_goes_through_the_template(client, server):
 
 
 def test_a_reply_with_calls_goes_back_into_the_history(client, server):
-    """The README's loop: the assistant message as the client got it, then the tool's result."""
+    """The loop of docs/serving.md: the assistant message as the client got it, then the tool's result."""
     messages = user("one_call", "Weather?")
     reply = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
     message = reply.choices[0].message

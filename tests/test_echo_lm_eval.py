@@ -186,7 +186,7 @@ def test_tokenizer_info(server, tokenizer):
 
 
 def test_lm_eval_loglikelihoods_equal_transformers(server, model_dir, hf_model, tmp_path):
-    """`lm_eval --model local-completions` (as the README shows it) on the small multiple-choice
+    """`lm_eval --model local-completions` (as docs/serving.md shows it) on the small multiple-choice
     task in tests/data/lm_eval: every loglikelihood it records equals transformers' sum over the
     continuation's tokens, and its is_greedy flag agrees."""
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")

@@ -13,7 +13,7 @@ raising rank and a stalled one):
 - after each: no process, /dev/shm `tpe-*` segment or socket/run-directory file is left.
 
 Each test prints a `FAULT-FIGURE` line (what was injected, seconds to detect it, seconds until
-every process was gone) for the README report; run with `-s -n 0` to see them.
+every process was gone) for the report in docs/faults.md; run with `-s -n 0` to see them.
 """
 
 from __future__ import annotations

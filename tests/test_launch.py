@@ -1,4 +1,4 @@
-"""The README's commands: `launch/generate.py` as plain Python and under torchrun, demo model."""
+"""The commands of docs/offline.md: `launch/generate.py` as plain Python and under torchrun, demo model."""
 
 from __future__ import annotations
 

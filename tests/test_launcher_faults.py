@@ -16,7 +16,7 @@ The plain-Python launch (`python launch/serve.py --tensor-parallel-size N`, whos
 is rank 0) is `test_faults_server.py::test_sigkilled_rank0_takes_every_worker_and_the_api_process_down`.
 
 Each test prints a `FAULT-FIGURE` line (seconds from the SIGKILL until every process was gone)
-for the README's fault table; run with `-s -n 0` to see them.
+for the fault table of docs/faults.md; run with `-s -n 0` to see them.
 """
 
 from __future__ import annotations

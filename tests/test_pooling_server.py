@@ -9,7 +9,7 @@ route split (404) and the API key, after which the server still answers as befor
 
 Clients written elsewhere, each through its own library on these two servers (issue 43):
 LlamaIndex's `OpenAILikeEmbedding` and LangChain's `OpenAIEmbeddings` (with the settings the
-README shows) equal sentence-transformers; vLLM's chat embedding (`messages`) is the server's
+docs/pooling.md shows) equal sentence-transformers; vLLM's chat embedding (`messages`) is the server's
 `--chat-template` text pooled (the embedder runs with `--tokenizer` and `--chat-template`);
 Cohere's SDK (v2 with `max_tokens_per_doc`, v1 with document objects) and vLLM's own
 pre-formatted reranker texts equal the reranker card's formula.
@@ -280,7 +280,7 @@ def test_llama_index_and_langchain_embeddings(embed_server, embed_case):
     want_flat = embed_case["st"].encode(flat, convert_to_tensor=True)
     assert flat != texts
     assert_close(llama.get_text_embedding_batch(texts), want_flat, "LlamaIndex")
-    # LangChain as the README shows it: text sent as text, not as OpenAI's token ids.
+    # LangChain as docs/pooling.md shows it: text sent as text, not as OpenAI's token ids.
     for settings in ({"check_embedding_ctx_length": False}, {"tiktoken_enabled": False}):
         lc = OpenAIEmbeddings(
             model=model, base_url=f"{base_url(embed_server)}/v1", api_key=API_KEY, **settings

@@ -1,10 +1,12 @@
-"""The README's commands, run as written on a fresh checkout: every fenced `bash` and `python`
-block is either run against the demo servers of its "Try it on the demo model" section, or
-carries a reason why it cannot run here (a real checkpoint, several GPUs, minutes of
-benchmarking), so a new command without either fails this test.
+"""The commands of the README and of every page under `docs/`, run as written on a fresh
+checkout: every fenced `bash` and `python` block of each page is either run against the demo
+servers of the README's "Try it on the demo model" section, or carries a reason why it cannot
+run here (a real checkpoint, several GPUs, minutes of benchmarking), so a new command without
+either, on any page, fails this test.
 
 How a block is run, as a reader would run it from the repository root:
-- the Try-it section's `python launch/serve.py ...` lines are the servers: "demo" (no
+- the pages are read in order, the README first, then `docs/*.md` by name;
+- the README's Try-it section's `python launch/serve.py ...` lines are the servers: "demo" (no
   `--model`), "embed" and "rerank" (by their served names); each is started once, in a scratch
   directory (where `launch/demo_assets.py` writes `./demo-assets`), with `--port 0` added;
 - a block naming a served model (`tp-engine-demo`, a demo adapter, `Qwen3-Embedding-0.6B`,
@@ -27,9 +29,10 @@ import pytest
 
 from tests.server_harness import REPO_ROOT, Server
 
-pytestmark = pytest.mark.slow
-
 README = REPO_ROOT / "README.md"
+# Every page whose commands are run or excused: the front door first (its Try-it section writes
+# the demo assets the other pages' commands use), then each feature's page.
+PAGES = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
 TRY_IT = "Try it on the demo model"
 # Which server a block runs against, by the model names it uses (first match wins).
 SERVER_OF = [
@@ -69,6 +72,7 @@ class Block:
     lang: str
     code: str
     section: str  # the "## " heading it is under
+    page: Path  # the file it is in
 
     @property
     def commands(self) -> list[str]:
@@ -84,26 +88,33 @@ class Block:
             if pending.endswith("\\"):
                 continue
             try:
-                shlex.split(pending, comments=True)
+                words = shlex.split(pending, comments=True)
             except ValueError:  # a quote still open: the command goes on
                 continue
-            out.append(pending)
+            if words:  # a comment line alone is no command to run
+                out.append(pending)
             pending = ""
-        assert not pending, f"unterminated command in README: {pending}"
+        assert not pending, f"unterminated command in {self.page.name}: {pending}"
         return out
 
 
-def readme_blocks() -> list[Block]:
+def page_blocks(page: Path) -> list[Block]:
+    """A page's fenced `bash` and `python` blocks, in order, each with its "## " section."""
     blocks, section = [], ""
     fence = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+    text = page.read_text()
     pos = 0
-    for match in fence.finditer(README.read_text()):
-        for heading in re.findall(r"^## (.+)$", README.read_text()[pos : match.start()], re.M):
+    for match in fence.finditer(text):
+        for heading in re.findall(r"^## (.+)$", text[pos : match.start()], re.M):
             section = heading
         pos = match.end()
         if match.group(1) in ("bash", "python"):
-            blocks.append(Block(match.group(1), match.group(2), section))
+            blocks.append(Block(match.group(1), match.group(2), section, page))
     return blocks
+
+
+def all_blocks() -> list[Block]:
+    return [block for page in PAGES for block in page_blocks(page)]
 
 
 def reason_for(text: str) -> str | None:
@@ -150,8 +161,8 @@ def plan() -> tuple[dict[str, str], list[tuple[str | None, Block]], list[tuple[s
     servers: dict[str, str] = {}
     to_run: list[tuple[str | None, Block]] = []
     skipped: list[tuple[str, str]] = []
-    for block in readme_blocks():
-        if block.section == TRY_IT:
+    for block in all_blocks():
+        if block.page == README and block.section == TRY_IT:
             serve = [c for c in block.commands if "launch/serve.py" in c]
             if serve:
                 assert len(serve) == len(block.commands) == 1, block.code
@@ -167,7 +178,7 @@ def plan() -> tuple[dict[str, str], list[tuple[str | None, Block]], list[tuple[s
         units = (
             [block]
             if block.lang == "python"
-            else [Block("bash", c, block.section) for c in block.commands]
+            else [Block("bash", c, block.section, block.page) for c in block.commands]
         )
         for unit in units:
             why = reason_for(unit.code)
@@ -178,16 +189,34 @@ def plan() -> tuple[dict[str, str], list[tuple[str | None, Block]], list[tuple[s
     return servers, to_run, skipped
 
 
-def test_every_readme_command_runs_or_says_why_not(tmp_path):
+def test_every_command_of_every_page_is_planned():
+    """Each page's every command is a demo server, runs, or says why not (without running)."""
     servers, to_run, skipped = plan()
     assert set(servers) == {"demo", "embed", "rerank"}
-    for code, why in skipped:
-        print(f"not run ({why}):\n{code}")
     # Each server is asked by some block, and every block runs somewhere or says why not.
     assert {name for name, _ in to_run if name} == set(servers)
-    (tmp_path / "launch").symlink_to(REPO_ROOT / "launch")
     local = [b for name, b in to_run if name is None]
     assert "python launch/demo_assets.py" in local[0].code  # first: the assets the servers use
+    planned = [*servers.values(), *(b.code for _, b in to_run), *(code for code, _ in skipped)]
+    missing = [
+        (page.name, command)
+        for page in PAGES
+        for block in page_blocks(page)
+        for command in block.commands
+        if not any(command in code for code in planned)
+    ]
+    assert missing == []
+    pages_run = {b.page for _, b in to_run}
+    assert README in pages_run and len(pages_run) > 1  # the docs' demo commands run too
+
+
+@pytest.mark.slow
+def test_every_command_of_every_page_runs_or_says_why_not(tmp_path):
+    servers, to_run, skipped = plan()
+    for code, why in skipped:
+        print(f"not run ({why}):\n{code}")
+    (tmp_path / "launch").symlink_to(REPO_ROOT / "launch")
+    local = [b for name, b in to_run if name is None]
     for block in local:
         run_block(block, tmp_path, None)
     for name, serve_line in servers.items():

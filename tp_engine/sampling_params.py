@@ -65,10 +65,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Most tokens the model may think for (vLLM's name): once a sequence has generated this many
     # tokens since its thinking began and none was `think_end_token_id`, its next token is
-    # `think_end_token_id` instead of a sampled one (`tp_engine.thinking.forced_think_end`).
+    # `think_end_token_id` instead of a sampled one (`tp_engine.common.thinking.forced_think_end`).
     # None = no limit. The three fields after it say where thinking begins and ends; the API
     # server and `LLM.chat` fill them in from the tokenizer and the prompt
-    # (`tp_engine.thinking.with_think_tokens`) when they are left unset.
+    # (`tp_engine.common.thinking.with_think_tokens`) when they are left unset.
     thinking_token_budget: int | None = None
     # Ids of `<think>` and `</think>`.
     think_start_token_id: int | None = None

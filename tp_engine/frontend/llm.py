@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from rank_worker import bringup
 from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
 from tp_engine.config import EngineConfig
+from tp_engine.core.outputs import SequenceOutput
 from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
 from tp_engine.engine import EngineDeadError, LLMEngine
 from tp_engine.executor.control import EngineInconsistentError
@@ -41,9 +42,9 @@ from tp_engine.features.weights_and_sleep import weight_updates
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.frontend.llm_pooling import PoolingMethods
 from tp_engine.frontend.metrics_reader import Metric, engine_metrics
+from tp_engine.frontend.outputs import CompletionOutput, RequestOutput, logprob_dicts
 from tp_engine.frontend.per_prompt import per_prompt
 from tp_engine.lora_request import LoRARequest
-from tp_engine.outputs import CompletionOutput, RequestOutput, SequenceOutput, logprob_dicts
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
 
@@ -186,9 +187,9 @@ class LLM(PoolingMethods):
         `tools` (OpenAI's function definitions), `documents` and `chat_template_kwargs` (e.g.
         `{"enable_thinking": False}`) go to the template, as the server passes them. Sampling
         params with a `thinking_token_budget` get the tokenizer's `<think>` / `</think>` ids
-        and each prompt's thinking state filled in (`tp_engine.thinking`). `lora_request`: as
+        and each prompt's thinking state filled in (`tp_engine.common.thinking`). `lora_request`: as
         for `generate`, one or one per conversation."""
-        from tp_engine import thinking
+        from tp_engine.common import thinking
 
         if not messages:
             raise ValueError("no messages given")

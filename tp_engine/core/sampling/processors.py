@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tp_engine.common.thinking import forced_think_end, thinking_over
+from tp_engine.common.transfers import to_device_async
 from tp_engine.core.sampling.edits import (
     AddBias,
     AllowOnly,
@@ -42,8 +44,6 @@ from tp_engine.core.sampling.edits import (
 from tp_engine.core.sampling.tensors import GrammarMask, PenaltyTensors
 from tp_engine.core.sequence import Sequence
 from tp_engine.features.structured.grammar import Phase, fill_bitmasks
-from tp_engine.thinking import forced_think_end, thinking_over
-from tp_engine.transfers import to_device_async
 
 
 class Tensors:

@@ -39,11 +39,11 @@ from typing import Any
 import numpy as np
 
 from tp_engine.core.engine_states import PauseMode
+from tp_engine.core.outputs import SequenceOutput
 from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
 from tp_engine.engine import EngineDeadError, LLMEngine
 from tp_engine.features.weights_and_sleep.sleep import WeightsNotLoadedError
 from tp_engine.lora_request import LoRARequest
-from tp_engine.outputs import SequenceOutput
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.server.ipc import EnginePipes

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from tp_engine.features.structured.grammar import StructuredOutputsParams
 
@@ -242,7 +242,7 @@ class SamplingParams:
             "must be a list of non-empty strings",
         )
         _require(
-            all(_is_int(t) and 0 <= t < _INT64_LIMIT for t in self.stop_token_ids),
+            all(map(_is_token_id, self.stop_token_ids)),
             "stop_token_ids",
             "must be a list of non-negative integers",
         )
@@ -265,7 +265,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
                 _require(
-                    _is_int(token) and 0 <= token < _INT64_LIMIT,
+                    _is_token_id(token),
                     "logit_bias",
                     f"keys must be token ids (integers >= 0), got {token!r}",
                 )
@@ -281,7 +281,7 @@ class SamplingParams:
                 "must not be empty (leave it unset to allow every token)",
             )
             _require(
-                all(_is_int(t) and 0 <= t < _INT64_LIMIT for t in self.allowed_token_ids),
+                all(map(_is_token_id, self.allowed_token_ids)),
                 "allowed_token_ids",
                 "must be a list of non-negative integers",
             )
@@ -293,10 +293,7 @@ class SamplingParams:
             )
         if self.bad_words_token_ids is not None:
             _require(
-                all(
-                    ids and all(_is_int(t) and 0 <= t < _INT64_LIMIT for t in ids)
-                    for ids in self.bad_words_token_ids
-                ),
+                all(ids and all(map(_is_token_id, ids)) for ids in self.bad_words_token_ids),
                 "bad_words_token_ids",
                 "must be a list of non-empty lists of non-negative integers",
             )
@@ -362,8 +359,13 @@ def _coerce_logit_bias(value: Any) -> Any:
 _INT64_LIMIT = 2**63
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_id(value: object) -> bool:
+    """A non-negative integer that fits the int64 tensors token ids go into."""
+    return _is_int(value) and 0 <= value < _INT64_LIMIT
 
 
 def _is_real(value: object) -> bool:

@@ -9,7 +9,7 @@ the output's `prompt` shows).
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from typing import Any
+from typing import Any, cast
 
 PromptType = str | list[int] | dict[str, Any]
 ChatMessage = dict[str, Any]
@@ -19,12 +19,12 @@ def as_prompt_list(prompts: PromptType | SequenceOf[PromptType]) -> list[PromptT
     """One prompt or a list of them -> a list (a list of ints is one prompt's token ids)."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [prompts]  # a single prompt given as token ids
-    if not prompts:
+    items = list(prompts)
+    if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [cast(list[int], items)]  # a single prompt given as token ids
+    if not items:
         raise ValueError("no prompts given")
-    return prompts
+    return cast(list[PromptType], items)
 
 
 def prompt_text(prompt: PromptType) -> str | None:

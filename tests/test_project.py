@@ -224,3 +224,12 @@ def test_no_runtime_module_is_large():
     }
     assert len(sizes) > 100
     assert {name: n for name, n in sizes.items() if n > 600} == {}
+
+
+def test_few_modules_beside_the_packages():
+    """A package's own modules are few, the rest in its sub-packages (what a newcomer reads
+    first is the list of rooms, not a corridor of files): at most 10 beside `tp_engine/`'s
+    packages, `__init__` not counted."""
+    top = sorted(p.stem for p in (REPO_ROOT / "tp_engine").glob("*.py") if p.stem != "__init__")
+    assert "engine" in top and "sampling_params" in top
+    assert len(top) <= 10, top

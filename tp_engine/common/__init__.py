@@ -3,7 +3,8 @@ named by the rank at fault: the core, the executor, the bring-up and the server'
 raise its `EngineDeadError`), `step_timeline` (rank 0's per-step phases, recorded by the core's
 pipeline and the executor), `transfers` (host <-> GPU copies that never wait for the GPU: the
 pipeline and the sampler) and `thinking` (Qwen3's think block by token ids: intake, the grammar
-gate, the sampler's think budget, and the API process's chat parsing).
+gate and its grammars, the sampler's think budget, `LLM.chat` and the API process's chat
+parsing).
 
 A leaf: nothing here imports another package of `tp_engine`, so every package may import it.
 Importing this package loads nothing but its docstring.

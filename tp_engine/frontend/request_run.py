@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -20,11 +20,13 @@ from tqdm.auto import tqdm
 from tp_engine.common.failures import EngineDeadError
 from tp_engine.core.outputs import SequenceOutput
 from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
-from tp_engine.engine import LLMEngine
 from tp_engine.executor.control import EngineInconsistentError
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.frontend.outputs import CompletionOutput, RequestOutput, logprob_dicts
 from tp_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tp_engine.engine import LLMEngine
 
 
 class Sample:

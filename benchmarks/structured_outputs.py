@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tp_engine.common.transfers import to_device_async
 from tp_engine.core.sampling import GrammarMask
 from tp_engine.core.sampling.grammar_mask import apply_token_bitmask
 from tp_engine.features.structured.grammar import GrammarState, fill_bitmasks
-from tp_engine.transfers import to_device_async
 
 VOCAB_SIZE = 151_936
 NUM_REGULAR_TOKENS = 151_643

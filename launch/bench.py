@@ -17,7 +17,7 @@ rank 0's phases in it (load: weights; profile: the memory warm-up; kv_cache; ker
 first launch, on a GPU the compile, of every Triton kernel; capture: the decode CUDA graphs,
 with the batch sizes captured).
 
-`--step-timeline PATH` records rank 0's per-step phases (`tp_engine.step_timeline`) during the
+`--step-timeline PATH` records rank 0's per-step phases (`tp_engine.common.step_timeline`) during the
 timed run and writes them, with their per-phase summary and this run's metadata, to PATH; the
 summary also goes into the result file. Draw it with `python launch/plot.py timeline PATH`.
 """
@@ -38,9 +38,9 @@ from benchmarks.results import environment, write_json
 from benchmarks.triton_launches import compiled_binaries
 from benchmarks.workload import NANO_VLLM_OUTPUT_TOKENS, random_workload, repetition_workload
 from tp_engine import LLM, SamplingParams
+from tp_engine.common.step_timeline import StepTimeline
 from tp_engine.config.flags import add_engine_flags, engine_kwargs
 from tp_engine.config.help_format import HelpFormatter
-from tp_engine.step_timeline import StepTimeline
 
 # `--seed` is the workload's here (nano-vllm's); the engine keeps its default seed.
 ENGINE_FLAGS_SPELT_HERE = ("seed",)

@@ -12,7 +12,26 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rank_worker.lora.peft_adapter import check_lora_limits
+# LoRA's limits, RunnerConfig's to check (`rank_worker.lora` reads the config, not the
+# other way round). The slot stacks' dtypes (`--lora-dtype`; "auto": the model's).
+LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
+# vLLM's `MaxLoRARanks`.
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def check_lora_limits(
+    max_loras: int, max_lora_rank: int, max_cpu_loras: int | None, lora_dtype: str = "auto"
+) -> None:
+    """The engine's LoRA limits, with vLLM's messages (`LoRAConfig`), and the slot stacks'
+    dtype name, checked here so that a typo fails before any rank loads the checkpoint."""
+    if lora_dtype not in LORA_DTYPES:
+        raise ValueError(f"lora_dtype must be one of {list(LORA_DTYPES)}, got {lora_dtype!r}")
+    if max_loras < 1:
+        raise ValueError(f"max_loras ({max_loras}) must be >= 1")
+    if max_lora_rank not in MAX_LORA_RANKS:
+        raise ValueError(f"max_lora_rank ({max_lora_rank}) must be one of {list(MAX_LORA_RANKS)}")
+    if max_cpu_loras is not None and max_cpu_loras < max_loras:
+        raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
 
 
 @dataclass(frozen=True)

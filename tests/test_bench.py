@@ -22,7 +22,7 @@ from benchmarks.serving_client import (
 )
 from benchmarks.workload import NANO_VLLM_OUTPUT_TOKENS, random_workload
 from tests.server_harness import REPO_ROOT, Server
-from tp_engine.step_timeline import StepTimeline
+from tp_engine.common.step_timeline import StepTimeline
 
 # -- workload -----------------------------------------------------------------------------------
 

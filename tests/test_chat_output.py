@@ -21,6 +21,13 @@ from tests.scripted_model import (
     TOOL_CALL,
     build_tokenizer,
 )
+from tp_engine.common.thinking import (
+    ThinkingState,
+    forced_think_end,
+    think_tokens,
+    thinking_over,
+    with_think_tokens,
+)
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.server.api.chat_output import ChatOutputParser
@@ -30,13 +37,6 @@ from tp_engine.server.api.prompts import PromptBuilder
 from tp_engine.server.api.protocol import ChatCompletionRequest
 from tp_engine.server.api.tool_calls import ToolCallBlock, ToolPlan, serialize, tool_plan
 from tp_engine.server.messages import Hello
-from tp_engine.thinking import (
-    ThinkingState,
-    forced_think_end,
-    think_tokens,
-    thinking_over,
-    with_think_tokens,
-)
 
 MARKERS = (THINK, END_THINK, TOOL_CALL, END_TOOL_CALL, IM_END)
 

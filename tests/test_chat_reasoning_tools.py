@@ -9,7 +9,7 @@ even at Qwen3's sampling defaults. One server (one rank) serves the whole module
 runs streamed and not, and the two must agree.
 
 `test_thinking_token_budget_*` and `test_llm_chat_thinking_budget` wait on the engine forcing
-`</think>` (`tp_engine.thinking.forced_think_end`); until it does, they fail.
+`</think>` (`tp_engine.common.thinking.forced_think_end`); until it does, they fail.
 """
 
 from __future__ import annotations

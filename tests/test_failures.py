@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from shm_ipc.error_channel import WorkerErrorReport
-from tp_engine.failures import diagnose_stall
+from tp_engine.common.failures import diagnose_stall
 
 
 class FakeChannel:

@@ -101,28 +101,121 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def test_no_import_cycles_between_packages():
-    """Package by package, imports run one way: a feature package imports the core, the core
-    never imports it back (it plugs in through `CoreHooks`); the same for every pair of packages
-    in the tree. A module counts for the package that holds it; a package and the packages
-    inside it are one family, whose mutual imports are not counted."""
-    graph = _project_imports()
+def _sibling_edges(graph: dict[str, set[str]], packages: set[str]) -> dict[str, set[str]]:
+    """The module graph seen package by package: at every level of the tree, the children of a
+    package (each module beside its sub-packages on its own, each sub-package with everything
+    inside it) and which of them import which. An import counts at the level where the two
+    modules' paths part, as an edge between the children they are in. A package that holds
+    nothing but sub-packages (`tp_engine.features`) is a folder, not a unit: its sub-packages
+    count as their parent's children. A package's `__init__` importing its own contents (the
+    re-exports of `tp_engine/__init__.py`) is not counted: it is what a package is for, and the
+    module graph (`test_no_import_cycles`) already refuses a re-exported module that imports
+    its package's `__init__` back."""
+    children: dict[str, set[str]] = {}
+    for module in graph:
+        if "." in module:
+            children.setdefault(module.rsplit(".", 1)[0], set()).add(module)
 
-    def package(module: str) -> str:
-        if (REPO_ROOT / module.replace(".", "/")).is_dir():
-            return module
-        return module.rsplit(".", 1)[0] if "." in module else module
+    def is_folder(name: str) -> bool:
+        return name in packages and children.get(name, set()) <= packages
+
+    def child(module: str, depth: int) -> str:
+        """The child holding `module` of its ancestor with `depth` parts (0: the tree's root)."""
+        parts = module.split(".")
+        name = ".".join(parts[: depth + 1])
+        while is_folder(name) and name != module:
+            depth += 1
+            name = ".".join(parts[: depth + 1])
+        return name
 
     edges: dict[str, set[str]] = {}
     for module, deps in graph.items():
-        a = package(module)
         for dep in deps:
-            b = package(dep)
-            if a != b and not b.startswith(a + ".") and not a.startswith(b + "."):
-                edges.setdefault(a, set()).add(b)
+            if module in packages and dep.startswith(module + "."):
+                continue
+            a, b = module.split("."), dep.split(".")
+            depth = 0
+            while depth < min(len(a), len(b)) and a[depth] == b[depth]:
+                depth += 1
+            x, y = child(module, depth), child(dep, depth)
+            if x != y:
+                edges.setdefault(x, set()).add(y)
+    return edges
+
+
+def test_no_import_cycles_between_packages():
+    """Package by package, imports run one way: a feature package imports the core, the core
+    never imports it back (it plugs in through `CoreHooks`); the same for every pair of packages
+    in the tree, and for a package's own modules beside its sub-packages: `tp_engine/engine.py`
+    imports the core, which imports `tp_engine/sampling_params.py`, and neither is imported back
+    (`_sibling_edges`)."""
+    graph = _project_imports()
+    packages = {m for m in graph if (REPO_ROOT / m.replace(".", "/")).is_dir()}
+    edges = _sibling_edges(graph, packages)
     assert "tp_engine.core" in edges["tp_engine.features.lora"]
+    assert "tp_engine.sampling_params" in edges["tp_engine.core"]
+    assert "tp_engine.core" in edges["tp_engine.engine"]
+    # The shared leaf (`tp_engine/common/`) imports no other part of tp_engine.
+    assert "tp_engine.common" in edges["tp_engine.core"]
+    assert {d for d in edges.get("tp_engine.common", ()) if d.startswith("tp_engine")} == set()
     cycle = _first_cycle(edges)
     assert cycle is None, "packages import each other: " + " -> ".join(cycle or [])
+
+
+def test_sibling_edges_see_a_module_and_the_package_beside_it():
+    """The cycle the old rule (a package and its sub-packages one family) missed:
+    `tp_engine/outputs.py` imported `tp_engine.core.sequence`, and `tp_engine.core.engine_core`
+    imported `tp_engine.outputs`. No two modules import each other, but the module and the core
+    package beside it do."""
+    packages = {"tp_engine", "tp_engine.core", "tp_engine.core.kv", "tp_engine.features"}
+    packages |= {"tp_engine.features.lora", "tp_engine.features.structured"}
+    graph = {
+        "tp_engine": {"tp_engine.outputs", "tp_engine.sampling_params"},
+        "tp_engine.outputs": {"tp_engine.core", "tp_engine.core.sequence"},
+        "tp_engine.sampling_params": set(),
+        "tp_engine.engine": {"tp_engine.core", "tp_engine.core.engine_core"},
+        "tp_engine.core": set(),
+        "tp_engine.core.sequence": {"tp_engine.sampling_params"},
+        "tp_engine.core.engine_core": {
+            "tp_engine.outputs",
+            "tp_engine.core.kv",
+            "tp_engine.features.structured.grammar",
+        },
+        "tp_engine.core.kv": set(),
+        "tp_engine.core.kv.block_manager": {"tp_engine.core.sequence"},
+        "tp_engine.features": set(),
+        "tp_engine.features.lora": set(),
+        "tp_engine.features.lora.control": {"tp_engine.core", "tp_engine.core.sequence"},
+        "tp_engine.features.structured": set(),
+        "tp_engine.features.structured.grammar": set(),
+    }
+    assert _first_cycle(graph) is None
+    edges = _sibling_edges(graph, packages)
+    # Between tp_engine's children: the core as a whole, each top-level module on its own; the
+    # package's __init__ re-exporting `outputs` is not counted.
+    assert edges["tp_engine.core"] == {
+        "tp_engine.outputs",
+        "tp_engine.sampling_params",
+        "tp_engine.features.structured",
+    }
+    assert edges["tp_engine.outputs"] == {"tp_engine.core"}
+    assert edges["tp_engine.engine"] == {"tp_engine.core"}
+    assert "tp_engine" not in edges
+    # `tp_engine.features` is a folder: its packages stand beside the core one by one, so the
+    # core importing structured outputs' grammar while LoRA imports the core is no cycle.
+    assert edges["tp_engine.features.lora"] == {"tp_engine.core"}
+    assert "tp_engine.features" not in edges
+    # Inside the core, the KV package and the core's own modules are the children.
+    assert edges["tp_engine.core.engine_core"] == {"tp_engine.core.kv"}
+    assert edges["tp_engine.core.kv"] == {"tp_engine.core.sequence"}
+    assert _first_cycle(edges) == ["tp_engine.core", "tp_engine.outputs", "tp_engine.core"]
+    # The step outputs moved into the core, as they are now: no cycle.
+    graph["tp_engine.core.outputs"] = {"tp_engine.core.sequence"}
+    del graph["tp_engine.outputs"]
+    graph["tp_engine"] = {"tp_engine.core.outputs", "tp_engine.sampling_params"}
+    graph["tp_engine.core.engine_core"].discard("tp_engine.outputs")
+    graph["tp_engine.core.engine_core"].add("tp_engine.core.outputs")
+    assert _first_cycle(_sibling_edges(graph, packages)) is None
 
 
 def test_no_runtime_module_is_large():
@@ -134,3 +227,12 @@ def test_no_runtime_module_is_large():
     }
     assert len(sizes) > 100
     assert {name: n for name, n in sizes.items() if n > 600} == {}
+
+
+def test_few_modules_beside_the_packages():
+    """A package's own modules are few, the rest in its sub-packages (what a newcomer reads
+    first is the list of rooms, not a corridor of files): at most 10 beside `tp_engine/`'s
+    packages, `__init__` not counted."""
+    top = sorted(p.stem for p in (REPO_ROOT / "tp_engine").glob("*.py") if p.stem != "__init__")
+    assert "engine" in top and "sampling_params" in top
+    assert len(top) <= 10, top

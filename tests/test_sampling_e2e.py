@@ -448,16 +448,16 @@ def test_logprob_limit_is_refused(llm):
 
 
 def test_skip_special_tokens_in_text(llm):
-    from tp_engine.frontend.llm import _Sample
+    from tp_engine.frontend.request_run import Sample, final_text
 
     tok = llm.get_tokenizer()
     words = tok("Hello world")["input_ids"]
     end = tok.convert_tokens_to_ids("<|im_end|>")
     for skip, expected in ((True, "Hello world"), (False, "Hello world<|im_end|>")):
-        sample = _Sample(SamplingParams(skip_special_tokens=skip), None)
+        sample = Sample(SamplingParams(skip_special_tokens=skip), None)
         sample.token_ids = [*words, end]
         sample.finish_reason = "length"
-        assert llm._text(sample) == expected
+        assert final_text(sample, tok) == expected
 
 
 # -- logit_bias, allowed_token_ids, bad_words ---------------------------------------------------

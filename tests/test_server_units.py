@@ -378,8 +378,8 @@ def test_control_ops_answer_refusals_400_and_an_inconsistent_engine_503():
     503 with the engine kept (a full load repairs it); a dead engine is not caught."""
     from types import SimpleNamespace
 
+    from tp_engine.common.failures import EngineDeadError
     from tp_engine.executor.control import ControlRefusedError, EngineInconsistentError
-    from tp_engine.failures import EngineDeadError
     from tp_engine.server.rank0.control_ops import run_op
 
     def engine_raising(exc):

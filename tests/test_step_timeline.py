@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tp_engine.step_timeline import (
+from tp_engine.common.step_timeline import (
     NULL_PHASE,
     PhaseRecord,
     StepTimeline,

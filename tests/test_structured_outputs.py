@@ -23,6 +23,7 @@ import torch
 from tests.scripted_model import END_THINK, IM_END, THINK, Script, build_scripted_checkpoint
 from tests.tp_cases import CHECKPOINTS
 from tp_engine import LLM, SamplingParams
+from tp_engine.common.thinking import ThinkingState
 from tp_engine.core.sampling import GrammarMask
 from tp_engine.core.sampling.grammar_mask import apply_token_bitmask, apply_token_bitmask_reference
 from tp_engine.features.structured.grammar import (
@@ -31,7 +32,6 @@ from tp_engine.features.structured.grammar import (
     StructuredOutputsParams,
     fill_bitmasks,
 )
-from tp_engine.thinking import ThinkingState
 
 SCHEMA = {
     "type": "object",

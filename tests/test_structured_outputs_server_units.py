@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.scripted_model import END_THINK, IM_END, THINK, build_tokenizer
+from tp_engine.common.thinking import ThinkingState
 from tp_engine.features.structured.grammar import StructuredOutputsParams
 from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.server.api.chat_output import ChatOutputParser
@@ -27,7 +28,6 @@ from tp_engine.server.api.prompts import PromptBuilder
 from tp_engine.server.api.protocol import ChatCompletionRequest, CompletionRequest, Tool, parse_body
 from tp_engine.server.api.tool_calls import ToolChoice, ToolPlan, tool_plan
 from tp_engine.server.messages import Hello
-from tp_engine.thinking import ThinkingState
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOLS = [

@@ -1,4 +1,4 @@
-"""Host <-> GPU copies that do not wait for the GPU (`tp_engine.transfers`)."""
+"""Host <-> GPU copies that do not wait for the GPU (`tp_engine.common.transfers`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
+from tp_engine.common.transfers import HostCopies, to_device_async
 from tp_engine.core.sampling import LogprobsTensors
-from tp_engine.transfers import HostCopies, to_device_async
 
 
 def test_on_cpu_every_helper_is_a_no_op():

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from tp_engine.config import EngineConfig
 from tp_engine.features.structured.grammar import StructuredOutputsParams
+from tp_engine.frontend.outputs import CompletionOutput, RequestOutput
 from tp_engine.lora_request import LoRARequest
-from tp_engine.outputs import CompletionOutput, RequestOutput
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
 

@@ -24,6 +24,7 @@ from rank_worker.eagle3_format import read_eagle3_config
 from rank_worker.fault_injection import Fault
 from rank_worker.model_spec import ModelSpec, load_hf_config
 from rank_worker.tp import TPInfo
+from tp_engine.common.failures import EngineDeadError
 from tp_engine.config import EngineConfig
 from tp_engine.config.generation import eos_token_ids, sampling_defaults
 from tp_engine.core.engine_core import EngineCore
@@ -34,7 +35,6 @@ from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.executor.control import EngineControl
 from tp_engine.executor.rank_config import draft_model_dir, eagle3_head_dir, runner_config_for
 from tp_engine.executor.tp import TPExecutor
-from tp_engine.failures import EngineDeadError
 from tp_engine.features import speculative
 from tp_engine.features.lora import control as lora_control
 from tp_engine.features.weights_and_sleep import weight_updates

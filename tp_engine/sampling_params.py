@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from tp_engine.features.structured.grammar import StructuredOutputsParams
 
@@ -65,10 +65,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Most tokens the model may think for (vLLM's name): once a sequence has generated this many
     # tokens since its thinking began and none was `think_end_token_id`, its next token is
-    # `think_end_token_id` instead of a sampled one (`tp_engine.thinking.forced_think_end`).
+    # `think_end_token_id` instead of a sampled one (`tp_engine.common.thinking.forced_think_end`).
     # None = no limit. The three fields after it say where thinking begins and ends; the API
     # server and `LLM.chat` fill them in from the tokenizer and the prompt
-    # (`tp_engine.thinking.with_think_tokens`) when they are left unset.
+    # (`tp_engine.common.thinking.with_think_tokens`) when they are left unset.
     thinking_token_budget: int | None = None
     # Ids of `<think>` and `</think>`.
     think_start_token_id: int | None = None
@@ -242,7 +242,7 @@ class SamplingParams:
             "must be a list of non-empty strings",
         )
         _require(
-            all(_is_int(t) and 0 <= t < _INT64_LIMIT for t in self.stop_token_ids),
+            all(map(_is_token_id, self.stop_token_ids)),
             "stop_token_ids",
             "must be a list of non-negative integers",
         )
@@ -265,7 +265,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
                 _require(
-                    _is_int(token) and 0 <= token < _INT64_LIMIT,
+                    _is_token_id(token),
                     "logit_bias",
                     f"keys must be token ids (integers >= 0), got {token!r}",
                 )
@@ -281,7 +281,7 @@ class SamplingParams:
                 "must not be empty (leave it unset to allow every token)",
             )
             _require(
-                all(_is_int(t) and 0 <= t < _INT64_LIMIT for t in self.allowed_token_ids),
+                all(map(_is_token_id, self.allowed_token_ids)),
                 "allowed_token_ids",
                 "must be a list of non-negative integers",
             )
@@ -293,10 +293,7 @@ class SamplingParams:
             )
         if self.bad_words_token_ids is not None:
             _require(
-                all(
-                    ids and all(_is_int(t) and 0 <= t < _INT64_LIMIT for t in ids)
-                    for ids in self.bad_words_token_ids
-                ),
+                all(ids and all(map(_is_token_id, ids)) for ids in self.bad_words_token_ids),
                 "bad_words_token_ids",
                 "must be a list of non-empty lists of non-negative integers",
             )
@@ -362,8 +359,13 @@ def _coerce_logit_bias(value: Any) -> Any:
 _INT64_LIMIT = 2**63
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_id(value: object) -> bool:
+    """A non-negative integer that fits the int64 tensors token ids go into."""
+    return _is_int(value) and 0 <= value < _INT64_LIMIT
 
 
 def _is_real(value: object) -> bool:

@@ -32,10 +32,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The HF projections an adapter may target, in the order of our packed layers' parts.
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The slot stacks' dtypes (`--lora-dtype`; "auto": the model's).
-LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
-# vLLM's `MaxLoRARanks`.
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # `base_model.model.` + the base model's module name (`prefix.proj`) + the LoRA matrix.
 _KEY = re.compile(
     r"base_model\.model\.(?P<module>(?P<prefix>model\.layers\.\d+\.(?:self_attn|mlp))\."
@@ -53,21 +49,6 @@ def parse_key(key: str) -> re.Match | None:
 
 class LoRAAdapterNotFoundError(ValueError):
     """No adapter (config and safetensors weights) at the path."""
-
-
-def check_lora_limits(
-    max_loras: int, max_lora_rank: int, max_cpu_loras: int | None, lora_dtype: str = "auto"
-) -> None:
-    """The engine's LoRA limits, with vLLM's messages (`LoRAConfig`), and the slot stacks'
-    dtype name, checked here so that a typo fails before any rank loads the checkpoint."""
-    if lora_dtype not in LORA_DTYPES:
-        raise ValueError(f"lora_dtype must be one of {list(LORA_DTYPES)}, got {lora_dtype!r}")
-    if max_loras < 1:
-        raise ValueError(f"max_loras ({max_loras}) must be >= 1")
-    if max_lora_rank not in MAX_LORA_RANKS:
-        raise ValueError(f"max_lora_rank ({max_lora_rank}) must be one of {list(MAX_LORA_RANKS)}")
-    if max_cpu_loras is not None and max_cpu_loras < max_loras:
-        raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
 
 
 def pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:

@@ -65,13 +65,13 @@ def tokenizer_dir(value: str) -> str:
 
 
 def _lora_dtypes() -> tuple[str, ...]:
-    from rank_worker.lora.peft_adapter import LORA_DTYPES
+    from rank_worker.runner_config import LORA_DTYPES
 
     return tuple(LORA_DTYPES)
 
 
 def _lora_ranks() -> tuple[int, ...]:
-    from rank_worker.lora.peft_adapter import MAX_LORA_RANKS
+    from rank_worker.runner_config import MAX_LORA_RANKS
 
     return tuple(MAX_LORA_RANKS)
 

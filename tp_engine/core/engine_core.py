@@ -29,6 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tp_engine.common.failures import EngineDeadError
+from tp_engine.common.step_timeline import StepTimeline
+from tp_engine.common.thinking import ThinkTokens
 from tp_engine.config import EngineConfig
 from tp_engine.core.engine_states import Gate, PauseMode
 from tp_engine.core.grammar_gate import GrammarGate
@@ -36,17 +39,14 @@ from tp_engine.core.hooks import CoreHooks
 from tp_engine.core.intake import RequestIntake
 from tp_engine.core.kv.block_manager import BlockManager
 from tp_engine.core.kv.host_tier import HostTier
+from tp_engine.core.outputs import EngineStats, StepOutputs
 from tp_engine.core.pipeline import SampledStep, StepPipeline
 from tp_engine.core.sampling.batch import SamplingBatchBuilder
 from tp_engine.core.scheduled_step import DraftProposer
 from tp_engine.core.scheduler import Scheduler
 from tp_engine.core.sequence import Sequence
 from tp_engine.core.spec_metrics import SpecDecodeStats
-from tp_engine.failures import EngineDeadError
 from tp_engine.features.structured.grammar import GrammarCompiler
-from tp_engine.outputs import EngineStats, StepOutputs
-from tp_engine.step_timeline import StepTimeline
-from tp_engine.thinking import ThinkTokens
 
 if TYPE_CHECKING:
     from tp_engine.core.kv.file_tier import FileTier

@@ -22,9 +22,9 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
 from typing import Any
 
+from tp_engine.common.thinking import ThinkTokens, turn_boundary_ids
 from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.features.structured.grammar import GrammarCompiler, GrammarState, compile_verdict
-from tp_engine.thinking import ThinkTokens, turn_boundary_ids
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from tp_engine.common.thinking import needs_think_tokens, think_tokens, with_think_tokens
 from tp_engine.core.sampling import MAX_NUM_LOGPROBS
 from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
-from tp_engine.thinking import needs_think_tokens, think_tokens, with_think_tokens
 
 if TYPE_CHECKING:
     from tp_engine.lora_request import LoRARequest

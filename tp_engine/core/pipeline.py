@@ -41,7 +41,11 @@ import torch
 
 from shm_ipc import StepPlan
 from shm_ipc.block_copies import encode_block_copies
+from tp_engine.common.failures import EngineDeadError
+from tp_engine.common.step_timeline import phase_or_null
+from tp_engine.common.transfers import HostCopies
 from tp_engine.core.drafting import schedule_step
+from tp_engine.core.outputs import SequenceOutput, StepOutputs
 from tp_engine.core.plan_builder import LogitsLayout, plan_step
 from tp_engine.core.pooled_records import record_pooled
 from tp_engine.core.sampling import LogprobsTensors, sample_batch
@@ -53,10 +57,6 @@ from tp_engine.core.sampling.logprob_records import (
 from tp_engine.core.scheduled_step import ScheduledStep
 from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.core.spec_verify import accept_drafts
-from tp_engine.failures import EngineDeadError
-from tp_engine.outputs import SequenceOutput, StepOutputs
-from tp_engine.step_timeline import phase_or_null
-from tp_engine.transfers import HostCopies
 
 if TYPE_CHECKING:
     from tp_engine.executor.control import EngineInconsistentError

@@ -17,8 +17,8 @@ import torch
 
 if TYPE_CHECKING:
     from shm_ipc import ControlCall, StepPlan
-    from tp_engine.failures import EngineDeadError
-    from tp_engine.step_timeline import StepTimeline
+    from tp_engine.common.failures import EngineDeadError
+    from tp_engine.common.step_timeline import StepTimeline
 
 __all__ = ["Executor", "StepResult"]
 

@@ -35,8 +35,8 @@ from typing import Any, Protocol
 
 from rank_worker.control import ControlOp, ControlOutcome, ControlResult
 from shm_ipc import ControlCall
+from tp_engine.common.failures import EngineDeadError
 from tp_engine.executor.base import Executor
-from tp_engine.failures import EngineDeadError
 
 __all__ = [
     "ControlOp",

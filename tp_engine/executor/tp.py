@@ -27,9 +27,9 @@ from rank_worker.runner_config import RunnerConfig
 from rank_worker.step import StepExecutor
 from rank_worker.tp import TPInfo
 from shm_ipc import ChannelError, ControlCall, PlanBroadcaster, StepPlan
+from tp_engine.common.failures import EngineDeadError, FailureGuard, diagnose_stall
+from tp_engine.common.step_timeline import StepTimeline, gpu_phase_or_null, phase_or_null
 from tp_engine.executor.base import StepResult
-from tp_engine.failures import EngineDeadError, FailureGuard, diagnose_stall
-from tp_engine.step_timeline import StepTimeline, gpu_phase_or_null, phase_or_null
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ Three ways to run, one engine:
 Generation as in vLLM's offline API: `sampling_params=None` means the checkpoint's
 generation-config defaults (`get_default_sampling_params`); a request with `n > 1` returns n
 completions whose samples share the prompt's KV blocks; `chat` renders conversations with the
-tokenizer's chat template. Detokenization, stop strings and logprob dicts happen here, on the
-caller's side of the engine.
+tokenizer's chat template. Detokenization, stop strings and logprob dicts happen on the
+caller's side of the engine (`request_run`); prompts are made token ids by `prompts`.
 """
 
 from __future__ import annotations
@@ -23,32 +23,32 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-import time
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from rank_worker import bringup
 from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
 from tp_engine.config import EngineConfig
-from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
-from tp_engine.engine import EngineDeadError, LLMEngine
-from tp_engine.executor.control import EngineInconsistentError
+from tp_engine.engine import LLMEngine
 from tp_engine.features.weights_and_sleep import weight_updates
-from tp_engine.frontend.detokenizer import IncrementalDetokenizer
 from tp_engine.frontend.llm_pooling import PoolingMethods
 from tp_engine.frontend.metrics_reader import Metric, engine_metrics
+from tp_engine.frontend.outputs import RequestOutput
 from tp_engine.frontend.per_prompt import per_prompt
+from tp_engine.frontend.prompts import (
+    ChatMessage,
+    PromptType,
+    as_prompt_list,
+    prompt_text,
+    prompt_token_ids,
+)
+from tp_engine.frontend.request_run import Sample, request_output, run_samples
 from tp_engine.lora_request import LoRARequest
-from tp_engine.outputs import CompletionOutput, RequestOutput, SequenceOutput, logprob_dicts
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
-
-PromptType = str | list[int] | dict[str, Any]
-ChatMessage = dict[str, Any]
 
 # How long shutdown waits for spawned workers to exit before killing them.
 _WORKER_EXIT_TIMEOUT_S = 10.0
@@ -125,7 +125,7 @@ class LLM(PoolingMethods):
         """
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         n = len(prompt_list)
@@ -134,7 +134,7 @@ class LLM(PoolingMethods):
         )
         loras = per_prompt(lora_request, LoRARequest, n, "LoRA requests")
         requests = [
-            (self._prompt_ids(p), _prompt_text(p), sp)
+            (self._prompt_ids(p), prompt_text(p), sp)
             for p, sp in zip(prompt_list, params_list, strict=True)
         ]
 
@@ -154,13 +154,15 @@ class LLM(PoolingMethods):
                     self.engine.abort_request(seq_id)
             raise
         samples = {
-            seq_id: _Sample(params, self._detokenizer(params) if params.stop else None)
+            seq_id: Sample.for_params(params, self.tokenizer)
             for (_, seq_ids), (_, _, params) in zip(groups, requests, strict=True)
             for seq_id in seq_ids
         }
         self._run(samples, use_tqdm)
         return [
-            self._request_output(request_id, prompt, token_ids, [samples[i] for i in seq_ids])
+            request_output(
+                request_id, prompt, token_ids, [samples[i] for i in seq_ids], self.tokenizer
+            )
             for (request_id, seq_ids), (token_ids, prompt, _) in zip(groups, requests, strict=True)
         ]
 
@@ -186,9 +188,9 @@ class LLM(PoolingMethods):
         `tools` (OpenAI's function definitions), `documents` and `chat_template_kwargs` (e.g.
         `{"enable_thinking": False}`) go to the template, as the server passes them. Sampling
         params with a `thinking_token_budget` get the tokenizer's `<think>` / `</think>` ids
-        and each prompt's thinking state filled in (`tp_engine.thinking`). `lora_request`: as
-        for `generate`, one or one per conversation."""
-        from tp_engine import thinking
+        and each prompt's thinking state filled in (`tp_engine.common.thinking`).
+        `lora_request`: as for `generate`, one or one per conversation."""
+        from tp_engine.common import thinking
 
         if not messages:
             raise ValueError("no messages given")
@@ -220,138 +222,17 @@ class LLM(PoolingMethods):
             ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _request_output(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        samples: list[_Sample],
-    ) -> RequestOutput:
-        first = samples[0]
-        return RequestOutput(
-            request_id=request_id,
-            prompt=prompt,
-            prompt_token_ids=prompt_token_ids,
-            outputs=[self._completion(sample) for sample in samples],
-            finished=True,
-            num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=(
-                logprob_dicts(first.prompt_logprobs, self.tokenizer)
-                if first.prompt_logprobs is not None
-                else None
-            ),
+    def _run(self, samples: dict[str, Sample], use_tqdm: bool) -> None:
+        """Step the engine until every sample finished (`request_run.run_samples`)."""
+        run_samples(
+            self.engine, samples, use_tqdm, lambda: self._launcher_gone, lambda: self._release(True)
         )
 
-    def _completion(self, sample: _Sample) -> CompletionOutput:
-        logprobs = None
-        if sample.logprobs is not None:
-            logprobs = [d for d in logprob_dicts(sample.logprobs, self.tokenizer) if d is not None]
-        return CompletionOutput(
-            index=sample.index,
-            text=self._text(sample),
-            token_ids=sample.token_ids,
-            finish_reason=sample.finish_reason,
-            stop_reason=sample.stop_reason,
-            cumulative_logprob=(
-                sum(e.logprobs[0] for e in sample.logprobs) if sample.logprobs is not None else None
-            ),
-            logprobs=logprobs,
-        )
-
-    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(
-            self.tokenizer,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            min_tokens=params.min_tokens,
-        )
-
-    def _run(self, samples: dict[str, _Sample], use_tqdm: bool) -> None:
-        """Step the engine until every sample finished, collecting the engine's outputs."""
-        bar = tqdm(
-            total=len(samples), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
-        )
-        prefill_tokens = decode_tokens = 0
-        start = time.perf_counter()
-        remaining = set(samples)
-        try:
-            if self.engine.inconsistent is not None:
-                # A failed weight update: the ranks may disagree until a full load repairs
-                # them; the engine itself is alive (no release).
-                raise self.engine.inconsistent
-            if self.engine.pause_mode is not None:
-                # Nothing would be admitted: refuse rather than step forever.
-                raise RuntimeError(
-                    f"the engine is paused ({self.engine.pause_mode.value}): resume it first"
-                )
-            if self.engine.is_sleeping():
-                raise RuntimeError("the engine is asleep: wake_up() first")
-            while remaining:
-                if self._launcher_gone is not None:
-                    raise EngineDeadError(self._launcher_gone)
-                step = self.engine.step()
-                prefill_tokens += step.num_prefill_tokens
-                decode_tokens += step.num_decode_tokens
-                done = 0
-                for out in step.outputs:
-                    sample = samples.get(out.seq_id)
-                    if sample is None or sample.finished:
-                        continue
-                    sample.add(out)
-                    if sample.detok is not None and self._stop_string_seen(out.seq_id, sample):
-                        sample.stopped_by(sample.detok.stop_string)  # type: ignore[arg-type]
-                    if sample.finished:
-                        remaining.discard(out.seq_id)
-                        done += 1
-                if done:
-                    bar.update(done)
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(
-                        f"prefill {prefill_tokens / elapsed:.0f} tok/s, "
-                        f"decode {decode_tokens / elapsed:.0f} tok/s"
-                    )
-        except EngineInconsistentError:
-            for seq_id in remaining:
-                self.engine.abort_request(seq_id)
-            raise
-        except EngineDeadError:
-            self._release(dead=True)
-            raise
-        except BaseException:
-            for seq_id in remaining:
-                self.engine.abort_request(seq_id)
-            raise
-        finally:
-            bar.close()
-
-    def _stop_string_seen(self, seq_id: str, sample: _Sample) -> bool:
-        """Feed the sample's new tokens to its incremental detokenizer (no full decode per
-        step); True if its text now holds a stop string, and then the engine ends it.
-
-        Checked even when the engine finished the sequence on this very token (EOS or
-        max_tokens on the token that completes a stop string): the stop string still wins.
-        """
-        detok = sample.detok
-        assert detok is not None
-        new_ids = sample.token_ids[len(detok.token_ids) :]
-        detok.update(new_ids, engine_stopped=sample.stopped_on_token, finished=sample.finished)
-        if detok.stop_string is None:
-            return False
-        # A stop string completed within a speculative step: the tokens after it never were.
-        sample.truncate(len(detok.token_ids))
-        self.engine.finish_request(seq_id, SequenceStatus.FINISHED_STOPPED, detok.stop_string)
-        return True
-
-    def _text(self, sample: _Sample) -> str:
-        """The final text: cut before a stop string, and without the EOS or stop token id that
-        ended the sequence (vLLM)."""
-        if sample.detok is not None and sample.detok.finished:
-            return sample.detok.text
-        ids = sample.token_ids[:-1] if sample.stopped_on_token else sample.token_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=sample.params.skip_special_tokens)
+    def _prompt_ids(self, prompt: PromptType) -> list[int]:
+        return prompt_token_ids(prompt, self.tokenizer)
 
     def _prompt_id_lists(self, prompts: PromptType | SequenceOf[PromptType]) -> list[list[int]]:
-        return [self._prompt_ids(p) for p in _as_prompt_list(prompts)]
+        return [self._prompt_ids(p) for p in as_prompt_list(prompts)]
 
     def _run_pooling(
         self, prompt_ids: list[list[int]], params: list[PoolingParams], use_tqdm: bool
@@ -368,7 +249,7 @@ class LLM(PoolingMethods):
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
             raise
-        samples = {rid: _Sample(SamplingParams(max_tokens=0), None) for rid in request_ids}
+        samples = {rid: Sample(SamplingParams(max_tokens=0), None) for rid in request_ids}
         self._run(samples, use_tqdm)
         results = []
         for rid in request_ids:
@@ -377,26 +258,6 @@ class LLM(PoolingMethods):
                 raise RuntimeError(f"pooling request {rid!r} ended without a result")
             results.append((rid, pooled))
         return results
-
-    def _prompt_ids(self, prompt: PromptType) -> list[int]:
-        """Token ids of a prompt; `prompt_token_ids` wins over `prompt` in a dict."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"]
-        if isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            return list(prompt)
-        raise ValueError(
-            "a prompt must be a string, a list of integer token ids, or a dict with "
-            f"'prompt_token_ids' or 'prompt'; got {type(prompt).__name__}"
-        )
 
     # -- sleep mode (`tp_engine.features.weights_and_sleep.sleep`) -----------------------------------------------------------
 
@@ -525,73 +386,3 @@ class LLM(PoolingMethods):
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-def _as_prompt_list(prompts: PromptType | SequenceOf[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [prompts]  # a single prompt given as token ids
-    if not prompts:
-        raise ValueError("no prompts given")
-    return prompts
-
-
-def _prompt_text(prompt: PromptType) -> str | None:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"]
-    return None
-
-
-class _Sample:
-    """One sequence's outputs as `generate` collects them."""
-
-    def __init__(self, params: SamplingParams, detok: IncrementalDetokenizer | None) -> None:
-        self.params = params
-        # Feeds the stop strings (None without stop strings).
-        self.detok = detok
-        self.index = 0
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
-        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
-        self.num_cached_tokens = 0
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        # A pooling request's result (`SequenceOutput.pooled`).
-        self.pooled: torch.Tensor | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def stopped_on_token(self) -> bool:
-        """Whether the engine ended it on EOS or a stop token id (its last token)."""
-        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
-
-    def add(self, out: SequenceOutput) -> None:
-        self.index = out.index
-        self.token_ids += out.new_token_ids
-        if self.logprobs is not None and out.new_logprobs:
-            self.logprobs += out.new_logprobs
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.num_cached_tokens is not None:
-            self.num_cached_tokens = out.num_cached_tokens
-        self.finish_reason = out.finish_reason
-        self.stop_reason = out.stop_reason
-        if out.pooled is not None:
-            self.pooled = out.pooled
-
-    def truncate(self, num_tokens: int) -> None:
-        """Keep the first `num_tokens` output tokens (and their logprobs)."""
-        del self.token_ids[num_tokens:]
-        if self.logprobs is not None:
-            del self.logprobs[num_tokens:]
-
-    def stopped_by(self, stop_string: str) -> None:
-        self.finish_reason = "stop"
-        self.stop_reason = stop_string

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tp_engine.outputs import EngineStats
+from tp_engine.core.outputs import EngineStats
 
 
 @dataclass(frozen=True)

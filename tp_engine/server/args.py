@@ -20,7 +20,6 @@ from tp_engine.config.speculative import SpeculativeConfig
 from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.api.guards import RequestLimits, allowed_hosts
-from tp_engine.server.rank0.engine_loop import LoopOptions
 
 # The API key may come from the environment, so that it does not show in `ps`.
 API_KEY_ENV = "TP_ENGINE_API_KEY"
@@ -65,6 +64,22 @@ def chat_template_arg(value: str) -> str:
             f"the chat template does not parse: {exc.message} (line {exc.lineno})"
         ) from None
     return text
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How rank 0's engine loop (`tp_engine.server.rank0.engine_loop`) waits and gives up: set
+    by the flags here, so the flags import no part of rank 0."""
+
+    # Watchdog: the engine is dead when no step completes for this long while work is queued.
+    # Generous, since a first step may compile kernels.
+    iteration_timeout_s: float = 120.0
+    # After SIGINT/SIGTERM, in-flight requests get this long to finish before they are aborted.
+    shutdown_timeout_s: float = 10.0
+    # Once dead, keep answering 503 this long before exiting (so health checks see it).
+    dead_linger_s: float = 2.0
+    # How long the API process gets to exit after Exit before it is killed.
+    api_exit_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from tp_engine.outputs import EngineStats
+from tp_engine.core.outputs import EngineStats
 
 
 class Kind(enum.IntEnum):

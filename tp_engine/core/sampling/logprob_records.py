@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from tp_engine.common.transfers import to_device_async
 from tp_engine.core.plan_builder import PromptLogprobRows
 from tp_engine.core.sampling import LogprobsTensors, compute_logprobs
 from tp_engine.core.sequence import Sequence, TokenLogprobs
-from tp_engine.transfers import to_device_async
 
 
 def prompt_logprob_tensors(logits: torch.Tensor, found: list[PromptLogprobRows]) -> LogprobsTensors:

@@ -22,7 +22,7 @@ Three parts, in the order a request meets them:
 
 With a reasoning parser the constraint applies after the thinking (Qwen3's `</think>`), as in
 vLLM: `SamplingParams.think_end_token_id` set means "this request thinks first", and where the
-prompt leaves thinking (`tp_engine.thinking`) decides the first state:
+prompt leaves thinking (`tp_engine.common.thinking`) decides the first state:
 
     prompt's thinking   first state    next token's mask
     CLOSED              CONSTRAINED    the grammar's
@@ -52,7 +52,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tp_engine.thinking import ThinkingState
+from tp_engine.common.thinking import ThinkingState
 
 if TYPE_CHECKING:
     import torch

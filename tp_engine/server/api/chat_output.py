@@ -1,6 +1,6 @@
 """One chat choice's output split into reasoning, content and tool calls, as tokens arrive.
 
-The split is decided by token ids, against the prompt's state (`tp_engine.thinking`): the
+The split is decided by token ids, against the prompt's state (`tp_engine.common.thinking`): the
 markers `<think>`, `</think>`, `<tool_call>`, `</tool_call>` are single tokens, and what one
 means depends on where the output is when it comes:
 
@@ -41,10 +41,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from tp_engine.common.thinking import ThinkingState
 from tp_engine.server.api.chat_parsers import ChatParsing
 from tp_engine.server.api.forced_tool_calls import ForcedToolCalls
 from tp_engine.server.api.tool_calls import ToolCall, ToolCallBlock, ToolChoice, ToolPlan
-from tp_engine.thinking import ThinkingState
 
 logger = logging.getLogger(__name__)
 

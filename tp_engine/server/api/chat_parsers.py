@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tp_engine.thinking import ThinkTokens, single_token_id, think_tokens
+from tp_engine.common.thinking import ThinkTokens, single_token_id, think_tokens
 
 # --reasoning-parser name -> how the markers are found (one kind today).
 REASONING_PARSERS = ("qwen3",)

@@ -12,6 +12,7 @@ import functools
 import re
 from typing import Any
 
+from tp_engine.common.thinking import budget_fields
 from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
 from tp_engine.server.api.chat_parsers import ChatParsing
 from tp_engine.server.api.generation import PromptInput, StopOptions
@@ -24,7 +25,6 @@ from tp_engine.server.api.protocol import (
 )
 from tp_engine.server.api.tool_calls import history_tool_calls
 from tp_engine.server.messages import Hello
-from tp_engine.thinking import budget_fields
 
 # Most choices one request may ask for (prompts × n), so that one request cannot fill the queue.
 MAX_CHOICES = 128

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tp_engine.common.thinking import ThinkingState
 from tp_engine.features.structured.grammar import StructuredOutputsParams
 from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.chat_output import ChatOutputParser
@@ -45,7 +46,6 @@ from tp_engine.server.api.responses import (
 )
 from tp_engine.server.api.streaming import SSEStream
 from tp_engine.server.api.tool_calls import ToolPlan, tool_plan
-from tp_engine.thinking import ThinkingState
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tp_engine.common.failures import EngineDeadError
 from tp_engine.executor.control import EngineInconsistentError
-from tp_engine.failures import EngineDeadError
 from tp_engine.features.lora.registry import LoRAAdapterNotFoundError
 from tp_engine.features.weights_and_sleep import weight_updates
 from tp_engine.lora_request import LoRARequest

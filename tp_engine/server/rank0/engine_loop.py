@@ -39,13 +39,14 @@ from typing import Any
 import numpy as np
 
 from tp_engine.core.engine_states import PauseMode
+from tp_engine.core.outputs import SequenceOutput
 from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
 from tp_engine.engine import EngineDeadError, LLMEngine
 from tp_engine.features.weights_and_sleep.sleep import WeightsNotLoadedError
 from tp_engine.lora_request import LoRARequest
-from tp_engine.outputs import SequenceOutput
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
+from tp_engine.server.args import LoopOptions
 from tp_engine.server.ipc import EnginePipes
 from tp_engine.server.messages import (
     AbortRequest,
@@ -71,19 +72,6 @@ _IDLE_POLL_S = 0.05
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-
-
-@dataclass(frozen=True)
-class LoopOptions:
-    # Watchdog: the engine is dead when no step completes for this long while work is queued.
-    # Generous, since a first step may compile kernels.
-    iteration_timeout_s: float = 120.0
-    # After SIGINT/SIGTERM, in-flight requests get this long to finish before they are aborted.
-    shutdown_timeout_s: float = 10.0
-    # Once dead, keep answering 503 this long before exiting (so health checks see it).
-    dead_linger_s: float = 2.0
-    # How long the API process gets to exit after Exit before it is killed.
-    api_exit_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,21 @@
-"""What the engine reports per step (`StepOutputs`), and what `LLM.generate` builds from it,
-shaped like vLLM's `RequestOutput`.
+"""What the engine core reports per step (`StepOutputs`): built by the step pipeline, read by
+both front ends.
 
 `LLMEngine.step` is the one output path of both front ends: it returns a `SequenceOutput` for
 every sequence with news (a new token, or the end of a prompt-only request), carrying the new
 tokens, the logprob entries that came with them and, on a sequence's first output, its prompt
-logprobs and prefix-cache hit. `LLM` accumulates them into `RequestOutput`s; the server's
-engine loop sends each one to the API process as it comes.
+logprobs and prefix-cache hit. `LLM` accumulates them into `RequestOutput`s
+(`tp_engine.frontend.outputs`); the server's engine loop sends each one to the API process as it
+comes. `EngineStats` is the core's state for metrics.
 
-Logprobs have vLLM's shape: per generated token a dict `{token_id: Logprob}` holding the top-k
-tokens and the sampled one (k or k + 1 entries); prompt logprobs are the same per prompt token,
-with None for the first token (nothing predicts it). The engine records raw numbers on the
-sequence (`TokenLogprobs`); `logprob_dicts` turns them into these dicts with decoded tokens.
+Logprobs stay the raw numbers recorded on the sequence (`TokenLogprobs`); turning them into
+vLLM's dicts with decoded tokens is the front end's (`tp_engine.frontend.outputs.logprob_dicts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tp_engine.core.sequence import TokenLogprobs
 
@@ -108,80 +106,3 @@ class EngineStats:
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     host_kv_cache_usage: float = 0.0
-
-
-@dataclass
-class Logprob:
-    """One token's log-probability at one position (vLLM's `Logprob`)."""
-
-    logprob: float
-    # 1 = most likely token at that position.
-    rank: int | None = None
-    # The token alone, detokenized (`tokenizer.decode([token_id])`): "" for an id the tokenizer
-    # does not know (a padding row of the LM head past the tokenizer's vocabulary), as in vLLM.
-    decoded_token: str | None = None
-
-
-# Per generated token; per prompt token (None for the first).
-SampleLogprobs = list[dict[int, Logprob]]
-PromptLogprobs = list[dict[int, Logprob] | None]
-
-
-@dataclass
-class CompletionOutput:
-    """One generated sequence of a request."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    # "stop", "length" or "abort"; None while the sequence is still running.
-    finish_reason: str | None = None
-    # The stop token id or stop string that ended it, if one did.
-    stop_reason: int | str | None = None
-    # Sum of the sampled tokens' logprobs; None unless logprobs were asked for.
-    cumulative_logprob: float | None = None
-    logprobs: SampleLogprobs | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """A request's prompt and its completions."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = False
-    # Prompt tokens that came from the prefix cache at the last admission (first sample).
-    num_cached_tokens: int = 0
-    # None unless prompt_logprobs were asked for.
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-def logprob_dicts(
-    entries: SequenceOf[TokenLogprobs | None], tokenizer: Any
-) -> list[dict[int, Logprob] | None]:
-    """Recorded entries -> vLLM's dicts, decoding every distinct token once (`batch_decode`
-    gives "" for ids the tokenizer does not know)."""
-    distinct = sorted({t for e in entries if e is not None for t in e.token_ids})
-    # (batch_decode of an empty list is not an empty list.)
-    pieces = tokenizer.batch_decode([[t] for t in distinct]) if distinct else []
-    decoded = dict(zip(distinct, pieces, strict=True))
-    out: list[dict[int, Logprob] | None] = []
-    for entry in entries:
-        if entry is None:
-            out.append(None)
-            continue
-        # The chosen token first, then the top-k (which keep their rank when they repeat it).
-        chosen = entry.token_ids[0]
-        d = {chosen: Logprob(entry.logprobs[0], entry.rank, decoded[chosen])}
-        for rank, (t, lp) in enumerate(
-            zip(entry.token_ids[1:], entry.logprobs[1:], strict=True), start=1
-        ):
-            d[t] = Logprob(lp, rank, decoded[t])
-        out.append(d)
-    return out

@@ -9,7 +9,7 @@ died without a word (SIGKILL, OOM), and only last a "connection closed by peer" 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 from shm_ipc import ChannelError, PlanBroadcaster, ReaderDiedError, WorkerError, WorkerErrorReport
 
@@ -40,7 +40,8 @@ class FailureGuard:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> Literal[False]:
+        # Never swallows: an exception goes on as it is, or as the diagnosis raised here.
         if exc is None or not isinstance(exc, Exception) or isinstance(exc, EngineDeadError):
             return False
         if isinstance(exc, ValueError) and self.what == "start-up":

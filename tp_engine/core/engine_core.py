@@ -333,9 +333,18 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Drop every unreferenced cached block; True when nothing stays cached (vLLM's answer:
         False while running requests still hold cached blocks)."""
-        kv = self.scheduler.block_manager
-        kv.reset_prefix_cache()
-        return kv.num_cached_blocks == 0
+        self.drop_cached_blocks()
+        return self.num_cached_blocks == 0
+
+    def drop_cached_blocks(self) -> int:
+        """Drop every unreferenced cached block (and what the tiers below hold); how many
+        device blocks were dropped (SGLang's answer)."""
+        return self.scheduler.block_manager.reset_prefix_cache()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache, referenced or not (running requests keep theirs)."""
+        return self.scheduler.block_manager.num_cached_blocks
 
     def advance_kv_epoch(self, flush: bool = True) -> None:
         """New weights: K/V computed before now is never a prefix-cache hit again (`flush`:

@@ -100,30 +100,18 @@ class LLMEngine:
             fault,
             None if model_spec.is_pooling else profile_sampling,
         )
-        # The features, plugged into the core by its hooks (`tp_engine.core.hooks`).
+        # Speculative decoding's proposer (`tp_engine.features.speculative`): the core builds
+        # it, so its hook is in place first.
         hooks = CoreHooks()
-        # Control calls to every rank (`tp_engine.executor.control`), run between steps.
-        self.control = EngineControl(self, executor)
-        # Sleep mode (`tp_engine.features.weights_and_sleep.sleep`): what sleeps on every rank; it closes the gate too.
-        self.sleep_state = EngineSleep(self)
-        hooks.admission_checks.append(self.sleep_state.check_can_generate)
-        hooks.holds_requests.append(lambda: self.sleep_state.holds_requests)
-        # LoRA adapters' slots and pins (`tp_engine.features.lora.registry`); None without enable_lora.
-        self.lora = lora = lora_control.build_registry(config, self.control)
-        if lora is not None:
-            lora_control.plug_in(lora, self, hooks)
-        # Speculative decoding's proposer (`tp_engine.features.speculative`).
         if config.speculative_config is not None:
             speculative.plug_in(config.speculative_config, hooks)
-        # The label of the weights in use (SGLang's `weight_version`); set by weight updates.
-        self.weight_version = "default"
         file_tier = None
         if config.kv_offloading_dir is not None:
             pool = executor.runner.host_pool
             layout = f"{tuple(pool.host.shape[1:])} {pool.host.dtype}"
             file_tier = open_file_tier(config, model_dir, pool.block_bytes, layout)
         self.executor = executor
-        self.core = EngineCore(
+        self.core = core = EngineCore(
             config,
             executor,
             tokenizer=tokenizer,
@@ -134,6 +122,23 @@ class LLMEngine:
             hooks=hooks,
             file_tier=file_tier,
         )
+        # The other features, each given the core's `CoreAccess` and plugged in by its hooks
+        # (`tp_engine.core.hooks`). Control calls to every rank (`tp_engine.executor.control`),
+        # run between steps:
+        self.control = EngineControl(core, executor)
+        # Sleep mode (`tp_engine.features.weights_and_sleep.sleep`): what sleeps on every rank;
+        # it closes the gate too.
+        self.sleep_state = EngineSleep(core, self.control)
+        hooks.admission_checks.append(self.sleep_state.check_can_generate)
+        hooks.holds_requests.append(lambda: self.sleep_state.holds_requests)
+        # LoRA adapters' slots and pins (`tp_engine.features.lora.registry`); None without
+        # enable_lora.
+        self.lora = lora = lora_control.build_registry(config, self.control)
+        if lora is not None:
+            lora_control.plug_in(lora, core, hooks)
+        core.update_gate()  # the gate reads the hooks just registered
+        # The label of the weights in use (SGLang's `weight_version`); set by weight updates.
+        self.weight_version = "default"
         spec = config.speculative_config
         if spec is not None:
             logger.info(
@@ -317,13 +322,13 @@ class LLMEngine:
     # -- LoRA adapters (`tp_engine.features.lora.control`) --------------------------------------------------
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        return lora_control.add_lora(self, lora_request)
+        return lora_control.add_lora(self.lora, lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        return lora_control.remove_lora(self, lora_int_id)
+        return lora_control.remove_lora(self.lora, lora_int_id)
 
     def list_loras(self) -> set[int]:
-        return lora_control.list_loras(self)
+        return lora_control.list_loras(self.lora)
 
     # -- sleep mode (`tp_engine.features.weights_and_sleep.sleep`) -----------------------------------------------------------
 

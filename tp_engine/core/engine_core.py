@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from tp_engine.core.kv.block_manager import BlockManager
 from tp_engine.core.kv.host_tier import HostTier
 from tp_engine.core.pipeline import StepPipeline
 from tp_engine.core.plan_runner import PlanRunner
+from tp_engine.core.running_batch import RunningBatch
 from tp_engine.core.sampling.batch import SamplingBatchBuilder
 from tp_engine.core.scheduled_step import DraftProposer
 from tp_engine.core.scheduler import Scheduler
@@ -350,6 +352,12 @@ class EngineCore:
         """New weights: K/V computed before now is never a prefix-cache hit again (`flush`:
         free the unreferenced cached blocks at once)."""
         self.scheduler.block_manager.advance_epoch(flush=flush)
+
+    def follow_batch(self, follow: Callable[[RunningBatch], None]) -> None:
+        """Have `follow` follow the running batch, now and after every `reconfigure` (a
+        feature's per-row state: LoRA's slots)."""
+        self.hooks.batch_followers.append(follow)
+        follow(self.scheduler.batch)
 
     # -- configuration of rank-0-only knobs --------------------------------------------------------
 

@@ -228,7 +228,9 @@ class StepPipeline:
         # A draft model's DRAFT plans, sent by `schedule_step`, took the ids before this one.
         step_id = self.runner.step_id
         with self.runner.phase("build_plan", step_id):
-            plan, layout = plan_step(scheduled, step_id, self.scheduler.batch)
+            plan, layout = plan_step(
+                scheduled, step_id, self.scheduler.batch, self.hooks.plan_sections
+            )
             # KV blocks moving between tiers (evicted ones down, hits below up): every rank
             # copies them down before this plan's forward pass and up beside it.
             copies = self.scheduler.block_manager.take_copies()

@@ -22,6 +22,7 @@ base model), read from the running batch's column that the adapter registry keep
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -131,14 +132,19 @@ class LogitsLayout:
 
 
 def plan_step(
-    step: ScheduledStep, step_id: int, batch: RunningBatch
+    step: ScheduledStep,
+    step_id: int,
+    batch: RunningBatch,
+    sections: Iterable[Callable[[np.ndarray], dict[str, np.ndarray] | None]] = (),
 ) -> tuple[StepPlan, LogitsLayout]:
     """The plan of `step` and the layout of its logits rows (prompt-logprob and pooled rows
-    included)."""
+    included); `sections`: the features' sections from their own per-row state
+    (`CoreHooks.plan_sections`: LoRA's adapter slots), given the step's rows."""
     plan = build_step_plan(step, step_id)
-    if batch.num_adapter_rows:
-        # Each row's LoRA slot (`tp_engine.features.lora.registry`); left empty while every row runs the base.
-        plan = plan.with_sections(adapter_slots=batch.adapter_slot[step.rows])
+    for section in sections:
+        values = section(step.rows)
+        if values:
+            plan = plan.with_sections(**values)
     prompt_rows = prompt_logprob_rows(step, batch, plan)
     pooled = pooled_rows(step, batch, plan)
     if prompt_rows or pooled:

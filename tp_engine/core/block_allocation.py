@@ -57,9 +57,11 @@ class BlockAllocation:
             assert seq is not None
             # Decodes before this one are in the step; the rest may be preempted for it.
             victims: list[Sequence] = []
-            self.allocate_or_preempt(
-                seq, 1, lambda i=i: set(single[:i][keep[:i]].tolist()), victims
-            )
+
+            def before(i: int = i) -> set[int]:
+                return set(single[:i][keep[:i]].tolist())
+
+            self.allocate_or_preempt(seq, 1, before, victims)
             if victims:
                 preempted += victims
                 # Victims' rows (this sequence's own, if it stepped aside) were freed just now.

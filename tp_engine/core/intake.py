@@ -101,26 +101,26 @@ class RequestIntake:
             return self._add_pooling_request(request_id, prompt_token_ids, params, arrival_time)
         self._check_request(request_id, prompt_token_ids, params)
         # Bad words become token sequences here unless the API server did it already.
-        params = tokenize_bad_words(params, self.tokenizer)
-        params.check_vocab(self.vocab_size)
-        params.check_first_step(self.vocab_size, self.eos_token_ids)
-        if needs_think_tokens(params):
+        sampling = tokenize_bad_words(params, self.tokenizer)
+        sampling.check_vocab(self.vocab_size)
+        sampling.check_first_step(self.vocab_size, self.eos_token_ids)
+        if needs_think_tokens(sampling):
             # A thinking budget given without the think token ids (`LLM.generate`): this
             # tokenizer's, and where the prompt leaves thinking (ValueError if it has none).
             if self._think_tokens is None:
                 self._think_tokens = think_tokens(self.tokenizer)
-            params = with_think_tokens(params, self._think_tokens, prompt_token_ids)
+            sampling = with_think_tokens(sampling, self._think_tokens, prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        if params.n == 1:
-            seqs = [Sequence(request_id, prompt_token_ids, params, arrival)]
+        if sampling.n == 1:
+            seqs = [Sequence(request_id, prompt_token_ids, sampling, arrival)]
         else:
             seqs = []
-            for i in range(params.n):
+            for i in range(sampling.n):
                 child = dataclasses.replace(
-                    params,
+                    sampling,
                     n=1,
-                    seed=None if params.seed is None else params.seed + i,
-                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                    seed=None if sampling.seed is None else sampling.seed + i,
+                    prompt_logprobs=sampling.prompt_logprobs if i == 0 else None,
                 )
                 seq = Sequence(f"{i}_{request_id}", prompt_token_ids, child, arrival)
                 seq.group_id = request_id
@@ -134,8 +134,8 @@ class RequestIntake:
             if self.hooks.attach_adapter is None:
                 raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled!")
             self.hooks.attach_adapter(lora_request, seqs)
-        if params.structured_outputs is not None:
-            self.grammar_gate.submit(params.structured_outputs, seqs)
+        if sampling.structured_outputs is not None:
+            self.grammar_gate.submit(sampling.structured_outputs, seqs)
         else:
             self.admit(seqs)
         return [seq.seq_id for seq in seqs]

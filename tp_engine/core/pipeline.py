@@ -233,7 +233,7 @@ class StepPipeline:
             )
             # KV blocks moving between tiers (evicted ones down, hits below up): every rank
             # copies them down before this plan's forward pass and up beside it.
-            copies = self.scheduler.block_manager.take_copies()
+            copies = self.scheduler.take_block_copies()
             if copies:
                 values = encode_block_copies(copies, scheduled.reads_copies_up)
                 plan = plan.with_sections(block_copies=values)

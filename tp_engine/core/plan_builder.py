@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
+from typing import TypedDict
 
 import numpy as np
 
@@ -208,7 +209,16 @@ def _read_only(arr: np.ndarray) -> np.ndarray:
 
 
 # The changes of a step that changed no table (most decode steps): shared, hence read-only.
-_NO_CHANGES = {
+class TableChangeArrays(TypedDict):
+    """A StepPlan's block-table edit fields (`shm_ipc.step_plan`), int32."""
+
+    edit_rows: np.ndarray
+    edit_starts: np.ndarray
+    edit_offsets: np.ndarray
+    edit_blocks: np.ndarray
+
+
+_NO_CHANGES: TableChangeArrays = {
     "edit_rows": _read_only(np.zeros(0, dtype=np.int32)),
     "edit_starts": _read_only(np.zeros(0, dtype=np.int32)),
     "edit_offsets": _read_only(np.zeros(1, dtype=np.int32)),
@@ -216,7 +226,7 @@ _NO_CHANGES = {
 }
 
 
-def table_change_arrays(changes: TableChanges) -> dict[str, np.ndarray]:
+def table_change_arrays(changes: TableChanges) -> TableChangeArrays:
     """The StepPlan fields for a list of block-table changes."""
     if not changes.rows:
         return _NO_CHANGES

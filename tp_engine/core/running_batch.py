@@ -260,7 +260,7 @@ class RunningBatch:
         rows_list = rows.tolist()
         seqs = self.seqs
         for row, block_id in zip(rows_list, block_ids, strict=True):
-            seqs[row].block_table.append(block_id)  # type: ignore[union-attr]
+            seqs[row].block_table.append(block_id)
         self.changes.add_single_blocks(rows_list, starts.tolist(), block_ids)
 
     def truncate_blocks(self, row: int, keep: int) -> None:

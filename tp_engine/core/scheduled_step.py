@@ -37,6 +37,9 @@ class DraftProposer(Protocol):
     # exactly the drafts asked (a draft model, which writes its own K/V at those positions).
     drafts_after_allocation: bool
 
+    def follow(self, batch: RunningBatch) -> None:
+        """Follow the rows of `batch` (a proposer's per-row state is its own)."""
+
     def eligible(self, rows: np.ndarray) -> np.ndarray:
         """[R] bool: which of batch `rows` may be drafted at all."""
         ...

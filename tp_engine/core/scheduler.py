@@ -40,6 +40,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from shm_ipc.block_copies import BlockCopy
 from shm_ipc.step_plan import batch_rows
 from tp_engine.config import EngineConfig
 from tp_engine.core.block_allocation import BlockAllocation
@@ -205,6 +206,11 @@ class Scheduler:
                 f"{self.block_manager.block_size} tokens, but the whole KV cache has "
                 f"{self.block_manager.num_blocks} blocks"
             )
+
+    def take_block_copies(self) -> list[BlockCopy]:
+        """KV blocks moving between tiers since the last call, for the next plan
+        (`KVTier.take_copies`)."""
+        return self.block_manager.take_copies()
 
     # -- one step --------------------------------------------------------------------------------
 

@@ -157,7 +157,7 @@ class StepUpdater:
             rows, computed = rows[crossed], computed[crossed]
         if rows.size:
             self.kv.commit_computed_blocks_of(
-                [self.batch.seqs[row] for row in rows.tolist()],  # type: ignore[misc]
+                [self.batch.seqs[row] for row in rows.tolist()],
                 computed.tolist(),
             )
 
@@ -168,7 +168,7 @@ class StepUpdater:
         b.num_tokens[rows] = num_tokens
         b.last_token[rows] = tokens
         for row, token in zip(rows.tolist(), tokens.tolist(), strict=True):
-            b.seqs[row].token_ids.append(token)  # type: ignore[union-attr]
+            b.seqs[row].token_ids.append(token)
         return self._stop(rows, tokens, num_tokens)
 
     def _append_ragged(
@@ -196,7 +196,7 @@ class StepUpdater:
         needed = -(-b.num_tokens[rows] // self.block_size)  # blocks for every known token
         surplus = b.num_blocks[rows] > needed
         for row, keep in zip(rows[surplus].tolist(), needed[surplus].tolist(), strict=True):
-            self.kv.free_tail(b.seqs[row], keep)  # type: ignore[arg-type]
+            self.kv.free_tail(b.seqs[row], keep)
             b.truncate_blocks(row, keep)
 
     def _stop(self, rows: np.ndarray, tokens: np.ndarray, num_tokens: np.ndarray) -> list[Sequence]:

@@ -140,6 +140,7 @@ class StepPlanner:
         if verify is not None:
             budget, planned = self.verify.reserve(verify, single, budget, preempted)
         chunks: list[tuple[Sequence, int]] = []
+        chunk_rows: list[int] = []  # their rows
         for row in rows[one_by_one].tolist():
             seq = b.seqs[row]
             if budget == 0:
@@ -148,7 +149,7 @@ class StepPlanner:
                 continue  # preempted earlier in this step
             num_tokens = min(b.num_uncomputed(row), budget)
             takes_rows = rows_left is not None and seq.needs_prompt_logits
-            if takes_rows:
+            if takes_rows and rows_left is not None:
                 # Prompt logprobs need a [vocab] logits row per prompt token computed. With
                 # chunked prefill a step takes at most max_num_seqs of them (the logits rows
                 # the GPU memory profile budgets for), so a long prompt asking for them
@@ -156,14 +157,15 @@ class StepPlanner:
                 num_tokens = min(num_tokens, rows_left)
                 if num_tokens == 0:
                     continue
-            in_step = lambda: (  # noqa: E731
-                set(single.tolist()) | {v.seq.row for v in planned} | {s.row for s, _ in chunks}
+            in_step_rows = lambda: (  # noqa: E731
+                set(single.tolist()) | {v.row for v in planned} | set(chunk_rows)
             )
-            if not self.alloc.allocate_or_preempt(seq, num_tokens, in_step, preempted):
+            if not self.alloc.allocate_or_preempt(seq, num_tokens, in_step_rows, preempted):
                 continue
             chunks.append((seq, num_tokens))
+            chunk_rows.append(row)
             budget -= num_tokens
-            if takes_rows:
+            if takes_rows and rows_left is not None:
                 rows_left -= num_tokens
         if planned:
             # Drafts cut short by the free blocks leave their budget to admissions.
@@ -202,13 +204,13 @@ class StepPlanner:
                     break  # first come, first served: nobody overtakes the head of the queue
                 num_tokens = budget
             takes_rows = rows_left is not None and seq.needs_prompt_logits
-            if takes_rows:
+            if takes_rows and rows_left is not None:
                 num_tokens = min(num_tokens, rows_left)
                 if num_tokens == 0:
                     break
             if not bm.allocate_slots(seq, num_tokens, cached_prefix):
                 break
-            if takes_rows:
+            if takes_rows and rows_left is not None:
                 rows_left -= num_tokens
             self.queue.take(seq)
             if seq.queue_time_s is None:

@@ -39,6 +39,12 @@ class PlannedVerify:
     num_drafts: int
     drafts: np.ndarray | None
 
+    @property
+    def row(self) -> int:
+        """Its sequence's row (it runs)."""
+        assert self.seq.row is not None
+        return self.seq.row
+
 
 class VerifyPlanner:
     """Plans the verify entries of a step (see the module docstring)."""
@@ -116,7 +122,7 @@ class VerifyPlanner:
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(wanted, max(0, spare))
-            in_step = lambda: set(single.tolist()) | {v.seq.row for v in planned}  # noqa: E731
+            in_step = lambda: set(single.tolist()) | {v.row for v in planned}  # noqa: E731
             if not self.alloc.allocate_or_preempt(seq, 1, in_step, preempted):
                 spare += 1  # its own token is not used either
                 continue
@@ -154,7 +160,7 @@ class VerifyPlanner:
             if late:
                 # Zeros until the proposer has made them (`fill_drafts`).
                 offset = sum(d.size for d in entries.draft_tokens)
-                entries.late.append((v.seq.row, v.num_drafts, len(entries.inputs), offset))
+                entries.late.append((v.row, v.num_drafts, len(entries.inputs), offset))
             drafts = np.zeros(v.num_drafts, dtype=np.int32) if late else v.drafts
             entries.add(self.batch, v.seq, 1 + v.num_drafts, drafts if v.num_drafts else None)
         return cut

@@ -109,7 +109,7 @@ class AdapterRegistry(RowFollower):
     """
 
     def __init__(
-        self, max_loras: int, loader: SlotLoader, check_config: Callable[[str], None]
+        self, max_loras: int, loader: SlotLoader, check_config: Callable[[str], object]
     ) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")

@@ -1,8 +1,19 @@
 """The engine core on rank 0: requests in, one step at a time through an executor, outputs out.
 
-`EngineCore` owns every request's state (the scheduler, its running batch and KV manager, held
-n > 1 siblings, requests waiting for their grammar), the sampler, the proposer of speculative
-decoding and the engine's states (pause, the gate). It drives an executor
+`EngineCore` owns every request's state, composed of members that each own their part (plain
+classes, built here with what they work on, no mixins):
+
+    scheduler       the waiting queue, the running batch and KV manager (`scheduler`, itself
+                    composed of managers); rebuilt by `reconfigure`
+    intake          requests in, n > 1 fan-out, held siblings (`intake.RequestIntake`)
+    pipeline        one step: schedule -> launch -> sample -> apply, the step in flight
+                    (`pipeline.StepPipeline`)
+    plan_runner     the step-id counter, the dead and inconsistent states, the timeline
+                    (`plan_runner.PlanRunner`)
+    grammar_gate    requests waiting for their grammar, the sequences with a matcher
+    sampling        the sampler's per-row state; `proposer`, speculative decoding's
+
+and the engine's states (pause, the gate). It drives an executor
 (`tp_engine.executor.base.Executor`) that it does not build: the bring-up
 (`tp_engine.engine.LLMEngine`) starts the ranks and hands it over, and tests hand over a
 stand-in. Its public surface is what the front ends (`LLM`, the server's engine loop) and the
@@ -14,8 +25,9 @@ features use, and nothing else changes a sequence's state:
                                                     (`pipeline`)
     stats() / has_unfinished() / has_work()         state for metrics, loops and watchdogs
     pause / resume / update_gate / quiesce          the engine's states, between steps
-    waiting() / reset_prefix_cache() /              what features read and change (`hooks`
-    advance_kv_epoch()                              names where they plug in)
+    waiting() / reset_prefix_cache() /              what features read and change
+    advance_kv_epoch() / follow_batch()             (`hooks.CoreAccess`; `hooks.CoreHooks`
+                                                    names where they plug in)
     reconfigure() / shutdown()
 
 A failure on a rank surfaces as `EngineDeadError` naming that rank and step.

@@ -66,7 +66,7 @@ def run(
             ]
         stats = llm.engine.stats()
         found = stats.prefix_cache_hits + stats.external_prefix_cache_hits
-        host = llm.engine.host_tier
+        host = llm.engine.core.host_tier
         files = None if host is None else host.lower
         return {
             "kv_offloading_size_gib": offload_gib,

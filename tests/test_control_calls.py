@@ -253,9 +253,11 @@ def test_a_call_between_async_steps_is_ordered_with_the_plans(llm):
                 tokens[out.seq_id] += out.new_token_ids
             steps += 1
             if steps in (2, 5):
-                assert engine._in_flight is not None  # a step is in flight: quiesce applies it
+                assert (
+                    engine.core.pipeline.in_flight is not None
+                )  # a step is in flight: quiesce applies it
                 calls.append(engine.control.call(ControlOp.WEIGHT_CHECKSUMS))
-                assert engine._in_flight is None
+                assert engine.core.pipeline.in_flight is None
         for _ in range(2):  # the last step in flight, if any
             for out in engine.step().outputs:
                 tokens[out.seq_id] += out.new_token_ids

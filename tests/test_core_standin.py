@@ -208,3 +208,36 @@ def test_importing_the_core_loads_no_rank_worker_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_core_is_composed_of_members_not_mixins():
+    """The core, its scheduler and their members are plain classes (nothing of the project's
+    own in their MRO); the engine holds a core rather than being one."""
+    from tp_engine.core.block_allocation import BlockAllocation
+    from tp_engine.core.intake import RequestIntake
+    from tp_engine.core.pipeline import StepPipeline
+    from tp_engine.core.plan_runner import PlanRunner
+    from tp_engine.core.request_queue import RequestQueue
+    from tp_engine.core.scheduler import Scheduler
+    from tp_engine.core.scheduler_update import StepUpdater
+    from tp_engine.core.step_planner import StepPlanner
+    from tp_engine.core.verify_entries import VerifyPlanner
+    from tp_engine.engine import LLMEngine
+
+    owners = [EngineCore, RequestIntake, StepPipeline, PlanRunner, Scheduler, RequestQueue]
+    owners += [BlockAllocation, VerifyPlanner, StepPlanner, StepUpdater, LLMEngine]
+    for cls in owners:
+        assert cls.__mro__ == (cls, object), cls.__mro__
+    core, _ = make_core(num_kv_blocks=16)
+    members = (core.intake, core.pipeline, core.plan_runner, core.scheduler)
+    assert [type(m) for m in members] == [RequestIntake, StepPipeline, PlanRunner, Scheduler]
+    sched = core.scheduler
+    assert {type(m) for m in (sched.queue, sched.allocation, sched.verify, sched.planner)} == {
+        RequestQueue,
+        BlockAllocation,
+        VerifyPlanner,
+        StepPlanner,
+    }
+    # Both see the core's current scheduler, also after `reconfigure` builds a new one.
+    core.reconfigure(max_num_seqs=2)
+    assert core.intake.scheduler is core.pipeline.scheduler is core.scheduler is not sched

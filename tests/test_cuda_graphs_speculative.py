@@ -66,6 +66,6 @@ def test_ngram_verify_steps_take_the_padded_graph_path(checkpoint, reference, mo
         assert graphs.padded_runs_by_query_len[1 + K] > 0, graphs.padded_runs_by_query_len
         assert set(graphs.eager_runs_by_query_len) == {1, 1 + K}
         assert graphs.num_replays == 0
-        llm.engine.scheduler.block_manager.check_integrity()
+        llm.engine.core.scheduler.block_manager.check_integrity()
     finally:
         llm.shutdown()

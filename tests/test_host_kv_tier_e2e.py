@@ -102,14 +102,14 @@ def test_histories_come_back_from_host_memory(checkpoint, without_tier, tp, monk
     base_prompts, base_answers, base_computed = without_tier
     vocab = AutoConfig.from_pretrained(checkpoint).vocab_size
     with engine(checkpoint, tp, 0.001) as llm:
-        assert llm.engine.host_tier is not None and llm.engine.host_tier.num_blocks >= 64
+        assert llm.engine.core.host_tier is not None and llm.engine.core.host_tier.num_blocks >= 64
         prompts, answers = conversations(llm, vocab)
         stats = llm.engine.stats()
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         computed = computed_prompt_tokens(llm, prompts)
-        preemptions = llm.engine.scheduler.num_preemptions
-        llm.engine.scheduler.block_manager.check_integrity()
-        llm.engine.host_tier.check_integrity()
+        preemptions = llm.engine.core.scheduler.num_preemptions
+        llm.engine.core.scheduler.block_manager.check_integrity()
+        llm.engine.core.host_tier.check_integrity()
     assert prompts == base_prompts and answers == base_answers  # the same run without the tier
     assert answers == hf_greedy(checkpoint, prompts, OUTPUT_TOKENS)
     assert stats.external_prefix_cache_hits > 0
@@ -140,7 +140,7 @@ def test_hits_from_below_compose(checkpoint, without_tier, knobs) -> None:
     with engine(checkpoint, 1, 0.001, **knobs) as llm:
         prompts, answers = conversations(llm, vocab)
         hits = llm.engine.stats().external_prefix_cache_hits
-        llm.engine.scheduler.block_manager.check_integrity()
+        llm.engine.core.scheduler.block_manager.check_integrity()
     assert prompts == base_prompts and answers == base_answers
     assert hits > 0
 
@@ -159,5 +159,5 @@ def test_adapters_compose_with_hits_from_below(checkpoint, tmp_path) -> None:
         with engine(checkpoint, 1, gib, enable_lora=True, max_lora_rank=8) as llm:
             runs[gib] = conversations(llm, llm.engine.vocab_size, lora)
             hits[gib] = llm.engine.stats().external_prefix_cache_hits
-            llm.engine.scheduler.block_manager.check_integrity()
+            llm.engine.core.scheduler.block_manager.check_integrity()
     assert runs[0.001] == runs[None] and hits[0.001] > 0 == hits[None]

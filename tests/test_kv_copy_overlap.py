@@ -1,7 +1,7 @@
 """Copies up from the host tier overlap the forward pass: the request waits, never the batch.
 
 Rank 0 admits a sequence whose blocks come from below without computing it in that step
-(`Scheduler._admit`, `KVTier.loading`), unless nothing else would run; the ranks queue the
+(`StepPlanner._admit`, `KVTier.loading`), unless nothing else would run; the ranks queue the
 copies on a side stream and only the next plan's forward pass waits for them
 (`HostBlockCopier.before_forward`). The deferred side stream runs copies as late as that
 contract allows, so a forward pass reading a block before its copy lands would read stale K/V.

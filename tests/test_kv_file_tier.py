@@ -131,10 +131,10 @@ def run(checkpoint: Path, directory: Path, tp: int = 1, **knobs) -> dict:
     from tests.test_host_kv_tier_e2e import conversations, engine
 
     with engine(checkpoint, tp, 0.001, kv_offloading_dir=str(directory), **knobs) as llm:
-        files = llm.engine.host_tier.lower
+        files = llm.engine.core.host_tier.lower
         vocab = llm.engine.vocab_size
         prompts, answers = conversations(llm, vocab)
-        llm.engine.scheduler.block_manager.check_integrity()
+        llm.engine.core.scheduler.block_manager.check_integrity()
         return {
             "prompts": prompts, "answers": answers, "file_tier": files,
             "file_hits": None if files is None else files.hits,
@@ -183,7 +183,7 @@ def test_other_weights_or_a_weight_update_read_nothing_and_bad_files_are_misses(
     with engine(checkpoint, 1, 0.001, kv_offloading_dir=str(directory)) as llm:
         llm.update_weights_from_disk(str(checkpoint), flush_cache=False)
         _, answers = conversations(llm, llm.engine.vocab_size)
-        assert llm.engine.host_tier.lower.hits == 0
+        assert llm.engine.core.host_tier.lower.hits == 0
     assert answers == first["answers"]
     # Corrupt one block file and truncate another: misses, logged, recomputed exactly.
     files = sorted(directory.glob("*.kvb"))

@@ -80,7 +80,7 @@ def check_matches_hf(llm, references, **knobs) -> list:
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}): engine {g} != transformers {e}"
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-    bm = llm.engine.scheduler.block_manager
+    bm = llm.engine.core.scheduler.block_manager
     assert bm.usage == 0.0
     bm.check_integrity()
     return outputs
@@ -107,7 +107,7 @@ def test_small_token_budget_chunks_every_prompt(llm, references):
 def test_small_kv_pool_forces_preemption(llm, references):
     # 16 blocks of 4 = 64 slots for 11 prompts of up to 45 + 10 tokens.
     check_matches_hf(llm, references, num_kv_blocks=16)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_async_scheduling(llm, references, knobs):
     check_matches_hf(llm, references, async_scheduling=True, **knobs)
     assert llm.engine.async_scheduling
     if "num_kv_blocks" in knobs:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_prompt_forms_and_text(llm):

@@ -62,7 +62,7 @@ def run(sched, reg: AdapterRegistry) -> list[set[int]]:
 
     def schedule_and_check():
         step = schedule()
-        slots = sched.batch.adapter_slot[step.rows]
+        slots = reg.adapter_slot[step.rows]
         for row, slot in zip(step.rows.tolist(), slots.tolist(), strict=True):
             seq = sched.batch.seqs[row]
             want = -1 if seq.adapter_id is None else reg.by_load_id[seq.adapter_id].slot
@@ -193,7 +193,7 @@ def test_prefix_cache_is_per_adapter_load(adapters):
     reg.remove(1)
     reloaded = reg.register(LoRARequest("a", 1, adapters[0].lora_path))
     assert cached_tokens(reloaded) == 0 and cached_tokens(reloaded) == 12
-    assert np.all(sched.batch.adapter_slot == -1)
+    assert np.all(reg.adapter_slot == -1)
 
 
 def test_refused_load_ends_the_sequences_outside_the_queue_too(adapters):
@@ -263,4 +263,4 @@ def test_preempted_adapter_requests_recompute_on_their_adapter(adapters):
     assert max(len(s) for s in per_step) == 2
     assert all(s.output_token_ids == expected_output(s.prompt_token_ids, 12, 64) for s in seqs)
     assert all(a.num_running == 0 for a in reg.by_load_id.values())
-    assert sched.batch.num_adapter_rows == 0
+    assert reg.num_adapter_rows == 0

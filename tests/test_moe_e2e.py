@@ -85,7 +85,7 @@ def check_matches_hf(llm, reference, **knobs) -> list:
     for i, (out, exp) in enumerate(zip(outputs, expected, strict=True)):
         got = out.outputs[0].token_ids
         assert got == exp, f"prompt {i} (len {len(prompts[i])}): engine {got} != transformers {exp}"
-    bm = llm.engine.scheduler.block_manager
+    bm = llm.engine.core.scheduler.block_manager
     assert bm.usage == 0.0
     bm.check_integrity()
     return outputs
@@ -108,7 +108,7 @@ def test_small_token_budget_chunks_every_prompt(llm, reference):
 def test_small_kv_pool_forces_preemption(llm, reference):
     # 14 blocks of 4 = 56 slots for 8 prompts of up to 41 + 8 tokens.
     check_matches_hf(llm, reference, num_kv_blocks=14)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_async_scheduling(llm, reference):

@@ -46,7 +46,7 @@ def resumed(llm):
     """Each test starts and ends with a serving engine, whatever it left behind."""
     yield
     llm.engine.resume()
-    for seq in list(llm.engine.scheduler.running) + list(llm.engine.scheduler.waiting):
+    for seq in list(llm.engine.core.scheduler.running) + list(llm.engine.core.scheduler.waiting):
         llm.engine.abort_request(seq.seq_id)
 
 
@@ -110,11 +110,11 @@ def test_keep_freezes_running_requests_and_continues_them_exactly(llm):
         assert run.step() == 0
     assert not llm.engine.has_work() and llm.engine.has_unfinished()
     assert run.tokens == {**frozen, late: []}
-    assert llm.engine.scheduler.get(late).status is SequenceStatus.WAITING
+    assert llm.engine.core.scheduler.get(late).status is SequenceStatus.WAITING
     llm.engine.resume()
     run.finish_all()
     assert [run.tokens[i] for i in ids + [late]] == want
-    llm.engine.scheduler.check_integrity()
+    llm.engine.core.scheduler.check_integrity()
 
 
 def test_wait_lets_running_requests_finish_and_holds_new_ones(llm):
@@ -144,8 +144,8 @@ def test_abort_ends_requests_with_what_they_have(llm):
     for i, seq_id in enumerate(ids):
         got = run.tokens[seq_id]
         assert 2 <= len(got) < MAX_TOKENS and got == want[i][: len(got)]
-        assert llm.engine.scheduler.get(seq_id) is None  # gone, blocks freed
-    assert llm.engine.scheduler.block_manager.usage == 0.0
+        assert llm.engine.core.scheduler.get(seq_id) is None  # gone, blocks freed
+    assert llm.engine.core.scheduler.block_manager.usage == 0.0
     late = run.add("late", LATE)
     assert run.step() == 0 and not llm.engine.has_work()
     llm.engine.resume()

@@ -95,7 +95,7 @@ def test_embeddings_equal_sentence_transformers(embed_case, tp):
             assert_close_vectors([o.outputs.embedding for o in outs], embed_case["full"], attempt)
         stats = llm.engine.stats()
         assert stats.prefix_cache_hits > 0
-        bm = llm.engine.scheduler.block_manager
+        bm = llm.engine.core.scheduler.block_manager
         assert bm.usage == 0.0  # pooling requests free their blocks once done
         bm.check_integrity()
         # Token ids are taken verbatim: without the tokenizer's <|endoftext|> they differ.

@@ -75,7 +75,7 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 
 def check_integrity(llm) -> None:
-    bm = llm.engine.scheduler.block_manager
+    bm = llm.engine.core.scheduler.block_manager
     assert bm.usage == 0.0 and not llm.engine.has_unfinished()
     bm.check_integrity()
 
@@ -274,7 +274,7 @@ def test_seeded_requests_survive_preemption(llm):
     roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.engine.reconfigure(num_kv_blocks=12)
     tight = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert tight == roomy
     check_integrity(llm)
 
@@ -287,7 +287,7 @@ def test_an_exception_mid_step_loses_nothing(llm, monkeypatch):
     engine.reconfigure()
     prompts = [prompt_of(n, 60 + n) for n in (3, 9, 14)]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(6), use_tqdm=False)]
-    build = engine.sampling.build
+    build = engine.core.sampling.build
     calls = 0
 
     def failing_build(*args):
@@ -297,7 +297,7 @@ def test_an_exception_mid_step_loses_nothing(llm, monkeypatch):
             raise KeyboardInterrupt
         return build(*args)
 
-    monkeypatch.setattr(engine.sampling, "build", failing_build)
+    monkeypatch.setattr(engine.core.sampling, "build", failing_build)
     ids = [engine.add_request(f"x{i}", p, greedy(6))[0] for i, p in enumerate(prompts)]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     interrupted = False
@@ -319,7 +319,7 @@ def test_an_exception_mid_step_loses_nothing(llm, monkeypatch):
 
 def test_n_samples_share_the_prompt_blocks(llm):
     llm.engine.reconfigure()  # a fresh block manager: empty prefix cache, zero counters
-    bm = llm.engine.scheduler.block_manager
+    bm = llm.engine.core.scheduler.block_manager
     prompt = prompt_of(13, 8)  # 3 full blocks of 4 + 1 token
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True,
                             logprobs=1, prompt_logprobs=1)  # fmt: skip

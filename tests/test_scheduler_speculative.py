@@ -89,7 +89,7 @@ class DraftPreemptions:
         self.count = 0
         self.total = 0
         bm, batch, bs = sched.block_manager, sched.batch, sched.block_size
-        allocate, preempt = bm.allocate_slots, sched._preempt
+        allocate, preempt = bm.allocate_slots, sched.allocation.preempt
         asked: list[tuple[Sequence, int]] = []  # the last allocation's sequence and end
 
         def allocate_slots(seq, num_new_tokens, cached_prefix=None, *, start=None):
@@ -110,7 +110,7 @@ class DraftPreemptions:
             preempt(victim)
 
         bm.allocate_slots = allocate_slots
-        sched._preempt = _preempt
+        sched.allocation.preempt = _preempt
 
 
 def spec_scheduler(

@@ -101,7 +101,7 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def num_free_blocks(llm: LLM) -> int:
-    return llm.engine.scheduler.block_manager.num_free_blocks
+    return llm.engine.core.scheduler.block_manager.num_free_blocks
 
 
 def test_level1_releases_and_restores_exact_bytes(llm, baseline, reference):
@@ -127,7 +127,7 @@ def test_level1_releases_and_restores_exact_bytes(llm, baseline, reference):
 
 
 def test_outputs_identical_after_sleep_and_wake_with_the_prefix_cache_flushed(llm, reference):
-    bm = llm.engine.scheduler.block_manager
+    bm = llm.engine.core.scheduler.block_manager
     hits = bm.prefix_cache_hits
     assert generate(llm, PROMPTS) == reference[: len(PROMPTS)]
     assert bm.prefix_cache_hits > hits  # awake, the same prompts hit the cache
@@ -167,8 +167,8 @@ def test_sleep_aborts_running_requests(llm):
     ids = [engine.add_request(f"run{i}", p, greedy(16))[0] for i, p in enumerate(PROMPTS)]
     engine.step()
     engine.step()
-    seqs = {s.seq_id: s for s in engine.scheduler.running}
-    assert set(ids) <= set(seqs) | {s.seq_id for s in engine.scheduler.waiting}
+    seqs = {s.seq_id: s for s in engine.core.scheduler.running}
+    assert set(ids) <= set(seqs) | {s.seq_id for s in engine.core.scheduler.waiting}
     aborted = engine.sleep(1)
     assert sorted(aborted) == sorted(ids)
     assert all(s.status is SequenceStatus.FINISHED_ABORTED for s in seqs.values())
@@ -245,7 +245,7 @@ def test_level2_wake_without_a_load_never_generates(llm1, checkpoint):
     llm.wake_up()
     # The waiting request stays waiting; new ones are refused; no step computes anything.
     assert not engine.has_work() and engine.step().outputs == []
-    assert engine.scheduler.waiting[0].seq_id == seq_id
+    assert engine.core.scheduler.waiting[0].seq_id == seq_id
     with pytest.raises(WeightsNotLoadedError):
         engine.add_request("new", [1, 2], greedy())
     engine.runner.update_weights(load_file(f"{checkpoint}/model.safetensors").items())
@@ -263,7 +263,7 @@ def test_a_refused_sleep_changes_nothing(llm1, monkeypatch):
     with pytest.raises(ControlRefusedError, match=r"rank 0 refused SLEEP: .* 1000 available"):
         llm.sleep(1)
     assert not llm.is_sleeping() and engine.sleep_state.memory_report() == before
-    assert engine.scheduler.running[0].seq_id == seq_id and engine.has_work()
+    assert engine.core.scheduler.running[0].seq_id == seq_id and engine.has_work()
 
 
 # -- the runner alone ------------------------------------------------------------------------

@@ -256,7 +256,7 @@ def check_matches_hf(llm: LLM, reference, **knobs) -> None:
     for i, (o, e) in enumerate(zip(outs, expected, strict=True)):
         assert o.outputs[0].token_ids == e, f"prompt {i}: engine {o.outputs[0].token_ids} != {e}"
     assert llm.engine.spec_stats.num_drafts > before, "no step verified a draft"
-    bm = llm.engine.scheduler.block_manager
+    bm = llm.engine.core.scheduler.block_manager
     assert bm.usage == 0.0
     bm.check_integrity()
 
@@ -275,7 +275,7 @@ def check_matches_hf(llm: LLM, reference, **knobs) -> None:
 def test_greedy_equals_transformers_with_ngram_speculation(spec_llm, reference, knobs):
     check_matches_hf(spec_llm, reference, **knobs)
     if "num_kv_blocks" in knobs:
-        assert spec_llm.engine.scheduler.num_preemptions > 0
+        assert spec_llm.engine.core.scheduler.num_preemptions > 0
     stats = spec_llm.engine.spec_stats
     # Both outcomes happened: accepted drafts and rejected ones.
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

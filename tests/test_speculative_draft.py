@@ -67,7 +67,7 @@ def test_greedy_equals_transformers_with_a_draft_model(draft_llm, reference, kno
     check_matches_hf(draft_llm, reference, **knobs)
     stats = draft_llm.engine.spec_stats
     if "num_kv_blocks" in knobs:
-        assert draft_llm.engine.scheduler.num_preemptions > 0
+        assert draft_llm.engine.core.scheduler.num_preemptions > 0
     if draft_llm.draft_is_target:
         # The target as its own draft: every draft is what the target then samples.
         assert stats.num_accepted_tokens == stats.num_draft_tokens > 0

@@ -190,8 +190,8 @@ def test_greedy_equals_transformers(eagle_llm, reference, knobs):
     assert stats.num_accepted_tokens > before, "no draft was accepted"
     assert stats.num_accepted_tokens < stats.num_draft_tokens
     if knobs == "small_pool":
-        assert eagle_llm.engine.scheduler.num_preemptions > 0
-    bm = eagle_llm.engine.scheduler.block_manager
+        assert eagle_llm.engine.core.scheduler.num_preemptions > 0
+    bm = eagle_llm.engine.core.scheduler.block_manager
     assert bm.usage == 0.0
     bm.check_integrity()
 

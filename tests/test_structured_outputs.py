@@ -295,7 +295,7 @@ def follows_grammar(llm, kind: str, token_ids: list[int]) -> bool:
     """Whether a fresh matcher of the constraint accepts every one of `token_ids`."""
     import xgrammar as xgr
 
-    compiled = llm.engine.grammars.submit(StructuredOutputsParams(**SPECS[kind])).result()
+    compiled = llm.engine.core.grammars.submit(StructuredOutputsParams(**SPECS[kind])).result()
     matcher = xgr.GrammarMatcher(compiled)
     return all(matcher.accept_token(t) for t in token_ids)
 
@@ -393,13 +393,13 @@ def test_compiling_holds_only_its_own_request(llm, monkeypatch):
     """A request waits for its grammar while the others run."""
     engine = llm.engine
     release = threading.Event()
-    compile_ = engine.grammars._compile
+    compile_ = engine.core.grammars._compile
 
     def slow_compile(kind, text):
         release.wait(timeout=60)
         return compile_(kind, text)
 
-    monkeypatch.setattr(engine.grammars, "_compile", slow_compile)
+    monkeypatch.setattr(engine.core.grammars, "_compile", slow_compile)
     schema = {"type": "object", "properties": {"slow": {"type": "boolean"}}, "required": ["slow"]}
     engine.add_request("slow", [3, 4, 5], constraint(structured_outputs={"json": schema}))
     engine.add_request("free", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=8))

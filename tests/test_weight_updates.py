@@ -158,7 +158,7 @@ def test_iterator_path(engine: Engine) -> None:
     engine.reset_to_a()
     assert engine.tokens() == hf_tokens(engine.a)
     assert hf_tokens(engine.a) != hf_tokens(engine.b)  # the test can tell A from B
-    ptrs, epoch = engine.pointers(), engine.llm.engine.scheduler.block_manager.epoch
+    ptrs, epoch = engine.pointers(), engine.llm.engine.core.scheduler.block_manager.epoch
     new = tensors(engine.b)
     # A lazy iterator, in small buckets: several calls, each validated before it writes.
     n = engine.llm.load_weights(iter(new.items()), weight_version="b1", bucket_bytes=64 << 10)
@@ -166,7 +166,7 @@ def test_iterator_path(engine: Engine) -> None:
     engine.holds(engine.b)
     assert engine.pointers() == ptrs
     assert engine.llm.weight_version == "b1"
-    assert engine.llm.engine.scheduler.block_manager.epoch > epoch
+    assert engine.llm.engine.core.scheduler.block_manager.epoch > epoch
     # Read back through every rank's shard: the full tensor's first values.
     got = engine.llm.get_weights_by_name(QKV, truncate_size=100)
     assert torch.equal(torch.tensor(got, dtype=torch.float32), new[QKV].flatten()[:100])
@@ -190,7 +190,7 @@ def test_disk_path(engine: Engine) -> None:
 
 
 def _refused_changes_nothing(engine: Engine, update, match: str) -> None:
-    bm = engine.llm.engine.scheduler.block_manager
+    bm = engine.llm.engine.core.scheduler.block_manager
     before = (engine.checksums(), bm.epoch, engine.llm.weight_version)
     with pytest.raises(ControlRefusedError, match=match):
         update()
@@ -319,7 +319,7 @@ def test_alternating_updates_return_to_baseline(engine: Engine) -> None:
     engine.reset_to_a()
     a, b = tensors(engine.a), tensors(engine.b)
     engine.tokens(PROMPTS[:1])
-    bm = engine.llm.engine.scheduler.block_manager
+    bm = engine.llm.engine.core.scheduler.block_manager
     baseline = bm.num_free_blocks
     for cycle in range(20):
         ckpt, weights = (engine.b, b) if cycle % 2 == 0 else (engine.a, a)

@@ -117,7 +117,7 @@ def test_greedy_equals_transformers_past_the_original_length(llm):
             got = out.outputs[0].token_ids
             assert got == exp, f"pass {attempt}, prompt {i}: engine {got} != transformers {exp}"
     assert outputs[3].num_cached_tokens >= 44
-    bm = llm.engine.scheduler.block_manager
+    bm = llm.engine.core.scheduler.block_manager
     assert bm.usage == 0.0
     bm.check_integrity()
 

@@ -1,4 +1,4 @@
-"""Rank 0's bring-up: `LLMEngine` is the engine core over the tensor-parallel executor, with
+"""Rank 0's bring-up: `LLMEngine` holds the engine core and the tensor-parallel executor, with
 the features plugged in.
 
 `LLMEngine(config, tp)` reads the checkpoint (tokenizer, `ModelSpec`: task, head and context
@@ -7,7 +7,9 @@ length, decided once here and shipped to every rank), starts every rank through
 features (control calls, LoRA slots, sleep mode) and plugs them into the core
 (`tp_engine.core.hooks.CoreHooks`), and keeps the thin delegates the front ends call (`add_lora`,
 `sleep`, `load_weights`...). The stepping, the requests and the engine's states are
-`tp_engine.core.engine_core.EngineCore`'s.
+`tp_engine.core.engine_core.EngineCore`'s: `LLMEngine.core`, whose public surface the engine
+delegates to (`add_request`, `step`, `stats`...; tests and diagnostics read the core's members
+through `core`).
 
 Start-up mirrors `rank_worker.worker.run_worker` on the other ranks (see
 `rank_worker.bootstrap` for the order). A failure on another rank surfaces here as
@@ -17,6 +19,8 @@ Start-up mirrors `rank_worker.worker.run_worker` on the other ranks (see
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +29,19 @@ from rank_worker.fault_injection import Fault
 from rank_worker.model_spec import ModelSpec, load_hf_config
 from rank_worker.tp import TPInfo
 from tp_engine.common.failures import EngineDeadError
+from tp_engine.common.step_timeline import StepTimeline
 from tp_engine.config import EngineConfig
 from tp_engine.config.generation import eos_token_ids, sampling_defaults
 from tp_engine.core.engine_core import EngineCore
+from tp_engine.core.engine_states import PauseMode
 from tp_engine.core.hooks import CoreHooks
 from tp_engine.core.kv.file_tier import open_file_tier
+from tp_engine.core.outputs import EngineStats, StepOutputs
 from tp_engine.core.sampling.profiling import profile_sampling
 from tp_engine.core.scheduled_step import RequestRejectedError
-from tp_engine.executor.control import EngineControl
+from tp_engine.core.sequence import Sequence, SequenceStatus
+from tp_engine.core.spec_metrics import SpecDecodeStats
+from tp_engine.executor.control import EngineControl, EngineInconsistentError
 from tp_engine.executor.rank_config import draft_model_dir, eagle3_head_dir, runner_config_for
 from tp_engine.executor.tp import TPExecutor
 from tp_engine.features import speculative
@@ -40,14 +49,17 @@ from tp_engine.features.lora import control as lora_control
 from tp_engine.features.weights_and_sleep import weight_updates
 from tp_engine.features.weights_and_sleep.sleep import EngineSleep
 from tp_engine.lora_request import LoRARequest
+from tp_engine.pooling_params import PoolingParams
+from tp_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineDeadError", "LLMEngine", "RequestRejectedError"]
 
 
-class LLMEngine(EngineCore):
-    """The engine on rank 0 of a process group of `tp.size` ranks."""
+class LLMEngine:
+    """The engine on rank 0 of a process group of `tp.size` ranks: `core` (the requests and
+    the steps) over `executor` (the ranks), and the features."""
 
     def __init__(self, config: EngineConfig, tp: TPInfo, fault: Fault | None = None):
         from transformers import AutoTokenizer  # deferred: slow to import
@@ -62,10 +74,9 @@ class LLMEngine(EngineCore):
         model_dir = Path(config.model) if config.model else _demo_model_dir()
         hf_config = load_hf_config(model_dir, config.hf_overrides)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(model_dir))
-        self.tokenizer = tokenizer
         # Task, head and context length, decided once here and shipped to every rank.
         model_spec = ModelSpec.resolve(
-            model_dir, hf_config, config.runner, config.convert, self._token_id
+            model_dir, hf_config, config.runner, config.convert, _token_id_of(tokenizer)
         )
         _check_pooling_config(model_spec, config)
         # The same rope spec sizes every rank's cos/sin table (rank_worker/qwen3.py).
@@ -89,29 +100,18 @@ class LLMEngine(EngineCore):
             fault,
             None if model_spec.is_pooling else profile_sampling,
         )
-        # The features, plugged into the core by its hooks (`tp_engine.core.hooks`).
+        # Speculative decoding's proposer (`tp_engine.features.speculative`): the core builds
+        # it, so its hook is in place first.
         hooks = CoreHooks()
-        # Control calls to every rank (`tp_engine.executor.control`), run between steps.
-        self.control = EngineControl(self, executor)
-        # Sleep mode (`tp_engine.features.weights_and_sleep.sleep`): what sleeps on every rank; it closes the gate too.
-        self.sleep_state = EngineSleep(self)
-        hooks.admission_checks.append(self.sleep_state.check_can_generate)
-        hooks.holds_requests.append(lambda: self.sleep_state.holds_requests)
-        # LoRA adapters' slots and pins (`tp_engine.features.lora.registry`); None without enable_lora.
-        self.lora = lora = lora_control.build_registry(config, self.control)
-        if lora is not None:
-            lora_control.plug_in(lora, self, hooks)
-        # Speculative decoding's proposer (`tp_engine.features.speculative`).
         if config.speculative_config is not None:
             speculative.plug_in(config.speculative_config, hooks)
-        # The label of the weights in use (SGLang's `weight_version`); set by weight updates.
-        self.weight_version = "default"
         file_tier = None
         if config.kv_offloading_dir is not None:
             pool = executor.runner.host_pool
             layout = f"{tuple(pool.host.shape[1:])} {pool.host.dtype}"
             file_tier = open_file_tier(config, model_dir, pool.block_bytes, layout)
-        super().__init__(
+        self.executor = executor
+        self.core = core = EngineCore(
             config,
             executor,
             tokenizer=tokenizer,
@@ -122,11 +122,29 @@ class LLMEngine(EngineCore):
             hooks=hooks,
             file_tier=file_tier,
         )
-        if self.spec is not None:
+        # The other features, each given the core's `CoreAccess` and plugged in by its hooks
+        # (`tp_engine.core.hooks`). Control calls to every rank (`tp_engine.executor.control`),
+        # run between steps:
+        self.control = EngineControl(core, executor)
+        # Sleep mode (`tp_engine.features.weights_and_sleep.sleep`): what sleeps on every rank;
+        # it closes the gate too.
+        self.sleep_state = EngineSleep(core, self.control)
+        hooks.admission_checks.append(self.sleep_state.check_can_generate)
+        hooks.holds_requests.append(lambda: self.sleep_state.holds_requests)
+        # LoRA adapters' slots and pins (`tp_engine.features.lora.registry`); None without
+        # enable_lora.
+        self.lora = lora = lora_control.build_registry(config, self.control)
+        if lora is not None:
+            lora_control.plug_in(lora, core, hooks)
+        core.update_gate()  # the gate reads the hooks just registered
+        # The label of the weights in use (SGLang's `weight_version`); set by weight updates.
+        self.weight_version = "default"
+        spec = config.speculative_config
+        if spec is not None:
             logger.info(
                 "speculative decoding (%s, k=%d): synchronous scheduling; %s",
-                self.spec.method,
-                self.spec.num_speculative_tokens,
+                spec.method,
+                spec.num_speculative_tokens,
                 "a verify step replays a CUDA graph when every sequence verifies k drafts (or "
                 "every sequence none), and runs eagerly otherwise"
                 if executor.uses_cuda_graphs
@@ -138,21 +156,179 @@ class LLMEngine(EngineCore):
         """Rank 0's `ModelRunner` (weight updates, benchmarks and tests read its model)."""
         return self.executor.runner
 
-    def _token_id(self, text: str) -> int | None:
-        """The tokenizer's id of the single token `text`, None if it is not one."""
-        tid = self.tokenizer.convert_tokens_to_ids(text)
-        return None if tid is None or tid == self.tokenizer.unk_token_id else int(tid)
+    # -- the core's public surface (`tp_engine.core.engine_core`) ---------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        """The configuration in use (resolved; `reconfigure` changes it)."""
+        return self.core.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.core.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int] | set[int] | tuple[int, ...]:
+        return self.core.eos_token_ids
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return self.core.model_spec
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        return self.core.generation_defaults
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV blocks allocated on every rank."""
+        return self.core.num_kv_blocks
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        return self.core.spec_stats
+
+    @property
+    def step_id(self) -> int:
+        return self.core.step_id
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.core.async_scheduling
+
+    @property
+    def pause_mode(self) -> PauseMode | None:
+        return self.core.pause_mode
+
+    @property
+    def inconsistent(self) -> EngineInconsistentError | None:
+        return self.core.inconsistent
+
+    @property
+    def timeline(self) -> StepTimeline | None:
+        return self.core.timeline
+
+    @timeline.setter
+    def timeline(self, timeline: StepTimeline | None) -> None:
+        self.core.timeline = timeline
+
+    @property
+    def compile_verdicts(self) -> dict[str, str | None] | None:
+        return self.core.compile_verdicts
+
+    @compile_verdicts.setter
+    def compile_verdicts(self, verdicts: dict[str, str | None] | None) -> None:
+        self.core.compile_verdicts = verdicts
+
+    def default_sampling_params(self, **fields: Any) -> SamplingParams:
+        return self.core.default_sampling_params(**fields)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | PoolingParams,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[str]:
+        return self.core.add_request(
+            request_id, prompt_token_ids, params, arrival_time, lora_request
+        )
+
+    def abort_request(self, seq_id: str) -> bool:
+        return self.core.abort_request(seq_id)
+
+    def finish_request(
+        self, seq_id: str, status: SequenceStatus, stop_reason: int | str | None = None
+    ) -> bool:
+        return self.core.finish_request(seq_id, status, stop_reason)
+
+    def abort_unfinished(self) -> list[str]:
+        return self.core.abort_unfinished()
+
+    def is_compiling(self, seq_id: str) -> bool:
+        return self.core.is_compiling(seq_id)
+
+    def waiting(self) -> list[Sequence]:
+        return self.core.waiting()
+
+    def step(self) -> StepOutputs:
+        return self.core.step()
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def has_work(self) -> bool:
+        return self.core.has_work()
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def pause(self, mode: PauseMode) -> list[str]:
+        return self.core.pause(mode)
+
+    def resume(self) -> None:
+        self.core.resume()
+
+    def update_gate(self) -> None:
+        self.core.update_gate()
+
+    def quiesce(self) -> None:
+        self.core.quiesce()
+
+    def check_usable(self, repairing: bool = False) -> None:
+        self.core.check_usable(repairing)
+
+    def take_step_id(self) -> int:
+        return self.core.take_step_id()
+
+    def failures_named(self, what: str) -> AbstractContextManager[None]:
+        return self.core.failures_named(what)
+
+    def mark_inconsistent(self, error: EngineInconsistentError) -> None:
+        self.core.mark_inconsistent(error)
+
+    def note_consistent(self) -> None:
+        self.core.note_consistent()
+
+    def diagnose_stall(self) -> EngineDeadError | None:
+        return self.core.diagnose_stall()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
+    def drop_cached_blocks(self) -> int:
+        """Drop every unreferenced cached block; how many were dropped."""
+        return self.core.drop_cached_blocks()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache (running requests keep theirs)."""
+        return self.core.num_cached_blocks
+
+    def advance_kv_epoch(self, flush: bool = True) -> None:
+        self.core.advance_kv_epoch(flush)
+
+    def reconfigure(self, **changes: Any) -> None:
+        self.core.reconfigure(**changes)
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
 
     # -- LoRA adapters (`tp_engine.features.lora.control`) --------------------------------------------------
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        return lora_control.add_lora(self, lora_request)
+        return lora_control.add_lora(self.lora, lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        return lora_control.remove_lora(self, lora_int_id)
+        return lora_control.remove_lora(self.lora, lora_int_id)
 
     def list_loras(self) -> set[int]:
-        return lora_control.list_loras(self)
+        return lora_control.list_loras(self.lora)
 
     # -- sleep mode (`tp_engine.features.weights_and_sleep.sleep`) -----------------------------------------------------------
 
@@ -191,6 +367,16 @@ class LLMEngine(EngineCore):
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return weight_updates.get_weights_by_name(self, name, truncate_size)
+
+
+def _token_id_of(tokenizer: Any) -> Callable[[str], int | None]:
+    """The tokenizer's id of a single token's text, None if it is not one."""
+
+    def token_id(text: str) -> int | None:
+        tid = tokenizer.convert_tokens_to_ids(text)
+        return None if tid is None or tid == tokenizer.unk_token_id else int(tid)
+
+    return token_id
 
 
 def _check_pooling_config(spec: ModelSpec, config: EngineConfig) -> None:

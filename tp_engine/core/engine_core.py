@@ -1,8 +1,19 @@
 """The engine core on rank 0: requests in, one step at a time through an executor, outputs out.
 
-`EngineCore` owns every request's state (the scheduler, its running batch and KV manager, held
-n > 1 siblings, requests waiting for their grammar), the sampler, the proposer of speculative
-decoding and the engine's states (pause, the gate). It drives an executor
+`EngineCore` owns every request's state, composed of members that each own their part (plain
+classes, built here with what they work on, no mixins):
+
+    scheduler       the waiting queue, the running batch and KV manager (`scheduler`, itself
+                    composed of managers); rebuilt by `reconfigure`
+    intake          requests in, n > 1 fan-out, held siblings (`intake.RequestIntake`)
+    pipeline        one step: schedule -> launch -> sample -> apply, the step in flight
+                    (`pipeline.StepPipeline`)
+    plan_runner     the step-id counter, the dead and inconsistent states, the timeline
+                    (`plan_runner.PlanRunner`)
+    grammar_gate    requests waiting for their grammar, the sequences with a matcher
+    sampling        the sampler's per-row state; `proposer`, speculative decoding's
+
+and the engine's states (pause, the gate). It drives an executor
 (`tp_engine.executor.base.Executor`) that it does not build: the bring-up
 (`tp_engine.engine.LLMEngine`) starts the ranks and hands it over, and tests hand over a
 stand-in. Its public surface is what the front ends (`LLM`, the server's engine loop) and the
@@ -14,8 +25,9 @@ features use, and nothing else changes a sequence's state:
                                                     (`pipeline`)
     stats() / has_unfinished() / has_work()         state for metrics, loops and watchdogs
     pause / resume / update_gate / quiesce          the engine's states, between steps
-    waiting() / reset_prefix_cache() /              what features read and change (`hooks`
-    advance_kv_epoch()                              names where they plug in)
+    waiting() / reset_prefix_cache() /              what features read and change
+    advance_kv_epoch() / follow_batch()             (`hooks.CoreAccess`; `hooks.CoreHooks`
+                                                    names where they plug in)
     reconfigure() / shutdown()
 
 A failure on a rank surfaces as `EngineDeadError` naming that rank and step.
@@ -25,13 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tp_engine.common.failures import EngineDeadError
 from tp_engine.common.step_timeline import StepTimeline
-from tp_engine.common.thinking import ThinkTokens
 from tp_engine.config import EngineConfig
 from tp_engine.core.engine_states import Gate, PauseMode
 from tp_engine.core.grammar_gate import GrammarGate
@@ -40,31 +53,40 @@ from tp_engine.core.intake import RequestIntake
 from tp_engine.core.kv.block_manager import BlockManager
 from tp_engine.core.kv.host_tier import HostTier
 from tp_engine.core.outputs import EngineStats, StepOutputs
-from tp_engine.core.pipeline import SampledStep, StepPipeline
+from tp_engine.core.pipeline import StepPipeline
+from tp_engine.core.plan_runner import PlanRunner
+from tp_engine.core.running_batch import RunningBatch
 from tp_engine.core.sampling.batch import SamplingBatchBuilder
 from tp_engine.core.scheduled_step import DraftProposer
 from tp_engine.core.scheduler import Scheduler
-from tp_engine.core.sequence import Sequence
+from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.core.spec_metrics import SpecDecodeStats
 from tp_engine.features.structured.grammar import GrammarCompiler
+from tp_engine.pooling_params import PoolingParams
+from tp_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tp_engine.core.kv.file_tier import FileTier
     from tp_engine.executor.base import Executor
     from tp_engine.executor.control import EngineInconsistentError
+    from tp_engine.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineCore"]
 
 
-class EngineCore(RequestIntake, StepPipeline):
+class EngineCore:
     """Rank 0's engine core over `executor` (see the module docstring).
 
     `config`: resolved (`EngineConfig.with_model_defaults`); `model_spec`: the model's task
     and head (`rank_worker.model_spec.ModelSpec`, read for `is_pooling` and `task`, and by
     `PoolingParams.resolve`); `generation_defaults`: SamplingParams fields the checkpoint sets
     for requests that leave them unset; `hooks`: what the features plug in (none by default).
+
+    Its members, each owning its state: `plan_runner` (`PlanRunner`: the step-id counter, the dead
+    and inconsistent states), `scheduler` (request state), `intake` (requests in), `pipeline`
+    (`StepPipeline`: the step in flight), `grammar_gate`, `sampling`, `proposer`.
     """
 
     def __init__(
@@ -96,23 +118,13 @@ class EngineCore(RequestIntake, StepPipeline):
         self.host_tier = (
             HostTier(executor.num_host_blocks, file_tier) if executor.num_host_blocks else None
         )
-        # The tokenizer's <think> / </think> ids, read on the first request with a budget.
-        self._think_tokens: ThinkTokens | None = None
-        # n > 1: id of a request's first sequence -> its siblings, held until its prompt is
-        # computed (`intake`).
-        self._held: dict[str, tuple[Sequence, list[Sequence]]] = {}
+        self.plan_runner = PlanRunner(executor)
         # Requests waiting for their grammar, and the sequences with a matcher.
         self.grammar_gate = GrammarGate(
             GrammarCompiler(tokenizer, vocab_size, eos_token_ids),
             config.structured_outputs_timeout_s,
             tokenizer,
         )
-        self.step_id = 0
-        # Once a step has failed, every later call raises this.
-        self._dead: EngineDeadError | None = None
-        # Once a control call's commit has failed, every later step raises this (the ranks
-        # may hold different weights), but the executor works: shutdown still tells the ranks.
-        self._inconsistent: EngineInconsistentError | None = None
         self.sampling = SamplingBatchBuilder(
             vocab_size, eos_token_ids, executor.device, config.seed
         )
@@ -123,14 +135,122 @@ class EngineCore(RequestIntake, StepPipeline):
         # Paused (`pause`), and how; None while serving.
         self.pause_mode: PauseMode | None = None
         self.scheduler = self._build_scheduler(config)
-        self.async_scheduling = self._resolve_async(config)
-        # The step launched and sampled by the last `step()` call, not applied yet, and outputs
-        # of a call that an exception interrupted (the next call returns them).
-        self._in_flight: SampledStep | None = None
-        self._undelivered = StepOutputs([])
-        # Set to a StepTimeline to record where each step's time goes (launch/bench.py).
-        self.timeline: StepTimeline | None = None
+        self.intake = RequestIntake(
+            self.scheduler,
+            self.grammar_gate,
+            self.hooks,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            eos_token_ids=eos_token_ids,
+            model_spec=model_spec,
+            generation_defaults=self.generation_defaults,
+        )
+        self.pipeline = StepPipeline(
+            self.plan_runner,
+            self.scheduler,
+            self.intake,
+            self.grammar_gate,
+            self.sampling,
+            self.hooks,
+            self.proposer,
+            self.spec_stats,
+            num_speculative_tokens=self.proposer_k,
+            async_scheduling=self._resolve_async(config),
+        )
         self.sampling.follow(self.scheduler.batch)
+
+    # -- requests (`intake`) and steps (`pipeline`) ----------------------------------------------
+
+    def default_sampling_params(self, **fields: Any) -> SamplingParams:
+        """SamplingParams from request fields where None means unset (`RequestIntake`)."""
+        return self.intake.default_sampling_params(**fields)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | PoolingParams,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[str]:
+        """Queue a request as `params.n` sequences; their ids (`RequestIntake.add_request`)."""
+        return self.intake.add_request(
+            request_id, prompt_token_ids, params, arrival_time, lora_request
+        )
+
+    def abort_request(self, seq_id: str) -> bool:
+        """Abort one sequence; False if unknown or finished."""
+        return self.intake.abort_request(seq_id)
+
+    def finish_request(
+        self, seq_id: str, status: SequenceStatus, stop_reason: int | str | None = None
+    ) -> bool:
+        """End one sequence from outside the step loop (`RequestIntake.finish_request`)."""
+        return self.intake.finish_request(seq_id, status, stop_reason)
+
+    def abort_unfinished(self) -> list[str]:
+        """Abort every unfinished sequence; their ids (call it quiesced)."""
+        return self.intake.abort_unfinished()
+
+    def has_unfinished(self) -> bool:
+        return self.intake.has_unfinished()
+
+    def is_compiling(self, seq_id: str) -> bool:
+        """Whether the request whose first sequence is `seq_id` waits for its grammar."""
+        return self.intake.is_compiling(seq_id)
+
+    def waiting(self) -> list[Sequence]:
+        """The scheduler's waiting queue, first come first served (features read it: LoRA
+        loads the adapters it needs)."""
+        return self.intake.waiting()
+
+    def step(self) -> StepOutputs:
+        """Run one step; the outputs it produced (`StepPipeline.step`)."""
+        return self.pipeline.step()
+
+    def quiesce(self) -> None:
+        """Apply the step in flight, if any, keeping its outputs for the next `step()`."""
+        self.pipeline.quiesce()
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.pipeline.async_scheduling
+
+    # -- the ranks (`plan_runner`) ---------------------------------------------------------------
+
+    @property
+    def step_id(self) -> int:
+        """The id the next plan or control call takes."""
+        return self.plan_runner.step_id
+
+    @property
+    def timeline(self) -> StepTimeline | None:
+        """Where each step's time goes, when set (launch/bench.py)."""
+        return self.plan_runner.timeline
+
+    @timeline.setter
+    def timeline(self, timeline: StepTimeline | None) -> None:
+        self.plan_runner.timeline = timeline
+
+    def check_usable(self, repairing: bool = False) -> None:
+        """Raise why the engine cannot step, if it cannot (`PlanRunner.check_usable`)."""
+        self.plan_runner.check_usable(repairing)
+
+    def take_step_id(self) -> int:
+        """The next step id, for a control call (plans and calls share one counter)."""
+        return self.plan_runner.take_step_id()
+
+    def failures_named(self, what: str) -> AbstractContextManager[None]:
+        """Turn a failure inside into EngineDeadError naming the rank at fault."""
+        return self.plan_runner.failures_named(what)
+
+    def mark_inconsistent(self, error: EngineInconsistentError) -> None:
+        """From now on every step raises `error` (a control call's commit failed)."""
+        self.plan_runner.inconsistent = error
+
+    def diagnose_stall(self) -> EngineDeadError | None:
+        """For a watchdog thread while `step()` is stuck (`PlanRunner.diagnose_stall`)."""
+        return self.plan_runner.diagnose_stall()
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -151,10 +271,10 @@ class EngineCore(RequestIntake, StepPipeline):
     def has_work(self) -> bool:
         """Whether `step()` can make progress now: unfinished requests that the engine's state
         lets run (paused: the running ones in "wait" mode only), or a step in flight."""
-        if self._in_flight is not None:
+        if self.pipeline.in_flight is not None:
             return True
         gate = self.scheduler.gate  # the one reading of pause and sleep (`update_gate`)
-        if self._inconsistent is not None or not gate.stepping:
+        if self.plan_runner.inconsistent is not None or not gate.stepping:
             # Ranks that may disagree, asleep, weights lost, or frozen: nothing runs until a
             # load of every weight, a wake or a resume.
             return False
@@ -192,11 +312,11 @@ class EngineCore(RequestIntake, StepPipeline):
     def inconsistent(self) -> EngineInconsistentError | None:
         """Why the ranks may hold different models (a failed commit), until a full weight
         load repairs it; None while they agree."""
-        return self._inconsistent
+        return self.plan_runner.inconsistent
 
     def note_consistent(self) -> None:
         """A weight load wrote every weight on every rank: the ranks agree again."""
-        self._inconsistent = None
+        self.plan_runner.inconsistent = None
 
     # -- state for metrics -----------------------------------------------------------------------
 
@@ -207,7 +327,7 @@ class EngineCore(RequestIntake, StepPipeline):
             extra.update(source())
         return EngineStats(
             num_running=len(scheduler.batch),
-            num_waiting=len(scheduler.waiting) + sum(1 for _ in self._queued_outside()),
+            num_waiting=len(scheduler.waiting) + sum(1 for _ in self.intake.queued_outside()),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -227,14 +347,29 @@ class EngineCore(RequestIntake, StepPipeline):
     def reset_prefix_cache(self) -> bool:
         """Drop every unreferenced cached block; True when nothing stays cached (vLLM's answer:
         False while running requests still hold cached blocks)."""
-        kv = self.scheduler.block_manager
-        kv.reset_prefix_cache()
-        return kv.num_cached_blocks == 0
+        self.drop_cached_blocks()
+        return self.num_cached_blocks == 0
+
+    def drop_cached_blocks(self) -> int:
+        """Drop every unreferenced cached block (and what the tiers below hold); how many
+        device blocks were dropped (SGLang's answer)."""
+        return self.scheduler.block_manager.reset_prefix_cache()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache, referenced or not (running requests keep theirs)."""
+        return self.scheduler.block_manager.num_cached_blocks
 
     def advance_kv_epoch(self, flush: bool = True) -> None:
         """New weights: K/V computed before now is never a prefix-cache hit again (`flush`:
         free the unreferenced cached blocks at once)."""
         self.scheduler.block_manager.advance_epoch(flush=flush)
+
+    def follow_batch(self, follow: Callable[[RunningBatch], None]) -> None:
+        """Have `follow` follow the running batch, now and after every `reconfigure` (a
+        feature's per-row state: LoRA's slots)."""
+        self.hooks.batch_followers.append(follow)
+        follow(self.scheduler.batch)
 
     # -- configuration of rank-0-only knobs --------------------------------------------------------
 
@@ -249,9 +384,7 @@ class EngineCore(RequestIntake, StepPipeline):
         """
         if self.has_unfinished():
             raise RuntimeError("reconfigure needs an idle engine")
-        if self._in_flight is not None:
-            self._apply(self._in_flight)  # rows of finished requests only: all discarded
-            self._in_flight = None
+        self.pipeline.settle()  # rows of finished requests only: all discarded
         allowed = {
             "enable_prefix_caching",
             "enable_chunked_prefill",
@@ -283,7 +416,8 @@ class EngineCore(RequestIntake, StepPipeline):
         # Rows given up since the last plan: the workers' mirrors still have to hear of it.
         self.scheduler.batch.changes = pending
         self.sampling.follow(self.scheduler.batch)
-        self.async_scheduling = self._resolve_async(config)
+        self.intake.scheduler = self.pipeline.scheduler = self.scheduler
+        self.pipeline.async_scheduling = self._resolve_async(config)
 
     def _resolve_async(self, config: EngineConfig) -> bool:
         if config.speculative_config is not None:
@@ -317,7 +451,7 @@ class EngineCore(RequestIntake, StepPipeline):
                 "speculative_config is set but no proposer is plugged in "
                 "(tp_engine.features.speculative.plug_in)"
             )
-        return self.hooks.build_proposer(self._run_draft_plan, self._may_draft)
+        return self.hooks.build_proposer(self.plan_runner.run_draft_plan, self._may_draft)
 
     def _may_draft(self, rows: np.ndarray) -> np.ndarray:
         return self.sampling.may_draft(rows)
@@ -330,5 +464,5 @@ class EngineCore(RequestIntake, StepPipeline):
         """Release the executor (the ranks exit and give back their device memory) and the
         grammar compiler's thread. Idempotent."""
         self.grammar_gate.compiler.shutdown()
-        self._in_flight = None  # its tensors live on the device
-        self.executor.shutdown(self.step_id if self._dead is None else None)
+        self.pipeline.in_flight = None  # its tensors live on the device
+        self.plan_runner.shutdown()

@@ -8,8 +8,9 @@ A request with a structured-output constraint waits in the `GrammarGate` instead
 A pooling model (`model_spec`: an embedder or a reranker) takes `PoolingParams` instead: a
 prompt-only sequence whose last prompt token is a pooled row of the plan (`plan_builder`).
 
-Ownership: a mixin of `EngineCore` (`tp_engine.core.engine_core`), whose attributes it uses;
-the sequences it holds (held siblings) are the core's until handed to the scheduler.
+Ownership: one `RequestIntake` per `EngineCore` (`tp_engine.core.engine_core`), a member given
+the scheduler (again after `reconfigure`), the grammar gate and the request checks' facts; it
+owns the held siblings (until handed to the scheduler) and the tokenizer's think-token ids.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tp_engine.common.thinking import needs_think_tokens, think_tokens, with_think_tokens
+from tp_engine.common.thinking import (
+    ThinkTokens,
+    needs_think_tokens,
+    think_tokens,
+    with_think_tokens,
+)
 from tp_engine.core.sampling import MAX_NUM_LOGPROBS
 from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.core.sequence import Sequence, SequenceStatus
@@ -27,11 +33,43 @@ from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams, tokenize_bad_words
 
 if TYPE_CHECKING:
+    from tp_engine.core.grammar_gate import GrammarGate
+    from tp_engine.core.hooks import CoreHooks
+    from tp_engine.core.scheduler import Scheduler
     from tp_engine.lora_request import LoRARequest
 
 
 class RequestIntake:
-    """`EngineCore`'s request operations (see the module docstring)."""
+    """Requests in and ended from outside (see the module docstring). `model_spec`: the
+    model's task (`rank_worker.model_spec.ModelSpec`); `generation_defaults`: SamplingParams
+    fields the checkpoint sets."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        grammar_gate: GrammarGate,
+        hooks: CoreHooks,
+        *,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: frozenset[int] | set[int] | tuple[int, ...],
+        model_spec: Any,
+        generation_defaults: dict[str, Any],
+    ) -> None:
+        # Replaced by `EngineCore.reconfigure` (a new scheduler, the same requests: none).
+        self.scheduler = scheduler
+        self.grammar_gate = grammar_gate
+        self.hooks = hooks
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.model_spec = model_spec
+        self.generation_defaults = generation_defaults
+        # The tokenizer's <think> / </think> ids, read on the first request with a budget.
+        self._think_tokens: ThinkTokens | None = None
+        # n > 1: id of a request's first sequence -> its siblings, held until its prompt is
+        # computed (see the module docstring).
+        self._held: dict[str, tuple[Sequence, list[Sequence]]] = {}
 
     def default_sampling_params(self, **fields: Any) -> SamplingParams:
         """SamplingParams from request fields where None means unset: unset fields take the
@@ -68,26 +106,26 @@ class RequestIntake:
             return self._add_pooling_request(request_id, prompt_token_ids, params, arrival_time)
         self._check_request(request_id, prompt_token_ids, params)
         # Bad words become token sequences here unless the API server did it already.
-        params = tokenize_bad_words(params, self.tokenizer)
-        params.check_vocab(self.vocab_size)
-        params.check_first_step(self.vocab_size, self.eos_token_ids)
-        if needs_think_tokens(params):
+        sampling = tokenize_bad_words(params, self.tokenizer)
+        sampling.check_vocab(self.vocab_size)
+        sampling.check_first_step(self.vocab_size, self.eos_token_ids)
+        if needs_think_tokens(sampling):
             # A thinking budget given without the think token ids (`LLM.generate`): this
             # tokenizer's, and where the prompt leaves thinking (ValueError if it has none).
             if self._think_tokens is None:
                 self._think_tokens = think_tokens(self.tokenizer)
-            params = with_think_tokens(params, self._think_tokens, prompt_token_ids)
+            sampling = with_think_tokens(sampling, self._think_tokens, prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        if params.n == 1:
-            seqs = [Sequence(request_id, prompt_token_ids, params, arrival)]
+        if sampling.n == 1:
+            seqs = [Sequence(request_id, prompt_token_ids, sampling, arrival)]
         else:
             seqs = []
-            for i in range(params.n):
+            for i in range(sampling.n):
                 child = dataclasses.replace(
-                    params,
+                    sampling,
                     n=1,
-                    seed=None if params.seed is None else params.seed + i,
-                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                    seed=None if sampling.seed is None else sampling.seed + i,
+                    prompt_logprobs=sampling.prompt_logprobs if i == 0 else None,
                 )
                 seq = Sequence(f"{i}_{request_id}", prompt_token_ids, child, arrival)
                 seq.group_id = request_id
@@ -101,10 +139,10 @@ class RequestIntake:
             if self.hooks.attach_adapter is None:
                 raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled!")
             self.hooks.attach_adapter(lora_request, seqs)
-        if params.structured_outputs is not None:
-            self.grammar_gate.submit(params.structured_outputs, seqs)
+        if sampling.structured_outputs is not None:
+            self.grammar_gate.submit(sampling.structured_outputs, seqs)
         else:
-            self._admit(seqs)
+            self.admit(seqs)
         return [seq.seq_id for seq in seqs]
 
     def _add_pooling_request(
@@ -129,7 +167,7 @@ class RequestIntake:
         self.scheduler.add(seq)
         return [seq.seq_id]
 
-    def _admit(self, seqs: list[Sequence]) -> None:
+    def admit(self, seqs: list[Sequence]) -> None:
         """Queue a request's first sequence and hold its siblings (see the module docstring)."""
         self.scheduler.add(seqs[0])
         if len(seqs) > 1:
@@ -176,10 +214,10 @@ class RequestIntake:
 
     def _is_known(self, seq_id: str) -> bool:
         return self.scheduler.get(seq_id) is not None or any(
-            seq.seq_id == seq_id for seq in self._queued_outside()
+            seq.seq_id == seq_id for seq in self.queued_outside()
         )
 
-    def _queued_outside(self) -> Iterator[Sequence]:
+    def queued_outside(self) -> Iterator[Sequence]:
         """Sequences not in the scheduler yet: held siblings and requests being compiled."""
         for _, held in self._held.values():
             yield from held
@@ -219,7 +257,7 @@ class RequestIntake:
         ids. Call it quiesced: a step in flight would still compute for them."""
         running = [seq.seq_id for seq in self.scheduler.running]
         waiting = [seq.seq_id for seq in self.scheduler.waiting]
-        outside = [seq.seq_id for seq in self._queued_outside()]
+        outside = [seq.seq_id for seq in self.queued_outside()]
         return [sid for sid in running + waiting + outside if self.abort_request(sid)]
 
     def has_unfinished(self) -> bool:
@@ -231,7 +269,12 @@ class RequestIntake:
             or bool(self.grammar_gate.compiling)
         )
 
-    def _release_held(self) -> None:
+    @property
+    def holds_siblings(self) -> bool:
+        """Whether some n > 1 request's siblings are held (`release_held` has work)."""
+        return bool(self._held)
+
+    def release_held(self) -> None:
         """Queue the held siblings of every first sample whose prompt has been computed (it
         has an output token) or that ended; its full prompt blocks are in the prefix cache."""
         for first_id, (first, held) in list(self._held.items()):

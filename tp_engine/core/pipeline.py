@@ -24,25 +24,23 @@ model's logits) are recorded on the sequences; prompt logprobs ask the plan for 
 are copied to the host with the step's other results and finished per request
 (`tp_engine.core.pooled_records`).
 
-Ownership: a mixin of `EngineCore` (`tp_engine.core.engine_core`), whose attributes it uses;
-the executor (`tp_engine.executor.base.Executor`) runs the plans.
+Ownership: one `StepPipeline` per `EngineCore` (`tp_engine.core.engine_core`), a member given
+the scheduler (again after `reconfigure`), the intake (held siblings), the grammar gate, the
+sampler, the proposer and the `PlanRunner` through which the executor
+(`tp_engine.executor.base.Executor`) runs the plans; it owns the step in flight and the
+outputs not delivered yet.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from shm_ipc import StepPlan
 from shm_ipc.block_copies import encode_block_copies
-from tp_engine.common.failures import EngineDeadError
-from tp_engine.common.step_timeline import phase_or_null
 from tp_engine.common.transfers import HostCopies
 from tp_engine.core.drafting import schedule_step
 from tp_engine.core.outputs import SequenceOutput, StepOutputs
@@ -59,7 +57,14 @@ from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.core.spec_verify import accept_drafts
 
 if TYPE_CHECKING:
-    from tp_engine.executor.control import EngineInconsistentError
+    from tp_engine.core.grammar_gate import GrammarGate
+    from tp_engine.core.hooks import CoreHooks
+    from tp_engine.core.intake import RequestIntake
+    from tp_engine.core.plan_runner import PlanRunner
+    from tp_engine.core.sampling.batch import SamplingBatchBuilder
+    from tp_engine.core.scheduled_step import DraftProposer
+    from tp_engine.core.scheduler import Scheduler
+    from tp_engine.core.spec_metrics import SpecDecodeStats
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,7 +99,37 @@ class SampledStep:
 
 
 class StepPipeline:
-    """`EngineCore`'s stepping operations (see the module docstring)."""
+    """One step at a time, overlapped or not (see the module docstring)."""
+
+    def __init__(
+        self,
+        runner: PlanRunner,
+        scheduler: Scheduler,
+        intake: RequestIntake,
+        grammar_gate: GrammarGate,
+        sampling: SamplingBatchBuilder,
+        hooks: CoreHooks,
+        proposer: DraftProposer | None,
+        spec_stats: SpecDecodeStats,
+        *,
+        num_speculative_tokens: int,
+        async_scheduling: bool,
+    ) -> None:
+        self.runner = runner
+        # Replaced by `EngineCore.reconfigure` (a new scheduler, no request running).
+        self.scheduler = scheduler
+        self.intake = intake
+        self.grammar_gate = grammar_gate
+        self.sampling = sampling
+        self.hooks = hooks
+        self.proposer = proposer
+        self.spec_stats = spec_stats
+        self.num_speculative_tokens = num_speculative_tokens
+        self.async_scheduling = async_scheduling
+        # The step launched and sampled by the last `step()` call, not applied yet, and outputs
+        # of a call that an exception interrupted (the next call returns them).
+        self.in_flight: SampledStep | None = None
+        self._undelivered = StepOutputs([])
 
     def step(self) -> StepOutputs:
         """Run one step; returns the outputs it produced.
@@ -105,17 +140,17 @@ class StepPipeline:
         interrupted by an exception loses nothing: steps whose tokens were not applied are
         undone, and outputs already made are returned by the next call.
         """
-        self.check_usable()
+        self.runner.check_usable()
         if self.hooks.before_step and self.scheduler.gate.admitting:
             # Closed while paused or asleep: nothing waiting is admitted, and a sleeping rank
             # refuses writes to its slots (LoRA's control calls run here).
             self._before_step()
-        if self._held:
-            self._release_held()
+        if self.intake.holds_siblings:
+            self.intake.release_held()
         outputs, self._undelivered = self._undelivered, StepOutputs([])
         if self.grammar_gate.compiling:
             outputs = outputs.then(self._release_compiled())
-        previous, self._in_flight = self._in_flight, None
+        previous, self.in_flight = self.in_flight, None
         pending: list[ScheduledStep] = [previous.scheduled] if previous else []
         try:
             launched = self._launch(previous)
@@ -128,7 +163,7 @@ class StepPipeline:
                 # After `_apply`: penalties and min_tokens see the tokens it appended.
                 sampled = self._sample(launched)
                 if self.async_scheduling:
-                    self._in_flight = sampled
+                    self.in_flight = sampled
                 else:
                     outputs = outputs.then(self._apply(sampled))
                 pending.clear()
@@ -146,7 +181,7 @@ class StepPipeline:
         ended are reported with this step's outputs."""
         ended: list[Sequence] = []
         for hook in self.hooks.before_step:
-            ended += hook(self._queued_outside())
+            ended += hook(self.intake.queued_outside())
         if ended:
             self._undelivered = self._undelivered.then(
                 StepOutputs([self._output(seq) for seq in ended])
@@ -155,26 +190,18 @@ class StepPipeline:
     def _release_compiled(self) -> StepOutputs:
         """Admit the requests whose grammar is compiled; those whose compilation failed or ran
         out of time end, reported in the outputs (`GrammarGate.release`)."""
-        idle = not self.scheduler.has_unfinished() and self._in_flight is None
+        idle = not self.scheduler.has_unfinished() and self.in_flight is None
         admitted, failed = self.grammar_gate.release(idle)
         for seqs in admitted:
-            self._admit(seqs)
+            self.intake.admit(seqs)
         return StepOutputs([self._output(seq) for seq in failed])
-
-    def check_usable(self, repairing: bool = False) -> None:
-        """Raise why the engine cannot step, if it cannot (a rank failed, or a control call's
-        commit failed; `repairing`: a weight load, which an inconsistent engine still takes)."""
-        if self._dead is not None:
-            raise self._dead
-        if self._inconsistent is not None and not repairing:
-            raise self._inconsistent
 
     def quiesce(self) -> None:
         """Apply the step in flight (asynchronous scheduling), if any, and keep its outputs
         for the next `step()`: afterwards no step is in flight and the next plan reads no
         placeholder tokens. A later `step()` schedules as a call that launched nothing would
         have left it."""
-        previous, self._in_flight = self._in_flight, None
+        previous, self.in_flight = self.in_flight, None
         if previous is None:
             return
         try:
@@ -183,35 +210,34 @@ class StepPipeline:
             self.scheduler.discard(previous.scheduled)  # its tokens will never be applied
             raise
 
-    def take_step_id(self) -> int:
-        """The next step id, for a message sent to every rank outside `step()` (a control
-        call): plans and calls share one counter, so ids give their order on the channel."""
-        step_id = self.step_id
-        self.step_id += 1
-        return step_id
-
-    def mark_inconsistent(self, error: EngineInconsistentError) -> None:
-        self._inconsistent = error
+    def settle(self) -> None:
+        """Apply the step in flight and drop its outputs (`EngineCore.reconfigure`, idle: its
+        rows are those of finished requests only, all discarded)."""
+        if self.in_flight is not None:
+            self._apply(self.in_flight)
+            self.in_flight = None
 
     def _launch(self, in_flight: SampledStep | None) -> LaunchedStep | None:
         """Schedule a step, send its plan to every rank and queue its forward pass; its
         placeholder inputs read `in_flight`'s sampled ids."""
-        step_id = self.step_id
-        with self._phase("schedule", step_id):
+        step_id = self.runner.step_id
+        with self.runner.phase("schedule", step_id):
             scheduled = schedule_step(self.scheduler, self.proposer)
         if scheduled.is_empty:
             return None
         # A draft model's DRAFT plans, sent by `schedule_step`, took the ids before this one.
-        step_id = self.step_id
-        with self._phase("build_plan", step_id):
-            plan, layout = plan_step(scheduled, step_id, self.scheduler.batch)
+        step_id = self.runner.step_id
+        with self.runner.phase("build_plan", step_id):
+            plan, layout = plan_step(
+                scheduled, step_id, self.scheduler.batch, self.hooks.plan_sections
+            )
             # KV blocks moving between tiers (evicted ones down, hits below up): every rank
             # copies them down before this plan's forward pass and up beside it.
-            copies = self.scheduler.block_manager.take_copies()
+            copies = self.scheduler.take_block_copies()
             if copies:
                 values = encode_block_copies(copies, scheduled.reads_copies_up)
                 plan = plan.with_sections(block_copies=values)
-        self.step_id += 1
+        self.runner.take_step_id()
         try:
             logits = self._run_forward(plan, in_flight)
         except BaseException:
@@ -221,19 +247,7 @@ class StepPipeline:
 
     def _run_forward(self, plan: StepPlan, in_flight: SampledStep | None) -> torch.Tensor:
         """Run `plan` on every rank through the executor; its logits rows."""
-        return self._run_plan(plan, in_flight.token_ids if in_flight is not None else None)
-
-    def _run_draft_plan(self, plan: StepPlan, sampled: torch.Tensor | None) -> torch.Tensor:
-        """A DRAFT plan of the draft-model proposer (numbered here), run on every rank."""
-        plan = dataclasses.replace(plan, step_id=self.step_id)
-        self.step_id += 1
-        with self._phase("draft", plan.step_id):
-            return self._run_plan(plan, sampled)
-
-    def _run_plan(self, plan: StepPlan, sampled: torch.Tensor | None) -> torch.Tensor:
-        """Have the executor run `plan`; `sampled`: what its placeholder ids read."""
-        with self.failures_named(f"step {plan.step_id}"):
-            return self.executor.execute(plan, sampled, self.timeline).logits
+        return self.runner.run_plan(plan, in_flight.token_ids if in_flight is not None else None)
 
     def _sample(self, step: LaunchedStep) -> SampledStep:
         """Queue sampling of every sampled logits row of `step` (one token per sampling entry,
@@ -243,7 +257,7 @@ class StepPipeline:
         host = HostCopies(logits.device)
         token_ids = host_token_ids = logprobs = prompt_logprobs = None
         logprob_seqs: list[Sequence] = []
-        with self._phase("sample", step.step_id):
+        with self.runner.phase("sample", step.step_id):
             if layout.num_sampled_rows:
                 rows = scheduled.rows[scheduled.samples]
                 live = self.scheduler.batch.live(rows, scheduled.serials[scheduled.samples])
@@ -279,8 +293,8 @@ class StepPipeline:
         position again draws the same, so there is nothing to undo).
         """
         scheduled = step.scheduled
-        with self._phase("update", step.step_id):
-            with self.failures_named(f"step {step.step_id}"):
+        with self.runner.phase("update", step.step_id):
+            with self.runner.failures_named(f"step {step.step_id}"):
                 step.host.wait()  # a failure of the step on the GPU surfaces here
             tokens = (
                 np.zeros(0, dtype=np.int64)
@@ -300,7 +314,9 @@ class StepPipeline:
             num_decode_tokens = scheduled.num_decodes
             if step.layout.num_drafts is not None:
                 # Counted once applied: only drafts that became output tokens are accepted.
-                self.spec_stats.record(step.layout.num_drafts, result.num_appended, self.proposer_k)
+                self.spec_stats.record(
+                    step.layout.num_drafts, result.num_appended, self.num_speculative_tokens
+                )
                 # Drafts that were not output (rejected, or after a stop) decoded nothing.
                 output_drafts = np.maximum(result.num_appended - 1, 0)
                 num_decode_tokens -= int((step.layout.num_drafts - output_drafts).sum())
@@ -343,26 +359,6 @@ class StepPipeline:
             queue_time_s=seq.queue_time_s if first else None,
             pooled=seq.pooled,
         )
-
-    def diagnose_stall(self) -> EngineDeadError | None:
-        """For a watchdog thread while `step()` is stuck: what the workers say about the step
-        in progress (see `failures.diagnose_stall`), or None when every worker is silent and
-        alive (a rank is truly hung)."""
-        return self.executor.diagnose_stall(self.step_id - 1)
-
-    def _phase(self, name: str, step_id: int) -> Any:
-        return phase_or_null(self.timeline, name, step_id)
-
-    @contextmanager
-    def failures_named(self, what: str) -> Iterator[None]:
-        """Turn a failure into EngineDeadError naming the rank at fault; the engine is dead
-        from then on."""
-        try:
-            with self.executor.guard(what):
-                yield
-        except EngineDeadError as exc:
-            self._dead = exc
-            raise
 
 
 def _drafts_per_row(

@@ -22,8 +22,10 @@ base model), read from the running batch's column that the adapter registry keep
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
+from typing import TypedDict
 
 import numpy as np
 
@@ -131,14 +133,19 @@ class LogitsLayout:
 
 
 def plan_step(
-    step: ScheduledStep, step_id: int, batch: RunningBatch
+    step: ScheduledStep,
+    step_id: int,
+    batch: RunningBatch,
+    sections: Iterable[Callable[[np.ndarray], dict[str, np.ndarray] | None]] = (),
 ) -> tuple[StepPlan, LogitsLayout]:
     """The plan of `step` and the layout of its logits rows (prompt-logprob and pooled rows
-    included)."""
+    included); `sections`: the features' sections from their own per-row state
+    (`CoreHooks.plan_sections`: LoRA's adapter slots), given the step's rows."""
     plan = build_step_plan(step, step_id)
-    if batch.num_adapter_rows:
-        # Each row's LoRA slot (`tp_engine.features.lora.registry`); left empty while every row runs the base.
-        plan = plan.with_sections(adapter_slots=batch.adapter_slot[step.rows])
+    for section in sections:
+        values = section(step.rows)
+        if values:
+            plan = plan.with_sections(**values)
     prompt_rows = prompt_logprob_rows(step, batch, plan)
     pooled = pooled_rows(step, batch, plan)
     if prompt_rows or pooled:
@@ -202,7 +209,16 @@ def _read_only(arr: np.ndarray) -> np.ndarray:
 
 
 # The changes of a step that changed no table (most decode steps): shared, hence read-only.
-_NO_CHANGES = {
+class TableChangeArrays(TypedDict):
+    """A StepPlan's block-table edit fields (`shm_ipc.step_plan`), int32."""
+
+    edit_rows: np.ndarray
+    edit_starts: np.ndarray
+    edit_offsets: np.ndarray
+    edit_blocks: np.ndarray
+
+
+_NO_CHANGES: TableChangeArrays = {
     "edit_rows": _read_only(np.zeros(0, dtype=np.int32)),
     "edit_starts": _read_only(np.zeros(0, dtype=np.int32)),
     "edit_offsets": _read_only(np.zeros(1, dtype=np.int32)),
@@ -210,7 +226,7 @@ _NO_CHANGES = {
 }
 
 
-def table_change_arrays(changes: TableChanges) -> dict[str, np.ndarray]:
+def table_change_arrays(changes: TableChanges) -> TableChangeArrays:
     """The StepPlan fields for a list of block-table changes."""
     if not changes.rows:
         return _NO_CHANGES

@@ -18,8 +18,6 @@ persistent batch of vLLM v1 and SGLang's request-to-token pool, for this engine.
       prompt_len[r], length_end[r], stops_on_eos[r], prompt_only[r],
       has_stop_ids[r], wants_prompt_logprobs[r]: what the stop checks and the scheduler read
       temperature[r], top_k[r], top_p[r], min_p[r], needs_python[r]: what sampling reads
-      adapter_slot[r]           the device slot of s's LoRA adapter, -1 for the base model
-                                (written by the adapter registry, a row listener)
 
 The batch alone owns a running sequence's counters (num_computed, num_inflight,
 num_placeholders): `add` moves them in from the `Sequence`, `remove` moves them back, and in
@@ -27,8 +25,9 @@ between the Sequence refuses to answer for them (`Sequence.row` is set). Code th
 applies a step reads them here, by row (`scheduled_end`, `num_uncomputed`). `live` is the one
 test of whether a row still holds the sequence a step was scheduled for (rows are reused).
 
-Per-row state kept elsewhere (the sampling builder's logits processors) follows the rows
-through `row_listeners`, told of every row taken and given back.
+Per-row state kept elsewhere (the sampling builder's logits processors, a feature's own rows:
+LoRA's adapter slots, a proposer's token arrays) follows the rows through `row_listeners`, told
+of every row taken and given back; nothing but the core writes these arrays.
 
 Rows are handed out lowest first and given back when their sequence stops running; `order`
 lists the occupied rows in admission order (the scheduler preempts from its end). Every change
@@ -150,7 +149,6 @@ class RunningBatch:
         # visits these in Python. (Changes of the logits are its processors', which keep their
         # own rows: `row_listeners`.)
         self.needs_python = np.zeros(r, dtype=bool)
-        self.adapter_slot = np.full(r, -1, dtype=np.int32)
         self.row_listeners: list[RowListener] = []
         # Occupied rows in admission order. Row indices are intp throughout the batch: numpy
         # gathers and scatters with intp indices directly, with int32 ones it first converts
@@ -161,9 +159,6 @@ class RunningBatch:
         self.num_prompt_only = 0
         self.num_with_stop_ids = 0
         self.num_wanting_prompt_logprobs = 0
-        # Running rows with a LoRA adapter (kept by the adapter registry): while 0, plans carry
-        # no adapter slots.
-        self.num_adapter_rows = 0
         # Rows given back so far. While it stays the same, every row holds the sequence it
         # held: a step scheduled at that count finds all its rows live when it is applied.
         self.num_removals = 0
@@ -265,7 +260,7 @@ class RunningBatch:
         rows_list = rows.tolist()
         seqs = self.seqs
         for row, block_id in zip(rows_list, block_ids, strict=True):
-            seqs[row].block_table.append(block_id)  # type: ignore[union-attr]
+            seqs[row].block_table.append(block_id)
         self.changes.add_single_blocks(rows_list, starts.tolist(), block_ids)
 
     def truncate_blocks(self, row: int, keep: int) -> None:

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tp_engine.core.running_batch import TableChanges
+from tp_engine.core.running_batch import RunningBatch, TableChanges
 from tp_engine.core.sequence import Sequence
 
 __all__ = [
@@ -36,6 +36,9 @@ class DraftProposer(Protocol):
     # fewer drafts than asked (n-gram lookup). True: it runs once they are allocated and gives
     # exactly the drafts asked (a draft model, which writes its own K/V at those positions).
     drafts_after_allocation: bool
+
+    def follow(self, batch: RunningBatch) -> None:
+        """Follow the rows of `batch` (a proposer's per-row state is its own)."""
 
     def eligible(self, rows: np.ndarray) -> np.ndarray:
         """[R] bool: which of batch `rows` may be drafted at all."""
@@ -194,3 +197,36 @@ class EntryLists:
     num_decodes: int = 0
     # Verify entries whose drafts come later: (row, drafts, entry index, offset in drafts).
     late: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    def add(
+        self, b: RunningBatch, seq: Sequence, num_tokens: int, drafts: np.ndarray | None = None
+    ) -> None:
+        """Plan `num_tokens` of running `seq` in this step (the one-by-one path); a verify entry
+        (`drafts`) computes its last token and then its drafts. Advances the row's in-flight
+        counter in `b`, the running batch."""
+        row = seq.row
+        assert row is not None
+        start = b.scheduled_end(row)
+        num_drafts = 0 if drafts is None else int(drafts.size)
+        num_known = num_tokens - num_drafts
+        samples = num_known == b.num_uncomputed(row) and not seq.is_prompt_only
+        placeholder = start >= seq.num_tokens  # the sample of the step in flight
+        self.rows.append(row)
+        self.serials.append(seq.serial)
+        self.num_scheduled.append(num_tokens)
+        self.starts.append(start)
+        self.samples.append(samples)
+        self.reads_placeholder.append(placeholder)
+        self.placeholder_rows.append(int(b.sample_row[row]) if placeholder else 0)
+        inputs = [] if placeholder else seq.token_ids[start : start + num_known]
+        self.num_drafts.append(num_drafts)
+        if num_drafts:
+            assert samples and num_known == 1 and not placeholder, seq
+            inputs += drafts.tolist()  # type: ignore[union-attr]
+            self.draft_tokens.append(drafts)  # type: ignore[arg-type]
+        self.inputs.append(inputs)
+        if placeholder:
+            assert num_tokens == 1, seq
+        if num_known == 1 and start >= seq.num_prompt_tokens:
+            self.num_decodes += num_tokens
+        b.num_inflight[row] += num_tokens

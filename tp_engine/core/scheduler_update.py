@@ -5,19 +5,46 @@ step, advances the token accounting, registers newly full blocks in the prefix c
 finishes sequences on EOS, a stop token id, max_tokens or max_model_len; a verify entry keeps
 the drafts it accepted. `discard()` undoes a scheduled step whose tokens will never be applied.
 
-Ownership: a mixin of `Scheduler`, whose attributes it uses.
+Ownership: one `StepUpdater` per `Scheduler`, over the running batch, the KV manager, the
+request queue and the block allocation it is given (a finished sequence gives its row and
+blocks back through `BlockAllocation.retire` and leaves the queue's table); it owns the stop
+rule's EOS ids.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
+from tp_engine.core.block_allocation import BlockAllocation
+from tp_engine.core.kv.base import KVTier
+from tp_engine.core.request_queue import RequestQueue
+from tp_engine.core.running_batch import RunningBatch
 from tp_engine.core.scheduled_step import ScheduledStep, UpdateResult
 from tp_engine.core.sequence import Sequence, SequenceStatus
 
+__all__ = ["StepUpdater"]
 
-class StepUpdate:
-    """`Scheduler`'s update half (see the module docstring)."""
+
+class StepUpdater:
+    """Applies steps and undoes discarded ones (see the module docstring)."""
+
+    def __init__(
+        self,
+        batch: RunningBatch,
+        kv: KVTier,
+        queue: RequestQueue,
+        alloc: BlockAllocation,
+        eos_token_ids: Iterable[int],
+    ) -> None:
+        self.batch = batch
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.queue = queue
+        self.alloc = alloc
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._eos_ids = sorted(self.eos_token_ids)
 
     def update(
         self,
@@ -122,15 +149,15 @@ class StepUpdate:
         """Register in the prefix cache the blocks of `rows` now full of computed K/V of known
         tokens (`computed` of them; `before`: as many before this step, to skip rows that
         crossed no block boundary, as most decodes; None: look at every row)."""
-        if not self.block_manager.enable_prefix_caching or not rows.size:
+        if not self.kv.enable_prefix_caching or not rows.size:
             return
         bs = self.block_size
         if before is not None:
             crossed = (computed // bs > before // bs).nonzero()[0]
             rows, computed = rows[crossed], computed[crossed]
         if rows.size:
-            self.block_manager.commit_computed_blocks_of(
-                [self.batch.seqs[row] for row in rows.tolist()],  # type: ignore[misc]
+            self.kv.commit_computed_blocks_of(
+                [self.batch.seqs[row] for row in rows.tolist()],
                 computed.tolist(),
             )
 
@@ -141,7 +168,7 @@ class StepUpdate:
         b.num_tokens[rows] = num_tokens
         b.last_token[rows] = tokens
         for row, token in zip(rows.tolist(), tokens.tolist(), strict=True):
-            b.seqs[row].token_ids.append(token)  # type: ignore[union-attr]
+            b.seqs[row].token_ids.append(token)
         return self._stop(rows, tokens, num_tokens)
 
     def _append_ragged(
@@ -169,7 +196,7 @@ class StepUpdate:
         needed = -(-b.num_tokens[rows] // self.block_size)  # blocks for every known token
         surplus = b.num_blocks[rows] > needed
         for row, keep in zip(rows[surplus].tolist(), needed[surplus].tolist(), strict=True):
-            self.block_manager.free_tail(b.seqs[row], keep)  # type: ignore[arg-type]
+            self.kv.free_tail(b.seqs[row], keep)
             b.truncate_blocks(row, keep)
 
     def _stop(self, rows: np.ndarray, tokens: np.ndarray, num_tokens: np.ndarray) -> list[Sequence]:
@@ -213,9 +240,9 @@ class StepUpdate:
 
     def _end(self, seq: Sequence | None, status: SequenceStatus) -> Sequence:
         assert seq is not None
-        self._retire(seq)
+        self.alloc.retire(seq)
         seq.status = status
-        del self._seqs[seq.seq_id]
+        self.queue.forget(seq)
         return seq
 
     def discard(self, step: ScheduledStep) -> None:

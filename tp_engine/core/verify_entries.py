@@ -6,7 +6,9 @@ optional work and only take blocks left free once every scheduled sequence's own
 theirs (cut to fit), so a draft never preempts anyone. Drafts a proposer makes only after
 allocation are left as zeros (`LateDrafts`) and filled in by `fill_drafts`.
 
-Ownership: a mixin of `Scheduler`, whose attributes it uses.
+Ownership: one `VerifyPlanner` per `Scheduler`, over the running batch, the KV manager and the
+block allocation it is given; it keeps no state between steps. The step planner
+(`step_planner`) hands it the decodes that got drafts.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tp_engine.core.block_allocation import BlockAllocation
+from tp_engine.core.kv.base import KVTier
+from tp_engine.core.running_batch import RunningBatch
 from tp_engine.core.scheduled_step import (
     Drafts,
     DraftSlots,
@@ -26,7 +31,7 @@ from tp_engine.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
-class _Verify:
+class PlannedVerify:
     """A verify entry being planned: its sequence, the drafts it gets (so far) and the drafts
     themselves (None until a proposer that drafts after allocation has made them)."""
 
@@ -34,15 +39,31 @@ class _Verify:
     num_drafts: int
     drafts: np.ndarray | None
 
+    @property
+    def row(self) -> int:
+        """Its sequence's row (it runs)."""
+        assert self.seq.row is not None
+        return self.seq.row
 
-class VerifyPlanning:
-    """`Scheduler`'s planning of verify entries (see the module docstring)."""
 
-    def draft_slots(self, num_speculative_tokens: int) -> DraftSlots | None:
-        """The decodes the next `schedule()` may turn into verify entries, and the most drafts
-        each may have (None: none may). The step pipeline asks a proposer for them and hands
-        the drafts to `schedule`; nothing changes in between."""
-        _, single, start, num_known, _, _ = self._split_running()
+class VerifyPlanner:
+    """Plans the verify entries of a step (see the module docstring)."""
+
+    def __init__(self, batch: RunningBatch, kv: KVTier, alloc: BlockAllocation) -> None:
+        self.batch = batch
+        self.kv = kv
+        self.alloc = alloc
+
+    def draft_slots(
+        self,
+        single: np.ndarray,
+        start: np.ndarray,
+        num_known: np.ndarray,
+        num_speculative_tokens: int,
+    ) -> DraftSlots | None:
+        """Of the decodes (rows `single`, their next positions `start` and known tokens, as
+        `StepPlanner.split_running` finds them), those the next `schedule()` may turn into
+        verify entries, and the most drafts each may have (None: none may)."""
         if not single.size:
             return None
         b = self.batch
@@ -55,7 +76,7 @@ class VerifyPlanning:
             return None
         return DraftSlots(single[candidates], max_drafts[candidates].astype(np.int32))
 
-    def _take_drafts(
+    def take_drafts(
         self,
         single: np.ndarray,
         start: np.ndarray,
@@ -81,44 +102,45 @@ class VerifyPlanning:
         keep = ~np.isin(single, [row for row, _, _ in verify])
         return single[keep], start[keep], num_known[keep], verify
 
-    def _reserve_verify_entries(
+    def reserve(
         self,
         verify: list[tuple[int, int, np.ndarray | None]],
         single: np.ndarray,
         budget: int,
         preempted: list[Sequence],
-    ) -> tuple[int, list[_Verify]]:
+    ) -> tuple[int, list[PlannedVerify]]:
         """The token budget and each verify entry's (row, drafts wanted, drafts) own token's
         block, preempting for it as for any decode: fewer drafts when the budget is short.
         Returns the budget left and the entries kept (in order); their drafts get blocks later,
-        from what is free (`_add_verify_entries`)."""
+        from what is free (`add_entries`)."""
         b = self.batch
         # Each entry's own token first; drafts share what is left of the budget, in order.
         spare = budget - len(verify)
-        planned: list[_Verify] = []
+        planned: list[PlannedVerify] = []
         for row, wanted, drafts in verify:
             seq = b.seqs[row]
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(wanted, max(0, spare))
-            in_step = lambda: set(single.tolist()) | {v.seq.row for v in planned}  # noqa: E731
-            if not self._allocate_or_preempt(seq, 1, in_step, preempted):
+            in_step = lambda: set(single.tolist()) | {v.row for v in planned}  # noqa: E731
+            if not self.alloc.allocate_or_preempt(seq, 1, in_step, preempted):
                 spare += 1  # its own token is not used either
                 continue
-            planned.append(_Verify(seq, n, drafts))
+            planned.append(PlannedVerify(seq, n, drafts))
             budget -= 1 + n
             spare -= n
         return budget, planned
 
-    def _add_verify_entries(self, entries: EntryLists, planned: list[_Verify]) -> int:
+    def add_entries(self, entries: EntryLists, planned: list[PlannedVerify]) -> int:
         """Plan the verify entries (own tokens' blocks held already): their drafts cut to the
         positions the blocks they hold and the free blocks can take, in order, so that a draft
         never makes anyone be preempted; drafts not made yet (a proposer that drafts after
         allocation) are left to the step pipeline (`LateDrafts`). Returns the budget of the
         drafts cut."""
-        b, bm, bs = self.batch, self.block_manager, self.block_size
+        b, bm = self.batch, self.kv
+        bs = bm.block_size
         cut = 0
-        ready: list[_Verify] = []
+        ready: list[PlannedVerify] = []
         for v in planned:
             seq, n = v.seq, v.num_drafts
             assert seq.row is not None
@@ -132,15 +154,15 @@ class VerifyPlanning:
                     b.sync_blocks(seq)
                 cut += n - fit
                 n = fit
-            ready.append(_Verify(seq, n, None if v.drafts is None else v.drafts[:n]))
+            ready.append(PlannedVerify(seq, n, None if v.drafts is None else v.drafts[:n]))
         for v in ready:
             late = v.drafts is None and v.num_drafts > 0
             if late:
                 # Zeros until the proposer has made them (`fill_drafts`).
                 offset = sum(d.size for d in entries.draft_tokens)
-                entries.late.append((v.seq.row, v.num_drafts, len(entries.inputs), offset))
+                entries.late.append((v.row, v.num_drafts, len(entries.inputs), offset))
             drafts = np.zeros(v.num_drafts, dtype=np.int32) if late else v.drafts
-            self._add_entry(entries, v.seq, 1 + v.num_drafts, drafts if v.num_drafts else None)
+            entries.add(self.batch, v.seq, 1 + v.num_drafts, drafts if v.num_drafts else None)
         return cut
 
     def fill_drafts(self, step: ScheduledStep, tokens: np.ndarray) -> ScheduledStep:

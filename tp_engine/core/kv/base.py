@@ -37,9 +37,12 @@ class KVTier(Protocol):
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
-    # Prefix-cache lookups and hits, in blocks, since start (metrics).
+    # Prefix-cache lookups and hits, in blocks, since start (metrics); of them, those that
+    # looked in and found blocks in the tiers below.
     prefix_cache_queries: int
     prefix_cache_hits: int
+    external_queries: int
+    external_hits: int
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,9 +128,10 @@ class LowerTier(Protocol):
         """Take copies of the full device blocks `device_blocks` (holding `blocks`), evicting
         its own least recently used ones (never one a pending copy reads); the copies down."""
 
-    # Called with each block the device tier registers in its prefix cache (each chain in
-    # order); None: the tier needs no such call (the device tier's commits are a hot path).
-    committed: Callable[[LowerHit], None] | None
+    @property
+    def committed(self) -> Callable[[LowerHit], None] | None:
+        """Called with each block the device tier registers in its prefix cache (each chain in
+        order); None: the tier needs no such call (the device tier's commits are a hot path)."""
 
     def unpin(self) -> None:
         """The copies decided so far have left in a plan: blocks they read may be evicted."""

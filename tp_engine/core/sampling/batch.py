@@ -115,8 +115,8 @@ class SamplingBatchBuilder(RowFollower):
             live = np.ones(rows.size, dtype=bool)
         num_rows = int(rows.size)
         fields: dict = {"num_rows": num_rows}
-        asking = [(p, p.asking(rows, live)) for p in self.processors]
-        asking = [(p, positions) for p, positions in asking if positions is not None]
+        candidates = [(p, p.asking(rows, live)) for p in self.processors]
+        asking = [(p, positions) for p, positions in candidates if positions is not None]
         edited_index = np.full(num_rows, -1, dtype=np.int64)
         if asking:
             edited = np.unique(np.concatenate([positions for _, positions in asking]))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable, Iterable
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult, EngineControl
@@ -27,7 +27,7 @@ from tp_engine.lora_request import LoRARequest
 
 if TYPE_CHECKING:
     from tp_engine.config import EngineConfig
-    from tp_engine.core.hooks import CoreHooks
+    from tp_engine.core.hooks import CoreAccess, CoreHooks
 
 logger = logging.getLogger(__name__)
 
@@ -86,75 +86,62 @@ def build_registry(config: EngineConfig, control: EngineControl) -> AdapterRegis
     )
 
 
-class LoRAHost(Protocol):
-    """What these operations need of the engine (`LLMEngine` is one): its registry and the
-    core's public methods."""
-
-    lora: AdapterRegistry | None
-
-    def waiting(self) -> list[Sequence]:
-        """The scheduler's waiting queue."""
-
-    def finish_request(self, seq_id: str, status: SequenceStatus) -> bool:
-        """End one sequence."""
-
-
-def plug_in(reg: AdapterRegistry, engine: LoRAHost, hooks: CoreHooks) -> None:
+def plug_in(reg: AdapterRegistry, core: CoreAccess, hooks: CoreHooks) -> None:
     """Plug LoRA into the engine core: adapters attach to new requests, the slots are filled
     before each step, a waiting sequence is admitted once its adapter has a slot, the
-    registry follows the running batch's rows and the stats name the adapters."""
-    hooks.attach_adapter = lambda request, seqs: attach(engine, request, seqs)
-    hooks.before_step.append(lambda outside: prepare_slots(engine, outside))
-    hooks.batch_followers.append(reg.follow)
+    registry follows the running batch's rows (its own per-row slots, which each plan carries
+    as its `adapter_slots` section) and the stats name the adapters. The caller updates the
+    core's gate once every feature is plugged in."""
+    hooks.attach_adapter = lambda request, seqs: attach(reg, request, seqs)
+    hooks.before_step.append(lambda outside: prepare_slots(reg, core, outside))
     hooks.admits = reg.admits
-    hooks.stats.append(lambda: adapter_stats(engine))
+    hooks.plan_sections.append(reg.plan_sections)
+    hooks.stats.append(lambda: adapter_stats(reg, core))
+    core.follow_batch(reg.follow)
 
 
-def registry(engine: LoRAHost, request: object) -> AdapterRegistry:
-    if engine.lora is None:
+def registry(reg: AdapterRegistry | None, request: object) -> AdapterRegistry:
+    if reg is None:
         raise ValueError(f"Got lora_request {request} but LoRA is not enabled!")
-    return engine.lora
+    return reg
 
 
-def attach(engine: LoRAHost, request: LoRARequest, seqs: list[Sequence]) -> None:
+def attach(reg: AdapterRegistry | None, request: LoRARequest, seqs: list[Sequence]) -> None:
     """Run `seqs` (a new request's) with `request`'s adapter, registering it on first use."""
-    adapter = registry(engine, request).register(request)
+    adapter = registry(reg, request).register(request)
     for seq in seqs:
         adapter.attach(seq)
 
 
-def add_lora(engine: LoRAHost, request: LoRARequest) -> bool:
+def add_lora(reg: AdapterRegistry | None, request: LoRARequest) -> bool:
     """Register an adapter and load it into a slot if one can be had, so that every rank has
     checked it (vLLM's `add_lora`); False if its id is registered already. Raises ValueError
     (`ControlRefusedError` from a rank) when it cannot be served; nothing is kept then."""
-    reg = registry(engine, request)
+    reg = registry(reg, request)
     if request.lora_int_id in reg.by_id:
         return False
     reg.preload(reg.register(request))
     return True
 
 
-def remove_lora(engine: LoRAHost, lora_int_id: int) -> bool:
+def remove_lora(reg: AdapterRegistry | None, lora_int_id: int) -> bool:
     """Stop serving an adapter (False if unknown): its running and waiting requests finish on
     it, then its slot is given back."""
-    return engine.lora is not None and engine.lora.remove(lora_int_id)
+    return reg is not None and reg.remove(lora_int_id)
 
 
-def list_loras(engine: LoRAHost) -> set[int]:
-    return set() if engine.lora is None else set(engine.lora.list_loras())
+def list_loras(reg: AdapterRegistry | None) -> set[int]:
+    return set() if reg is None else set(reg.list_loras())
 
 
-def adapter_stats(engine: LoRAHost) -> dict[str, Any]:
+def adapter_stats(reg: AdapterRegistry, core: CoreAccess) -> dict[str, Any]:
     """`EngineStats`' LoRA fields: the slots and the adapters of running and waiting requests
-    (by name, sorted); nothing without LoRA."""
-    reg = engine.lora
-    if reg is None:
-        return {}
+    (by name, sorted)."""
     running = {a.request.lora_name for a in reg.by_load_id.values() if a.num_running}
     # A waiting sequence whose adapter was refused meanwhile (ended next step) names none.
     waiting = {
         adapter.request.lora_name
-        for seq in engine.waiting()
+        for seq in core.waiting()
         if seq.adapter_id is not None and (adapter := reg.by_load_id.get(seq.adapter_id))
     }
     return {
@@ -164,16 +151,17 @@ def adapter_stats(engine: LoRAHost) -> dict[str, Any]:
     }
 
 
-def prepare_slots(engine: LoRAHost, outside: Iterable[Sequence]) -> list[Sequence]:
+def prepare_slots(
+    reg: AdapterRegistry, core: CoreAccess, outside: Iterable[Sequence]
+) -> list[Sequence]:
     """Between steps: free the slots of removed adapters nobody uses (`outside`: sequences not
     in the scheduler yet), load the adapters the waiting queue needs. Returns the waiting
     sequences whose adapter the ranks refused, ended (aborted) here."""
-    reg, waiting = engine.lora, engine.waiting()
-    assert reg is not None
+    waiting = core.waiting()
     reg.release_removed(chain(waiting, outside))
     if not waiting:
         return []
     failed = reg.prepare_slots(waiting)
     for seq in failed:
-        engine.finish_request(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
+        core.finish_request(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
     return failed

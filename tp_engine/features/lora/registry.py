@@ -5,7 +5,7 @@ Ownership: the engine owns one `AdapterRegistry` when `enable_lora` is on. The r
 slot stacks and read adapter files themselves (`rank_worker.lora`); rank 0 decides, between
 steps, which adapter each of the `max_loras` slots holds and tells every rank through the
 control calls LOAD_LORA and UNLOAD_LORA (`SlotLoader`). A step's plan carries each row's slot
-(`RunningBatch.adapter_slot`, -1 for the base model).
+(`plan_sections`: the registry's own per-row `adapter_slot`, -1 for the base model).
 
 An adapter's life here:
 
@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from tp_engine.core.running_batch import RowFollower
 from tp_engine.lora_request import LoRARequest
@@ -107,7 +109,7 @@ class AdapterRegistry(RowFollower):
     """
 
     def __init__(
-        self, max_loras: int, loader: SlotLoader, check_config: Callable[[str], None]
+        self, max_loras: int, loader: SlotLoader, check_config: Callable[[str], object]
     ) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
@@ -123,6 +125,10 @@ class AdapterRegistry(RowFollower):
         self._lru = list(range(max_loras))
         # row -> the adapter its running sequence pins (None: base).
         self._row_adapter: list[Adapter | None] = []
+        # [max_rows] int32: each running row's slot, -1 for the base model; and how many rows
+        # run an adapter (while 0, plans carry no adapter slots).
+        self.adapter_slot = np.full(0, -1, dtype=np.int32)
+        self.num_adapter_rows = 0
 
     # -- registration ----------------------------------------------------------------------------
 
@@ -267,6 +273,8 @@ class AdapterRegistry(RowFollower):
         for adapter in self.by_load_id.values():
             adapter.num_running = 0
         self._row_adapter = [None] * max_rows
+        self.adapter_slot = np.full(max_rows, -1, dtype=np.int32)
+        self.num_adapter_rows = 0
 
     def add_row(self, row: int, seq: Sequence) -> None:
         if seq.adapter_id is None:
@@ -276,10 +284,8 @@ class AdapterRegistry(RowFollower):
             raise AssertionError(f"{seq} admitted without its adapter in a slot")
         adapter.num_running += 1
         self._row_adapter[row] = adapter
-        batch = self._batch
-        assert batch is not None
-        batch.adapter_slot[row] = adapter.slot
-        batch.num_adapter_rows += 1
+        self.adapter_slot[row] = adapter.slot
+        self.num_adapter_rows += 1
         self._touch(adapter.slot)
 
     def remove_row(self, row: int) -> None:
@@ -288,7 +294,12 @@ class AdapterRegistry(RowFollower):
             return
         adapter.num_running -= 1
         self._row_adapter[row] = None
-        batch = self._batch
-        assert batch is not None
-        batch.adapter_slot[row] = -1
-        batch.num_adapter_rows -= 1
+        self.adapter_slot[row] = -1
+        self.num_adapter_rows -= 1
+
+    def plan_sections(self, rows: np.ndarray) -> dict[str, np.ndarray] | None:
+        """The `adapter_slots` section of a plan over batch `rows` (`CoreHooks.plan_sections`);
+        None while every row runs the base model."""
+        if not self.num_adapter_rows:
+            return None
+        return {"adapter_slots": self.adapter_slot[rows]}

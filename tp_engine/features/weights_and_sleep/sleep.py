@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from rank_worker.control import ControlOp, ControlResult
 from rank_worker.device_sleep import SLEEP_LEVELS, SleepTag
+from tp_engine.core.hooks import CoreAccess
 from tp_engine.executor.control import ControlRefusedError, EngineControl, EngineInconsistentError
 
 logger = logging.getLogger(__name__)
@@ -53,29 +54,12 @@ class WeightsNotLoadedError(RuntimeError):
         )
 
 
-class SleepHost(Protocol):
-    """What `EngineSleep` needs of the engine (`LLMEngine` is one)."""
-
-    control: EngineControl
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop every unreferenced cached block."""
-
-    def abort_unfinished(self) -> list[str]:
-        """Abort every unfinished sequence; their ids."""
-
-    def update_gate(self) -> None:
-        """Set the scheduler's gate from the engine's states (this one's included)."""
-
-    def mark_inconsistent(self, error: EngineInconsistentError) -> None:
-        """From now on every step raises `error`."""
-
-
 class EngineSleep:
     """The engine's sleep state, the same on every rank (checked at every call)."""
 
-    def __init__(self, engine: SleepHost) -> None:
-        self.engine = engine
+    def __init__(self, core: CoreAccess, control: EngineControl) -> None:
+        self.core = core
+        self.control = control
         # Sleeping tag -> the level it sleeps at, as every rank reported at the last call.
         self.asleep: dict[str, int] = {}
         self.weights_lost = False
@@ -107,10 +91,10 @@ class EngineSleep:
             return []  # already as deep asleep as asked
         deeper = self.is_sleeping  # level 2 over 1: the requests waiting for the wake stay
         self._call(ControlOp.SLEEP, {"level": level, "asleep": dict(self.asleep)})
-        engine = self.engine
-        aborted = [] if deeper else engine.abort_unfinished()
-        engine.reset_prefix_cache()
-        engine.update_gate()
+        core = self.core
+        aborted = [] if deeper else core.abort_unfinished()
+        core.reset_prefix_cache()
+        core.update_gate()
         logger.info("asleep (level %d); aborted %d sequences", level, len(aborted))
         return aborted
 
@@ -121,7 +105,7 @@ class EngineSleep:
         if not any(tag in self.asleep for tag in wanted):
             return
         self._call(ControlOp.WAKE, {"tags": wanted, "asleep": dict(self.asleep)})
-        self.engine.update_gate()
+        self.core.update_gate()
         logger.info("woke %s; still asleep: %s", wanted, sorted(self.asleep) or "nothing")
 
     def note_weights_loaded(self) -> None:
@@ -129,7 +113,7 @@ class EngineSleep:
         code calls this after a full update; each rank's commit should likewise call
         `DeviceSleep.note_weights_loaded`)."""
         self.weights_lost = False
-        self.engine.update_gate()
+        self.core.update_gate()
 
     def memory_report(self) -> list[dict[str, int]]:
         """Every rank's device and host bytes ({"weights", "kv_cache", "host_backup"})."""
@@ -137,7 +121,7 @@ class EngineSleep:
         return self.memory
 
     def _call(self, op: ControlOp, args: dict[str, Any]) -> ControlResult:
-        result = self.engine.control.call(op, args)
+        result = self.control.call(op, args)
         if not result.ok:
             raise ControlRefusedError(result.message)
         states = result.results
@@ -147,7 +131,7 @@ class EngineSleep:
                 f"{op.name}: the ranks' sleeping tags differ: {[s['asleep'] for s in states]}",
                 result,
             )
-            self.engine.mark_inconsistent(error)
+            self.core.mark_inconsistent(error)
             raise error
         if op is not ControlOp.MEMORY_REPORT:
             self.asleep = dict(asleep)

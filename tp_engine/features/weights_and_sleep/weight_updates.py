@@ -39,28 +39,23 @@ from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlRe
 
 if TYPE_CHECKING:
     from rank_worker.model_runner import ModelRunner
-    from tp_engine.executor.control import EngineControl, EngineInconsistentError
+    from tp_engine.core.hooks import CoreAccess
+    from tp_engine.executor.control import EngineControl
     from tp_engine.features.weights_and_sleep.sleep import EngineSleep
 
 
 class UpdateHost(Protocol):
-    """What a weight update needs of the engine (`LLMEngine` is one; a protocol, so that this
-    module and the engine do not import each other)."""
+    """What a weight update needs of the bring-up (`LLMEngine` is one; a protocol, so that
+    this module and the engine do not import each other): the control calls, rank 0's model
+    (its names and shapes), sleep mode, the checkpoint, the weights' label, and of the core
+    only its `CoreAccess`."""
 
+    core: CoreAccess
     control: EngineControl
     runner: ModelRunner  # rank 0's
     sleep_state: EngineSleep
     model_dir: Path
     weight_version: str
-
-    @property
-    def inconsistent(self) -> EngineInconsistentError | None: ...
-
-    def note_weights_loaded(self) -> None: ...
-
-    def note_consistent(self) -> None: ...
-
-    def advance_kv_epoch(self, flush: bool = True) -> None: ...
 
 
 # Bytes of tensors per broadcast from rank 0 (vLLM's packed transfer uses 1 GiB, TRL 256 MB).
@@ -91,13 +86,13 @@ def _committed(
     caller's, and once an update has written every weight (`names`: the update's tensors; None:
     a whole checkpoint) weights that a level-2 sleep discarded count as loaded and ranks that a
     failed commit left inconsistent agree again."""
-    engine.advance_kv_epoch(flush=flush_cache)
+    engine.core.advance_kv_epoch(flush=flush_cache)
     if weight_version is not None:
         engine.weight_version = str(weight_version)
-    needs_all = engine.sleep_state.weights_lost or engine.inconsistent is not None
+    needs_all = engine.sleep_state.weights_lost or engine.core.inconsistent is not None
     if needs_all and (names is None or _covers_every_weight(engine, names)):
-        engine.note_weights_loaded()
-        engine.note_consistent()
+        engine.sleep_state.note_weights_loaded()
+        engine.core.note_consistent()
 
 
 def _covers_every_weight(engine: UpdateHost, names: Iterable[str]) -> bool:

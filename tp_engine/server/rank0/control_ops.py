@@ -49,9 +49,8 @@ def _weight_version(engine: LLMEngine, args: dict[str, Any]) -> dict[str, Any]:
 def _reset_prefix_cache(engine: LLMEngine, args: dict[str, Any]) -> dict[str, Any]:
     """How many unreferenced cached blocks were dropped, and whether nothing stays cached
     (running requests keep theirs)."""
-    bm = engine.scheduler.block_manager
-    dropped = bm.reset_prefix_cache()
-    return {"num_dropped_blocks": dropped, "fully_reset": not bm.cached}
+    dropped = engine.drop_cached_blocks()
+    return {"num_dropped_blocks": dropped, "fully_reset": engine.num_cached_blocks == 0}
 
 
 def _update_from_disk(engine: LLMEngine, args: dict[str, Any]) -> None:

@@ -3,8 +3,8 @@
     python benchmarks/api_process.py --repeats 5 --out result.json
 
 Each repeat starts a fresh interpreter that does what `tp_engine.server.api.app.main` does
-before it serves: import the app module (and uvicorn and transformers' AutoTokenizer, which
-`main` imports), connect to rank 0's pipes, take Hello, load the tokenizer, resolve the chat
+before it serves: import the app module (and uvicorn, and transformers' AutoTokenizer where the
+app has no tokenizer loader of its own), connect to rank 0's pipes, take Hello, load the tokenizer, resolve the chat
 parsers, build the `EngineClient` and the FastAPI app, and bind uvicorn's socket; then it says
 Ready. This process plays rank 0: it binds the pipes and sends Hello as soon as the child has
 connected (so no weight loading is waited for). Hello turns every optional route on (weight
@@ -41,7 +41,6 @@ def child(run_dir: str, parent_pid: int) -> None:
     import resource
 
     import uvicorn
-    from transformers import AutoTokenizer
 
     from shm_ipc.liveness import ProcessWatch
     from tp_engine.server.api import app as app_module
@@ -51,12 +50,18 @@ def child(run_dir: str, parent_pid: int) -> None:
     from tp_engine.server.ipc import ApiPipes
     from tp_engine.server.messages import Ready
 
+    # The API process's own loader (torch-free), or AutoTokenizer before it had one.
+    load = getattr(app_module, "load_tokenizer", None)
+    if load is None:
+        from transformers import AutoTokenizer
+
+        load = AutoTokenizer.from_pretrained
     t1 = time.perf_counter()
     pipes = ApiPipes(run_dir)
     hello = app_module._wait_for_hello(pipes, ProcessWatch(parent_pid))
     assert hello is not None, "rank 0 sent no Hello"
     t2 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(hello.tokenizer_dir or hello.model_dir)
+    tokenizer = load(hello.tokenizer_dir or hello.model_dir)
     t3 = time.perf_counter()
     parsing = ChatParsing.resolve(
         tokenizer, hello.reasoning_parser, hello.tool_call_parser, hello.enable_auto_tool_choice

@@ -132,6 +132,11 @@ class AddRequest:
     # Its LoRA adapter as [name, lora_int_id, path, base_model_name]; None: the base model.
     # Rank 0 refuses (404) an adapter unloaded meanwhile.
     lora_request: list[Any] | None = None
+    # The output constraint's parses, in order: each `StructuredOutputsParams` fields by the
+    # request's field it names. Rank 0 runs them before the engine sees the request (a 400
+    # naming that field: `Rejected.param`), because parsing imports xgrammar, and so torch,
+    # which the API process never loads (`tp_engine.server.api.constraints`).
+    constraint_checks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,8 @@ class Rejected:
     # HTTP status for the client: 400 for an invalid request, 503 while shutting down.
     status: int
     message: str
+    # The request's field at fault (OpenAI's error `param`), when one is.
+    param: str | None = None
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ class EngineClient:
         sampling_params: dict[str, Any],
         pooling_params: dict[str, Any] | None = None,
         lora_request: list[Any] | None = None,
+        constraint_checks: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         """Send one engine request; its events go to `queue`. With `pooling_params` it pools
         its prompt instead of sampling (`sampling_params` is then empty)."""
@@ -99,6 +100,7 @@ class EngineClient:
                 sampling_params,
                 pooling_params=pooling_params,
                 lora_request=lora_request,
+                constraint_checks=constraint_checks or {},
             )
         )
 

@@ -90,8 +90,11 @@ class Generation:
         n: int,
         stop: StopOptions,
         adapter: LoRARequest | None = None,
+        constraint_checks: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.client = client
+        # The output constraint's parses, by the field each names: rank 0 runs them (`constraints`).
+        self.constraint_checks = constraint_checks or {}
         # The LoRA adapter the request's `model` picked (None: the base model).
         self.adapter = adapter
         self.request_id = request_id
@@ -139,6 +142,7 @@ class Generation:
                 self.prompts[p].token_ids,
                 params,
                 lora_request=wire(self.adapter),
+                constraint_checks=self.constraint_checks,
             )
         pending = set(self.engine_ids)
         rejection: Rejected | None = None
@@ -159,7 +163,7 @@ class Generation:
             self.close()
             # A 404: the adapter its `model` named was unloaded meanwhile (vLLM's NotFoundError).
             kind = "NotFoundError" if rejection.status == 404 else None
-            raise APIError(rejection.status, rejection.message, type=kind)
+            raise APIError(rejection.status, rejection.message, type=kind, param=rejection.param)
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Updates of every choice, in arrival order, until all have finished."""

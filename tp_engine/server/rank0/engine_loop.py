@@ -41,6 +41,7 @@ import numpy as np
 from tp_engine.core.engine_states import PauseMode
 from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
 from tp_engine.engine import EngineDeadError, LLMEngine
+from tp_engine.features.structured.grammar import parse_refusal
 from tp_engine.features.weights_and_sleep.sleep import WeightsNotLoadedError
 from tp_engine.lora_request import LoRARequest
 from tp_engine.outputs import SequenceOutput
@@ -223,6 +224,11 @@ class EngineLoop:
                 Rejected(msg.request_id, 404, f"The model `{lora.lora_name}` does not exist.")
             )
             return
+        for param, fields in msg.constraint_checks.items():  # the API process cannot parse
+            why = parse_refusal(fields, param)
+            if why is not None:
+                self._rejected.append(Rejected(msg.request_id, 400, why, param))
+                return
         try:
             seq_ids = self.engine.add_request(
                 msg.request_id, msg.prompt_token_ids, _params(msg), lora_request=lora

@@ -26,8 +26,7 @@ from tp_engine.sampling_params import SamplingParams
 from tp_engine.server.api.engine_client import ACCEPTED, EngineClient, EngineDied
 from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.api.logprob_format import Entry, cut_top
-from tp_engine.server.api.models import wire
-from tp_engine.server.messages import Delta, Rejected
+from tp_engine.server.messages import Delta, Rejected, TokenLogprobs
 
 
 class EngineDiedError(RuntimeError):
@@ -52,9 +51,9 @@ class Choice:
     queue_time_s: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    # Per output token, when logprobs were asked for: [token ids, logprobs, rank] (the sampled
+    # Per output token, when logprobs were asked for: token ids, logprobs, rank (the sampled
     # token first, then the top-k).
-    logprobs: list[list[Any]] | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -66,7 +65,7 @@ class ChoiceUpdate:
     choice: Choice
     text: str
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[list[Any]] | None = None  # of `token_ids`, when asked for
+    logprobs: list[TokenLogprobs] | None = None  # of `token_ids`, when asked for
 
 
 @dataclass(frozen=True)
@@ -117,7 +116,7 @@ class Generation:
         self._n = n
         self._prompt_of = {rid: p for p, rid in enumerate(self.engine_ids)}
         # Per prompt, when prompt_logprobs were asked for (from sample 0's first Delta).
-        self.prompt_logprobs: list[list[Any] | None] = [None] * len(prompts)
+        self.prompt_logprobs: list[list[TokenLogprobs | None] | None] = [None] * len(prompts)
         self._early: list[tuple[str, Any]] = []
 
     def deliver(self, engine_id: str, event: Any) -> None:
@@ -141,7 +140,7 @@ class Generation:
                 engine_id,
                 self.prompts[p].token_ids,
                 params,
-                lora_request=wire(self.adapter),
+                lora_request=self.adapter,
                 constraint_checks=self.constraint_checks,
             )
         pending = set(self.engine_ids)

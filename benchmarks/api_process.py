@@ -117,7 +117,6 @@ def one_run(tokenizer_dir: str) -> dict[str, Any]:
     run = RunDir.create()
     pipes = EnginePipes(run)
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, __file__, "--child", run.path, str(os.getpid())],
@@ -148,6 +147,22 @@ def one_run(tokenizer_dir: str) -> dict[str, Any]:
     return {"ready_s": ready_s, **json.loads(lines[-1][len("RESULT ") :])}
 
 
+def run_under(tokenizer_dir: str, root: Path) -> dict[str, Any]:
+    """`one_run` in an interpreter that imports the checkout at `root`, so that rank 0's side
+    (the pipes, Hello) speaks that checkout's protocol too."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    out = subprocess.run(
+        [sys.executable, __file__, "--one-run", tokenizer_dir],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    return json.loads(next(ln for ln in out.splitlines() if ln.startswith("RUN "))[4:])
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("ready_s", "import_s", "tokenizer_s", "build_s", "max_rss_mib")
     summary: dict[str, Any] = {}
@@ -163,10 +178,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        metavar="ROOT",
+        help="also measure the checkout at ROOT (e.g. an older commit's files), alternating "
+        "with this one run by run, so that both see the same load; its results go to the "
+        "JSON's 'compare' entry",
+    )
     p.add_argument("--child", nargs=2, metavar=("RUN_DIR", "PARENT_PID"), help=argparse.SUPPRESS)
+    p.add_argument("--one-run", metavar="TOKENIZER_DIR", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
         child(args.child[0], int(args.child[1]))
+        return
+    if args.one_run is not None:  # rank 0's side, with the messages of the checkout measured
+        print("RUN " + json.dumps(one_run(args.one_run)), flush=True)
         return
     sys.path.insert(0, str(ROOT))
     from tp_engine.testing.tokenizers import build_qwen3_tokenizer
@@ -176,24 +204,33 @@ def main() -> None:
         # What /model_info reads from a checkpoint (the app reads it once, at build time).
         config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
         (Path(tok_dir) / "config.json").write_text(json.dumps(config))
-        runs = []
+        roots = {"this": ROOT} if args.compare is None else {"this": ROOT, "compare": args.compare}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in roots}
         for i in range(args.repeats):
-            runs.append(one_run(tok_dir))
-            r = runs[-1]
-            print(
-                f"run {i + 1}: ready {r['ready_s']:.3f} s (import {r['import_s']:.3f}, "
-                f"tokenizer {r['tokenizer_s']:.3f}, build {r['build_s']:.3f}), "
-                f"max RSS {r['max_rss_mib']:.1f} MiB, modules {r['modules']}",
-                flush=True,
-            )
-    result = {"runs": runs, "summary": summarize(runs), "python": sys.version.split()[0]}
-    s = result["summary"]
-    print(
-        f"min/median: ready {s['ready_s']['min']:.3f}/{s['ready_s']['median']:.3f} s, "
-        f"import {s['import_s']['min']:.3f}/{s['import_s']['median']:.3f} s, "
-        f"max RSS {s['max_rss_mib']['min']:.1f}/{s['max_rss_mib']['median']:.1f} MiB, "
-        f"modules {s['modules']} of {s['num_modules']}"
-    )
+            for name, root in roots.items():
+                runs[name].append(run_under(tok_dir, root))
+                r = runs[name][-1]
+                print(
+                    f"run {i + 1} ({name}: {root}): ready {r['ready_s']:.3f} s (import "
+                    f"{r['import_s']:.3f}, tokenizer {r['tokenizer_s']:.3f}, build "
+                    f"{r['build_s']:.3f}), max RSS {r['max_rss_mib']:.1f} MiB, modules "
+                    f"{r['modules']}",
+                    flush=True,
+                )
+    result: dict[str, Any] = {"python": sys.version.split()[0]}
+    for name, root in roots.items():
+        s = summarize(runs[name])
+        entry = {"root": str(root), "runs": runs[name], "summary": s}
+        if name == "this":
+            result.update(entry)
+        else:
+            result[name] = entry
+        print(
+            f"{name} min/median: ready {s['ready_s']['min']:.3f}/{s['ready_s']['median']:.3f} s, "
+            f"import {s['import_s']['min']:.3f}/{s['import_s']['median']:.3f} s, "
+            f"max RSS {s['max_rss_mib']['min']:.1f}/{s['max_rss_mib']['median']:.1f} MiB, "
+            f"modules {s['modules']} of {s['num_modules']}"
+        )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

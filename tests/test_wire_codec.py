@@ -67,3 +67,18 @@ def test_the_other_hops_refuse_what_is_not_theirs():
     header = ControlCall(1, 1, {"x": 1}).encode()[:16] + len(ext).to_bytes(4, "little") + bytes(4)
     with pytest.raises(ControlDecodeError, match="extension type 5 is not plain data"):
         ControlCall.decode(header + ext)
+
+
+def test_a_workers_bootstrap_crosses_as_one_typed_record():
+    from rank_worker.bootstrap import Bootstrap
+    from rank_worker.runner_config import RunnerConfig
+
+    handle = ChannelHandle("tpe-1-ab", "/r/plan.sock", "/r/back.sock", "/r", 7, 4096, 3, 1)
+    config = RunnerConfig(max_model_len=64, block_size=16, hf_overrides={"rope_theta": 1e6})
+    boot = Bootstrap("/m", config, handle)
+    assert Bootstrap.from_bytes(boot.to_bytes()) == boot
+    fields = msgpack.unpackb(boot.to_bytes())
+    assert fields["runner_config"]["block_size"] == 16 and fields["channel"]["owner_pid"] == 7
+    fields["runner_config"]["no_such_flag"] = 1
+    with pytest.raises(ValueError, match="no_such_flag"):
+        Bootstrap.from_bytes(msgpack.packb(fields))

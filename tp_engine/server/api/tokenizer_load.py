@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _AUTO_DECIDES = frozenset({"LlamaTokenizer", "MistralCommonBackend"})
 
 
-def declared_class(path: str) -> type | None:
+def declared_class(path: str) -> Any:
     """The tokenizer class the checkpoint at `path` declares, when it is one this module loads
     directly (see the module docstring); None otherwise."""
     try:

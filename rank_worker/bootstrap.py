@@ -13,39 +13,32 @@ workers' `rank_worker.worker.run_worker`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import msgpack
+from typing import Any
 
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo, broadcast_bytes
-from shm_ipc import ChannelHandle
+from shm_ipc import ChannelHandle, wire
 
 
 @dataclass(frozen=True)
 class Bootstrap:
-    """Everything a worker needs from rank 0 before its first step (msgpack, never pickle)."""
+    """Everything a worker needs from rank 0 before its first step (`_BootstrapFrame` on the
+    wire: `shm_ipc.wire`'s codec, msgpack, never pickle)."""
 
     model_dir: str
     runner_config: RunnerConfig
     channel: ChannelHandle
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb(
-            {
-                "model_dir": self.model_dir,
-                "runner_config": self.runner_config.to_dict(),
-                "channel": self.channel.to_bytes(),
-            }
+        return wire.encode(
+            _BootstrapFrame(self.model_dir, self.runner_config.to_dict(), self.channel)
         )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Bootstrap:
-        fields = msgpack.unpackb(data)
-        return cls(
-            model_dir=fields["model_dir"],
-            runner_config=RunnerConfig.from_dict(fields["runner_config"]),
-            channel=ChannelHandle.from_bytes(fields["channel"]),
-        )
+        frame = wire.decode(_DECODER, data, ValueError, "not a worker's bootstrap")
+        # RunnerConfig.from_dict refuses a field this build does not know (a version mismatch).
+        return cls(frame.model_dir, RunnerConfig.from_dict(frame.runner_config), frame.channel)
 
     def send(self, tp: TPInfo) -> None:
         """Rank 0: broadcast this to every worker (a collective)."""
@@ -55,3 +48,14 @@ class Bootstrap:
     def receive(cls, tp: TPInfo) -> Bootstrap:
         """A worker: the Bootstrap rank 0 sends (a collective)."""
         return cls.from_bytes(broadcast_bytes(None, tp))
+
+
+class _BootstrapFrame(wire.Record, frozen=True):
+    """A Bootstrap as it travels: the config by its field names, the handle as its record."""
+
+    model_dir: str
+    runner_config: dict[str, Any]
+    channel: ChannelHandle
+
+
+_DECODER = wire.decoder(_BootstrapFrame)

@@ -50,12 +50,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import torch
 import xxhash
 
 from rank_worker.tp import TPInfo, all_gather_bytes
 from shm_ipc import ControlCall
+from shm_ipc.control_call import (
+    RankCommit,
+    RankVerdict,
+    pack_reply,
+    unpack_commit,
+    unpack_verdict,
+)
 
 if TYPE_CHECKING:
     from rank_worker.model_runner import ModelRunner
@@ -180,44 +186,33 @@ class RankControl:
             if handler is None:
                 raise ControlRefused(f"unknown control op {call.op}")
             prepared = handler.prepare(self.runner, self.tp, call.args)
-            verdict = {"ok": True, "message": "", "epoch": self.epoch}
+            verdict = RankVerdict(True, "", self.epoch)
         except Exception as exc:
-            verdict = {
-                "ok": False,
-                "message": _why(rank, "refused", name, exc),
-                "epoch": self.epoch,
-            }
+            verdict = RankVerdict(False, _why(rank, "refused", name, exc), self.epoch)
         # Nobody writes before every verdict is in: this gather is the protocol's one barrier.
-        verdicts = [_unpack(raw) for raw in all_gather_bytes(_pack(verdict), self.tp)]
-        if not all(v["ok"] for v in verdicts):
+        verdicts = [unpack_verdict(raw) for raw in all_gather_bytes(pack_reply(verdict), self.tp)]
+        if not all(v.ok for v in verdicts):
             if handler is not None and handler.on_refused is not None:
                 try:
                     handler.on_refused(self.runner, self.tp, call.args)
                 except Exception:
                     logger.exception("rank %d: %s's on_refused hook failed", rank, name)
             replies = tuple(
-                RankReply(r, v["ok"], v["message"], None, v["epoch"])
-                for r, v in enumerate(verdicts)
+                RankReply(r, v.ok, v.message, None, v.epoch) for r, v in enumerate(verdicts)
             )
             return self._result(call, ControlOutcome.REFUSED, replies)
         assert handler is not None  # every rank, this one included, accepted the op
         try:
             result = handler.commit(self.runner, prepared)
-            reply = {"ok": True, "message": "", "result": result, "epoch": self.epoch + 1}
-            packed = _pack(reply)  # a result that does not encode fails this rank's commit
+            # A result that does not encode fails this rank's commit.
+            packed = pack_reply(RankCommit(True, "", result, self.epoch + 1))
             self.epoch += 1
         except Exception as exc:
-            reply = {
-                "ok": False,
-                "message": _why(rank, "failed to commit", name, exc),
-                "result": None,
-                "epoch": self.epoch,
-            }
-            packed = _pack(reply)
-        gathered = [_unpack(raw) for raw in all_gather_bytes(packed, self.tp)]
+            why = _why(rank, "failed to commit", name, exc)
+            packed = pack_reply(RankCommit(False, why, None, self.epoch))
+        gathered = [unpack_commit(raw) for raw in all_gather_bytes(packed, self.tp)]
         replies = tuple(
-            RankReply(r, g["ok"], g["message"], g["result"], g["epoch"])
-            for r, g in enumerate(gathered)
+            RankReply(r, g.ok, g.message, g.result, g.epoch) for r, g in enumerate(gathered)
         )
         epochs = {reply.epoch for reply in replies}
         if all(reply.ok for reply in replies) and len(epochs) == 1:
@@ -241,14 +236,6 @@ class RankControl:
 def _why(rank: int, did: str, op_name: str, exc: Exception) -> str:
     reason = str(exc) if isinstance(exc, ControlRefused) else f"{type(exc).__name__}: {exc}"
     return f"rank {rank} {did} {op_name}: {reason}"
-
-
-def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def _unpack(data: bytes) -> dict[str, Any]:
-    return msgpack.unpackb(data, raw=False)
 
 
 def _check_keys(args: Mapping[str, Any], allowed: set[str]) -> None:

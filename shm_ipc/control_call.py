@@ -20,10 +20,15 @@ Wire format (little-endian, explicit; nothing unpickled):
     16      4     args_length L (uint32)
     20      4     (reserved, 0)
     24      L     args: one msgpack map with str keys (msgpack's own types only: no ext types,
-                  so nothing but plain data can come out of it)
+                  so nothing but plain data can come out of it), by `shm_ipc.wire`'s codec
 
 `decode` checks the magic, the version, that the length matches L exactly and that the args
-are a map with str keys.
+are a map with str keys. The header stays a fixed layout, as the StepPlan's does: the doorbell
+and the ring read calls and plans alike.
+
+The replies travel between the ranks, not to rank 0 alone: both phases all-gather every rank's
+`RankVerdict` (prepare: ok or why not) and then its `RankCommit` (the commit's result) over the
+TP group (`rank_worker.control`), as typed records of `shm_ipc.wire`'s codec.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+from shm_ipc import wire
 
 MAGIC = b"CTRL"
 VERSION = 1
@@ -46,14 +51,55 @@ class ControlDecodeError(ValueError):
     """Bytes that are not a well-formed ControlCall."""
 
 
+_ARGS = wire.decoder(dict[str, Any])
+
+
 def _pack_args(args: Mapping[str, Any]) -> bytes:
     if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
         raise ValueError(f"ControlCall.args must be a map with str keys, got {args!r:.200}")
     try:
         # A tuple arrives as a list: msgpack has one array type.
-        return msgpack.packb(dict(args), use_bin_type=True)
+        return wire.encode(dict(args))
     except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"ControlCall.args do not encode as msgpack: {exc}") from None
+
+
+class RankVerdict(wire.Record, frozen=True):
+    """One rank's answer to a call's prepare phase, all-gathered before anyone writes."""
+
+    ok: bool
+    message: str  # why not, naming the rank and the op; "" when ok
+    epoch: int  # calls this rank had committed when it answered
+
+
+class RankCommit(wire.Record, frozen=True):
+    """One rank's commit, all-gathered after the writes."""
+
+    ok: bool  # whether the commit succeeded
+    message: str  # why not; "" when ok
+    result: Any  # the commit's value (msgpack data); None unless this rank committed
+    epoch: int  # calls this rank has committed, this one included when ok
+
+
+_VERDICT = wire.decoder(RankVerdict)
+_COMMIT = wire.decoder(RankCommit)
+
+
+def pack_reply(reply: RankVerdict | RankCommit) -> bytes:
+    """A rank's verdict or commit for the gather; ValueError when its result does not encode
+    (that rank's commit then fails)."""
+    try:
+        return wire.encode(reply)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"the control call's result does not encode as msgpack: {exc}") from None
+
+
+def unpack_verdict(data: bytes) -> RankVerdict:
+    return wire.decode(_VERDICT, data, ControlDecodeError, "not a rank's verdict")
+
+
+def unpack_commit(data: bytes) -> RankCommit:
+    return wire.decode(_COMMIT, data, ControlDecodeError, "not a rank's commit")
 
 
 @dataclass(frozen=True)
@@ -121,11 +167,7 @@ class ControlCall:
             raise ControlDecodeError(
                 f"control call of {len(view)} bytes, header says {HEADER_SIZE + length}"
             )
-        try:
-            # raw=False: str stays str; strict_map_key (the default) refuses non-str/bytes keys.
-            args = msgpack.unpackb(view[HEADER_SIZE:], raw=False)
-        except Exception as exc:  # msgpack raises several unrelated types on garbage
-            raise ControlDecodeError(f"args are not msgpack: {exc}") from None
-        if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
-            raise ControlDecodeError(f"args are not a map with str keys: {args!r:.200}")
+        args = wire.decode(
+            _ARGS, view[HEADER_SIZE:], ControlDecodeError, "args are not a map with str keys"
+        )
         return cls(step_id, op, args)

@@ -4,11 +4,12 @@ Ownership: rank 0 binds one PULL socket in the run directory (`BackChannelReader
 connects a PUSH socket to it (`BackChannelWriter`). PUSH queues rather than drops, so a hello or a
 report sent before the connection is up waits in the worker's queue instead of being lost, and
 closing the writer lingers briefly so that a report sent just before a worker exits still
-arrives. Messages are msgpack maps (nothing is unpickled) told apart by "kind":
+arrives. Messages are `shm_ipc.wire` records (typed msgpack maps, nothing is unpickled) tagged
+by their class name under "kind":
 
-    {"kind": "hello", "rank": int, "pid": int}
-    {"kind": "error", "rank": int, "step_id": int | None, "type": str, "message": str,
-     "traceback": str}
+    {"kind": "ReaderHello", "rank": int, "pid": int}
+    {"kind": "WorkerErrorReport", "rank": int, "step_id": int | None, "type": str,
+     "message": str, "traceback": str}
 
 The hello registers the worker's pid, which rank 0 watches while it waits for acknowledgements,
 so a dead worker is noticed in a fraction of a second rather than at the end of a timeout.
@@ -18,10 +19,10 @@ from __future__ import annotations
 
 import logging
 import traceback
-from dataclasses import asdict, dataclass
 
-import msgpack
 import zmq
+
+from shm_ipc import wire
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,7 @@ logger = logging.getLogger(__name__)
 _WRITER_LINGER_MS = 500
 
 
-@dataclass(frozen=True)
-class WorkerErrorReport:
+class WorkerErrorReport(wire.Message, frozen=True):
     """An exception raised on a worker, as rank 0 receives it."""
 
     rank: int
@@ -51,51 +51,21 @@ class WorkerErrorReport:
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         )
 
-    def to_msgpack(self) -> bytes:
-        return msgpack.packb({"kind": "error", **asdict(self)}, use_bin_type=True)
 
-
-@dataclass(frozen=True)
-class ReaderHello:
+class ReaderHello(wire.Message, frozen=True):
     """A worker has mapped the ring and connected its sockets."""
 
     rank: int
     pid: int
 
-    def to_msgpack(self) -> bytes:
-        return msgpack.packb({"kind": "hello", **asdict(self)}, use_bin_type=True)
-
 
 BackMessage = WorkerErrorReport | ReaderHello
+_DECODER = wire.decoder(BackMessage)
 
 
 def decode_back_message(data: bytes) -> BackMessage:
     """Parse one back-channel message; raises ValueError on anything malformed."""
-    try:
-        obj = msgpack.unpackb(data, raw=False)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ValueError(f"back-channel message is not msgpack: {exc}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"back-channel message is not a map: {obj!r:.200}")
-    kind = obj.pop("kind", None)
-    try:
-        if kind == "hello":
-            msg: BackMessage = ReaderHello(**obj)
-            ok = type(msg.rank) is int and type(msg.pid) is int
-        elif kind == "error":
-            msg = WorkerErrorReport(**obj)
-            ok = (
-                type(msg.rank) is int
-                and (msg.step_id is None or type(msg.step_id) is int)
-                and all(isinstance(s, str) for s in (msg.type, msg.message, msg.traceback))
-            )
-        else:
-            ok = False
-    except TypeError:  # missing or unexpected keys
-        ok = False
-    if not ok:
-        raise ValueError(f"malformed back-channel message of kind {kind!r}: {obj!r:.200}")
-    return msg
+    return wire.decode(_DECODER, data, ValueError, "malformed back-channel message")
 
 
 class BackChannelReader:
@@ -149,7 +119,7 @@ class BackChannelWriter:
         """Queue a message without blocking; False if it could not be queued (rank 0 gone and
         the queue full), since a worker that is failing must not hang on its own report."""
         try:
-            self.socket.send(message.to_msgpack(), zmq.NOBLOCK)
+            self.socket.send(wire.encode(message), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("could not queue %s for rank 0", type(message).__name__)
             return False

@@ -1,8 +1,8 @@
 """The handle rank 0 gives every worker, and the per-run names it holds.
 
 Ownership: rank 0 makes the names (`RunNames.create`) and builds the handle; it travels to the
-workers as bytes (a uint8 tensor broadcast over torch.distributed), so it is encoded with
-msgpack only, nothing unpickled. Names are random per run and live in a private 0700 directory, so two runs
+workers as bytes (a uint8 tensor broadcast over torch.distributed), so it is a typed record of
+`shm_ipc.wire`'s codec (msgpack), nothing unpickled. Names are random per run and live in a private 0700 directory, so two runs
 on one machine, or a stranger on it, cannot meet our sockets or shared memory.
 
 Every name in here is removed by rank 0 as soon as every reader has attached (mappings and
@@ -15,18 +15,16 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
-import msgpack
-
+from shm_ipc import wire
 from shm_ipc.paths import check_socket_path, private_dir
 from shm_ipc.ring import SHM_DIR
 
 HANDLE_VERSION = 1
 
 
-@dataclass(frozen=True)
-class ChannelHandle:
+class ChannelHandle(wire.Record, frozen=True):
     """Everything a worker needs to join the channel. Readers are ranks 1..num_readers."""
 
     shm_name: str  # file name under /dev/shm of the ring region
@@ -43,25 +41,27 @@ class ChannelHandle:
         return os.path.join(SHM_DIR, self.shm_name)
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb({"version": HANDLE_VERSION, **asdict(self)}, use_bin_type=True)
+        return wire.encode(_HandleFrame(HANDLE_VERSION, self))
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> ChannelHandle:
         """Decode `to_bytes` output; raises ValueError on anything else."""
-        try:
-            obj = msgpack.unpackb(bytes(data), raw=False)
-        except Exception as exc:  # msgpack raises several unrelated types on garbage
-            raise ValueError(f"channel handle is not valid msgpack: {exc}") from None
-        if not isinstance(obj, dict) or obj.get("version") != HANDLE_VERSION:
-            raise ValueError(f"not a version-{HANDLE_VERSION} channel handle: {obj!r:.200}")
-        values = {}
-        for field in fields(cls):
-            value = obj.get(field.name)
-            want = str if field.type == "str" else int
-            if type(value) is not want:
-                raise ValueError(f"channel handle field {field.name!r} is {value!r:.100}")
-            values[field.name] = value
-        return cls(**values)
+        frame = wire.decode(_HANDLE, bytes(data), ValueError, "not a channel handle")
+        if frame.version != HANDLE_VERSION:
+            raise ValueError(
+                f"channel handle version {frame.version}, this build reads {HANDLE_VERSION}"
+            )
+        return frame.handle
+
+
+class _HandleFrame(wire.Record, frozen=True):
+    """The handle as it travels, with its version first."""
+
+    version: int
+    handle: ChannelHandle
+
+
+_HANDLE = wire.decoder(_HandleFrame)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import pytest
 
 from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.http_errors import APIError
-from tp_engine.server.api.models import ServedModels, wire
+from tp_engine.server.api.models import ServedModels
 from tp_engine.server.args import build_parser, engine_config, server_args
 from tp_engine.server.messages import AddRequest, Hello, decode, encode
 from tp_engine.server.rank0.control_ops import run_op
@@ -41,7 +41,7 @@ def test_lora_flags_and_modules_parse_as_vllm():
 def test_model_field_picks_the_adapter_and_models_lists_them():
     hello = Hello(
         "/m", ["base"], 64, 100, {}, None, 1, enable_lora=True,
-        lora_modules=[["a", 1, "/p/a", None], ["b", 2, "/p/b", "Qwen/Qwen3-8B"]],
+        lora_modules=[LoRARequest("a", 1, "/p/a"), LoRARequest("b", 2, "/p/b", "Qwen/Qwen3-8B")],
     )  # fmt: skip
     assert decode(encode(hello)) == hello
     models = ServedModels(hello)
@@ -62,8 +62,8 @@ def test_model_field_picks_the_adapter_and_models_lists_them():
     assert cards == {"base": ("/m", None), "a": ("/p/a", "base"), "b": ("/p/b", "Qwen/Qwen3-8B")}
     # Ids of run-time loads follow the static ones and are never reused.
     assert [models.new_adapter(n, "/q").lora_int_id for n in "cd"] == [3, 4]
-    add = AddRequest("r", [1, 2], {}, lora_request=wire(models.resolve("a")))
-    assert decode(encode(add)) == add and LoRARequest(*add.lora_request) == models.resolve("a")
+    add = AddRequest("r", [1, 2], {}, lora_request=models.resolve("a"))
+    assert decode(encode(add)) == add and decode(encode(add)).lora_request == models.resolve("a")
 
 
 class FakeEngine:
@@ -137,7 +137,7 @@ def test_an_unload_rank_0_fails_keeps_the_name_served(monkeypatch, tmp_path):
 
     class Client:
         hello = Hello("/m", ["base"], 64, 640, {}, None, 1, enable_lora=True,
-                      lora_modules=[["a", 1, "/a", None], ["b", 2, "/b", None]])  # fmt: skip
+                      lora_modules=[LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")])  # fmt: skip
         status = 503
 
         async def control(self, op: str, args: dict) -> ControlReply:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.app import build_app
 from tp_engine.server.api.engine_client import ACCEPTED
 from tp_engine.server.api.metrics import ServerMetrics
@@ -390,8 +391,8 @@ def test_a_lora_adapters_name_is_refused_not_ignored(tokenizer):
     """Adapters serve generation only (the engine refuses a pooling request with one): a
     pooling route naming an adapter is a 400, not the base model's vectors under its name."""
     engine = ScriptedEngine(hello("/m", ["embed", "score"]))
-    engine.hello = dataclasses.replace(
-        engine.hello, enable_lora=True, lora_modules=[["ad", 1, "/ad", "m"]]
+    engine.hello = msgspec.structs.replace(
+        engine.hello, enable_lora=True, lora_modules=[LoRARequest("ad", 1, "/ad", "m")]
     )
     client = TestClient(build_app(engine, tokenizer, pair_tokens=pair_tokens),  # type: ignore[arg-type]
                         base_url="http://localhost")  # fmt: skip

@@ -29,6 +29,7 @@ from tp_engine.server.messages import (
     MessageError,
     Ready,
     Rejected,
+    TokenLogprobs,
     decode,
     encode,
 )
@@ -54,8 +55,10 @@ MESSAGES = [
         ["a"],
         [Rejected("b", 400, "too long")],
         [
-            Delta("a", 0, [5], None, None, 3, 0.01, [[[5, 6], [-0.1, -2.0], 1]], None),
-            Delta("a", 1, [7, 8], "stop", 8, None, None, None, [None, [[4], [-1.5], 3]]),
+            Delta("a", 0, [5], None, None, 3, 0.01, [TokenLogprobs([5, 6], [-0.1, -2.0], 1)],
+                  None),
+            Delta("a", 1, [7, 8], "stop", 8, None, None, None,
+                  [None, TokenLogprobs([4], [-1.5], 3)]),
         ],
         STATS,
     ),
@@ -85,8 +88,16 @@ def test_every_message_round_trips(msg):
         b"\xc1 not msgpack",
         msgpack.packb("hello"),
         msgpack.packb([99, 1]),
-        msgpack.packb([int(Ready.KIND)]),  # a field missing
-        msgpack.packb([int(EngineOutputs.KIND), [], [[1]], [], [0, 0, 0.0, 0, 0, 0]]),
+        msgpack.packb({"kind": "Ready"}),  # a field missing
+        msgpack.packb(
+            {
+                "kind": "EngineOutputs",
+                "accepted": [],
+                "rejected": [[1]],
+                "deltas": [],
+                "stats": [0, 0, 0.0, 0, 0, 0],
+            }
+        ),
     ],
 )
 def test_anything_else_is_refused(frame):
@@ -206,7 +217,8 @@ def test_requests_accept_openai_and_vllm_fields():
 def test_logprob_shapes(tokenizer):
     fmt = LogprobFormatter(tokenizer)
     a, b = tokenizer("Hi there")["input_ids"][:2]
-    entries = [[[a, b, a], [-0.5, -0.2, -0.5], 2], [[b, b, a], [-0.1, -0.1, -3.0], 1]]
+    entries = [TokenLogprobs([a, b, a], [-0.5, -0.2, -0.5], 2),
+               TokenLogprobs([b, b, a], [-0.1, -0.1, -3.0], 1)]  # fmt: skip
     comp = fmt.completion(entries)
     assert comp["token_logprobs"] == [-0.5, -0.1]
     assert comp["text_offset"] == [0, len(tokenizer.decode([a]))]
@@ -222,7 +234,7 @@ def test_unknown_ids_in_logprobs_are_empty_strings(tokenizer):
     fmt = LogprobFormatter(tokenizer)
     a, unknown = tokenizer("Hi")["input_ids"][0], len(tokenizer) + 3
     text = tokenizer.decode([a])
-    entries = [[[unknown, a], [-0.5, -0.2], 2]]
+    entries = [TokenLogprobs([unknown, a], [-0.5, -0.2], 2)]
     comp = fmt.completion(entries)
     assert comp["tokens"] == [""] and comp["top_logprobs"] == [{"": -0.5, text: -0.2}]
     (chat,) = fmt.chat(entries)["content"]
@@ -235,8 +247,9 @@ def test_echoed_logprobs_put_the_prompt_first(tokenizer):
     then the generated ones; text offsets run on through both."""
     fmt = LogprobFormatter(tokenizer)
     p0, p1, g = tokenizer("Hi there now")["input_ids"][:3]
-    prompt_entries = [None, [[p1, g, p0], [-1.0, -0.5, -2.0], 2]]
-    comp = fmt.completion([[[g], [-0.25], 1]], echo=([p0, p1], cut_top(prompt_entries, num_top=1)))
+    prompt_entries = [None, TokenLogprobs([p1, g, p0], [-1.0, -0.5, -2.0], 2)]
+    echo = ([p0, p1], cut_top(prompt_entries, num_top=1))
+    comp = fmt.completion([TokenLogprobs([g], [-0.25], 1)], echo=echo)
     texts = [tokenizer.decode([t]) for t in (p0, p1, g)]
     assert comp["tokens"] == texts
     assert comp["token_logprobs"] == [None, -1.0, -0.25]

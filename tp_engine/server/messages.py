@@ -1,4 +1,4 @@
-"""The messages between the API process and rank 0's engine loop: msgpack, never pickle.
+"""The messages between the API process and rank 0's engine loop: typed msgpack, never pickle.
 
 Two ZeroMQ PUSH → PULL pipes, both bound by rank 0 in the run's private 0700 directory
 (`tp_engine.server.ipc`), so that the API process, started later, only ever connects:
@@ -7,9 +7,13 @@ Two ZeroMQ PUSH → PULL pipes, both bound by rank 0 in the run's private 0700 d
     to_api.sock      rank 0 ──► API process     Hello, EngineOutputs, Drain, Dead, Exit,
                                                 ControlReply
 
-One frame per message: a msgpack array `[kind, field, field, ...]` with the fields in the order
-the dataclass declares them (nested records are arrays too). `decode` checks the kind and the
-number of fields, so a peer of another version fails loudly instead of misreading.
+One frame per message: a msgspec `Struct` encoded as a msgpack map of its fields by name, with
+its class name under "kind" (a tagged union). One encoder and one decoder serve every message
+(`encode`, `decode`); the decoder knows every message's type, so a frame with an unknown kind, a
+missing or unknown field or a value of the wrong type is refused with `MessageError` naming it,
+and a peer of another version fails loudly instead of misreading. Records inside a message
+are typed too: `Rejected`, `Delta`, `EngineStats`, an adapter as `LoRARequest` and a position's
+log-probabilities as `TokenLogprobs` (the engine's own plain values), never positional lists.
 
 A request's life, seen from the API process:
 
@@ -32,35 +36,23 @@ iteration that changed anything, so /metrics reads rank 0's numbers without aski
 
 from __future__ import annotations
 
-import enum
-from dataclasses import astuple, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any
 
-import msgpack
+import msgspec
 
+from shm_ipc import wire
 from tp_engine.core.outputs import EngineStats
-
-
-class Kind(enum.IntEnum):
-    HELLO = 1  # rank 0 → API: the engine is up; what the API needs to know about it
-    READY = 2  # API → rank 0: the HTTP socket is listening
-    ADD = 3  # API → rank 0: a new request (one per prompt; its n samples come back by index)
-    ABORT = 4  # API → rank 0: stop a request (or some of its samples), free their KV blocks
-    OUTPUTS = 5  # rank 0 → API: acceptances, rejections, new tokens and stats of one iteration
-    DRAIN = 6  # rank 0 → API: shutting down: refuse new requests, let in-flight ones finish
-    DEAD = 7  # rank 0 → API: the engine cannot step any more; fail everything, answer 503
-    EXIT = 8  # rank 0 → API: every request is over; stop the HTTP server and exit
-    CONTROL = 9  # API → rank 0: an operation on the running engine (an admin route)
-    CONTROL_REPLY = 10  # rank 0 → API: how a Control ended
+from tp_engine.core.sequence import TokenLogprobs
+from tp_engine.lora_request import LoRARequest
 
 
 class MessageError(ValueError):
     """A frame that is not a message of this protocol version."""
 
 
-@dataclass(frozen=True)
-class Hello:
-    KIND: ClassVar[Kind] = Kind.HELLO
+class Hello(wire.Message, frozen=True):
+    """rank 0 → API: the engine is up; what the API needs to know about it."""
+
     # Checkpoint directory: the API process loads the tokenizer and chat template from it.
     model_dir: str
     # The names clients may put in "model"; the first is the one responses carry.
@@ -83,24 +75,24 @@ class Hello:
     enable_auto_tool_choice: bool = False
     # `guards.RequestLimits.to_wire()`: body size, allowed Host names, what needs the key,
     # constraint limits. Empty: the defaults.
-    limits: dict[str, Any] = field(default_factory=dict)
+    limits: dict[str, Any] = msgspec.field(default_factory=dict)
     # --enable-weight-updates, --enable-sleep-mode: which admin routes the API process offers.
     enable_weight_updates: bool = False
     enable_sleep_mode: bool = False
     # What the model serves, vLLM's task names: "generate", or some of "embed", "classify",
     # "score" for a pooling model. The API process offers only the routes of these tasks.
-    supported_tasks: list[str] = field(default_factory=lambda: ["generate"])
+    supported_tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])
     # Length of a pooled embedding (the hidden size): the largest `dimensions` a request asks.
     pooled_size: int = 0
     # Whether `dimensions` may cut embeddings (Matryoshka training); a 400 otherwise.
     is_matryoshka: bool = False
     # A classifier's class names by index (the checkpoint's id2label): /classify's `label`.
     # Empty: vLLM's default names, LABEL_<i>.
-    class_labels: list[str] = field(default_factory=list)
-    # --enable-lora: the adapters loaded at start-up (--lora-modules), each
-    # [name, lora_int_id, path, base_model_name]; the API process serves them by name.
+    class_labels: list[str] = msgspec.field(default_factory=list)
+    # --enable-lora: the adapters loaded at start-up (--lora-modules); the API process serves
+    # them by name.
     enable_lora: bool = False
-    lora_modules: list[list[Any]] = field(default_factory=list)
+    lora_modules: list[LoRARequest] = msgspec.field(default_factory=list)
     # --enable-weight-updates-from-tensor: SGLang's /update_weights_from_tensor is offered.
     enable_weight_updates_from_tensor: bool = False
     # --tokenizer: the directory the tokenizer files come from (rank 0 loads the same one);
@@ -109,16 +101,16 @@ class Hello:
     chat_template: str | None = None
 
 
-@dataclass(frozen=True)
-class Ready:
-    KIND: ClassVar[Kind] = Kind.READY
+class Ready(wire.Message, frozen=True):
+    """API → rank 0: the HTTP socket is listening."""
+
     # The port the HTTP server listens on (the real one when --port 0 asked for any).
     port: int
 
 
-@dataclass(frozen=True)
-class AddRequest:
-    KIND: ClassVar[Kind] = Kind.ADD
+class AddRequest(wire.Message, frozen=True):
+    """API → rank 0: a new request (one per prompt; its n samples come back by index)."""
+
     # Unique among live requests; the API makes it from the HTTP request id and prompt index.
     request_id: str
     prompt_token_ids: list[int]
@@ -129,14 +121,19 @@ class AddRequest:
     # `PoolingParams` fields by name: the request pools its prompt instead of sampling (one
     # Delta comes back, carrying `pooled`). None for a generation request.
     pooling_params: dict[str, Any] | None = None
-    # Its LoRA adapter as [name, lora_int_id, path, base_model_name]; None: the base model.
-    # Rank 0 refuses (404) an adapter unloaded meanwhile.
-    lora_request: list[Any] | None = None
+    # Its LoRA adapter; None: the base model. Rank 0 refuses (404) an adapter unloaded
+    # meanwhile.
+    lora_request: LoRARequest | None = None
+    # The output constraint's parses, in order: each `StructuredOutputsParams` fields by the
+    # request's field it names. Rank 0 runs them before the engine sees the request (a 400
+    # naming that field: `Rejected.param`), because parsing imports xgrammar, and so torch,
+    # which the API process never loads (`tp_engine.server.api.constraints`).
+    constraint_checks: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class AbortRequest:
-    KIND: ClassVar[Kind] = Kind.ABORT
+class AbortRequest(wire.Message, frozen=True):
+    """API → rank 0: stop a request (or some of its samples), free their KV blocks."""
+
     request_id: str
     # The samples to stop; None = every sample of the request.
     sample_indices: list[int] | None
@@ -144,20 +141,20 @@ class AbortRequest:
     stopped: bool
 
 
-@dataclass(frozen=True)
-class Control:
-    KIND: ClassVar[Kind] = Kind.CONTROL
+class Control(wire.Message, frozen=True):
+    """API → rank 0: an operation on the running engine (an admin route)."""
+
     # Unique per API process; the reply carries it back.
     call_id: int
     # An operation of `tp_engine.server.rank0.control_ops.OPS` (refused by name otherwise).
     op: str
-    # Its arguments, msgpack data, checked by the operation.
+    # Its arguments by name, msgpack data, checked by the operation.
     args: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class ControlReply:
-    KIND: ClassVar[Kind] = Kind.CONTROL_REPLY
+class ControlReply(wire.Message, frozen=True):
+    """rank 0 → API: how a Control ended."""
+
     call_id: int
     # HTTP status for the route: 200 done, 400 refused (nothing changed), 503 engine dead.
     status: int
@@ -167,19 +164,20 @@ class ControlReply:
     result: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Rejected:
+class Rejected(wire.Record, frozen=True):
     """`add_request` refused the request; no other message about it follows."""
 
     request_id: str
     # HTTP status for the client: 400 for an invalid request, 503 while shutting down.
     status: int
     message: str
+    # The request's field at fault (OpenAI's error `param`), when one is.
+    param: str | None = None
 
 
-@dataclass(frozen=True)
-class Delta:
-    """New tokens of one sample since its last Delta, and how it ended if it did."""
+class Delta(wire.Record, frozen=True, omit_defaults=True):
+    """New tokens of one sample since its last Delta, and how it ended if it did. The many
+    Deltas of a step leave out their None fields on the wire (`omit_defaults`)."""
 
     request_id: str
     # Which of the request's n samples (0 when n == 1).
@@ -187,50 +185,50 @@ class Delta:
     new_token_ids: list[int]
     # "stop" (EOS or a stop token id), "length" or "abort"; None while it runs. Stop strings
     # are the API's business: rank 0 never reports them.
-    finish_reason: str | None
+    finish_reason: str | None = None
     # The stop token id that ended it, if one did.
-    stop_reason: int | None
+    stop_reason: int | None = None
     # Prompt tokens served from the prefix cache; in the first Delta only.
-    num_cached_tokens: int | None
+    num_cached_tokens: int | None = None
     # Seconds from arrival on rank 0 to the first step that scheduled it; first Delta only.
-    queue_time_s: float | None
-    # Per new token when logprobs were asked for: [token ids, logprobs, rank], the sampled
-    # token first, then the top-k (`tp_engine.core.sequence.TokenLogprobs`); else None.
-    logprobs: list[list[Any]] | None
+    queue_time_s: float | None = None
+    # Per new token when logprobs were asked for: the sampled token first, then the top-k;
+    # else None.
+    logprobs: list[TokenLogprobs] | None = None
     # Per prompt token (None for the first) when prompt_logprobs were asked for; in sample 0's
     # first Delta only.
-    prompt_logprobs: list[list[Any] | None] | None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # A pooling request's result, in its final Delta: little-endian float32 bytes (an
     # embedding, or one score per label), as compact as msgpack carries bytes.
     pooled: bytes | None = None
 
 
-@dataclass(frozen=True)
-class EngineOutputs:
-    KIND: ClassVar[Kind] = Kind.OUTPUTS
+class EngineOutputs(wire.Message, frozen=True):
+    """rank 0 → API: acceptances, rejections, new tokens and stats of one iteration."""
+
     accepted: list[str]
     rejected: list[Rejected]
     deltas: list[Delta]
     stats: EngineStats
 
 
-@dataclass(frozen=True)
-class Drain:
-    KIND: ClassVar[Kind] = Kind.DRAIN
+class Drain(wire.Message, frozen=True):
+    """rank 0 → API: shutting down: refuse new requests, let in-flight ones finish."""
+
     # Seconds rank 0 gives in-flight requests before it aborts them.
     timeout_s: float
 
 
-@dataclass(frozen=True)
-class Dead:
-    KIND: ClassVar[Kind] = Kind.DEAD
+class Dead(wire.Message, frozen=True):
+    """rank 0 → API: the engine cannot step any more; fail everything, answer 503."""
+
     # What failed, naming the rank and step when known.
     message: str
 
 
-@dataclass(frozen=True)
-class Exit:
-    KIND: ClassVar[Kind] = Kind.EXIT
+class Exit(wire.Message, frozen=True):
+    """rank 0 → API: every request is over; stop the HTTP server and exit."""
+
     # The exit code rank 0 will return (the API process exits with it too).
     code: int = 0
 
@@ -247,56 +245,17 @@ Message = (
     | Control
     | ControlReply
 )
-_BY_KIND: dict[int, type] = {
-    cls.KIND: cls
-    for cls in (
-        Hello, Ready, AddRequest, AbortRequest, EngineOutputs, Drain, Dead, Exit, Control,
-        ControlReply,
-    )
-}  # fmt: skip
+# Made once: the decoder keeps the union's schema between calls (the encoder is `wire`'s).
+_DECODER = wire.decoder(Message)
 
 
 def encode(msg: Message) -> bytes:
-    if isinstance(msg, EngineOutputs):
-        body = [
-            msg.accepted,
-            [list(astuple(r)) for r in msg.rejected],
-            [list(astuple(d)) for d in msg.deltas],
-            list(astuple(msg.stats)),
-        ]
-    else:
-        body = [getattr(msg, f.name) for f in fields(msg)]
-    return msgpack.packb([int(msg.KIND), *body], use_bin_type=True)
+    return wire.encode(msg)
 
 
 def decode(frame: bytes) -> Message:
     """The message in `frame`; raises MessageError on anything else."""
-    try:
-        items = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise MessageError(f"not a msgpack frame: {exc}") from None
-    if not isinstance(items, list) or not items or items[0] not in _BY_KIND:
-        raise MessageError(f"unknown message: {items!r:.200}")
-    cls = _BY_KIND[items[0]]
-    values = items[1:]
-    names = [f.name for f in fields(cls)]
-    if len(values) != len(names):
-        raise MessageError(f"{cls.__name__} needs {len(names)} fields, got {len(values)}")
-    if cls is EngineOutputs:
-        accepted, rejected, deltas, stats = values
-        return EngineOutputs(
-            accepted=list(accepted),
-            rejected=[_record(Rejected, r) for r in rejected],
-            deltas=[_record(Delta, d) for d in deltas],
-            stats=_record(EngineStats, stats),
-        )
-    return cls(*values)
-
-
-def _record(cls: type, values: list[Any]) -> Any:
-    if not isinstance(values, list) or len(values) != len(fields(cls)):
-        raise MessageError(f"malformed {cls.__name__}: {values!r:.200}")
-    return cls(*values)
+    return wire.decode(_DECODER, frame, MessageError, "not a message of this protocol")
 
 
 __all__ = [
@@ -311,11 +270,12 @@ __all__ = [
     "EngineStats",
     "Exit",
     "Hello",
-    "Kind",
+    "LoRARequest",
     "Message",
     "MessageError",
     "Ready",
     "Rejected",
+    "TokenLogprobs",
     "decode",
     "encode",
 ]

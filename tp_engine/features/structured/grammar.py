@@ -149,6 +149,23 @@ class StructuredOutputsParams:
         return f"SamplingParams.structured_outputs.{kind}"
 
 
+# How `StructuredOutputsParams` names a field in its errors; a server names the request's field.
+_OWN_FIELD = re.compile(r"SamplingParams\.structured_outputs(\.\w+)?")
+
+
+def parse_refusal(fields: dict[str, Any], param: str) -> str | None:
+    """Why the constraint `StructuredOutputsParams(**fields)` is refused (its fields, or it does
+    not parse), naming `param` (the request's field that carried it) where this module names
+    its own; None when it parses. Parsing imports xgrammar, and xgrammar imports torch: the
+    server runs this on rank 0, never in its API process (`tp_engine.server.api.constraints`
+    sends the checks along with the request)."""
+    try:
+        StructuredOutputsParams(**fields).check()
+    except ValueError as exc:
+        return _OWN_FIELD.sub(param, str(exc), count=1)
+    return None
+
+
 def _grammar(kind: str, text: str) -> Any:
     """The xgrammar `Grammar` of a constraint (raises on a bad one)."""
     import xgrammar as xgr  # deferred: only requests with a constraint need it

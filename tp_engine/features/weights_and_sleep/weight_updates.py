@@ -36,6 +36,11 @@ from rank_worker.control_weights import TensorMeta, dtype_name, stage_tensors
 from rank_worker.weight_group import DEFAULT_JOIN_TIMEOUT_S
 from rank_worker.weight_map import expected_parts
 from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult
+from tp_engine.features.weights_and_sleep.group_join import (
+    JOIN_GRACE_S,
+    JOIN_POLL_S,
+    join_timed_out,
+)
 
 if TYPE_CHECKING:
     from rank_worker.model_runner import ModelRunner
@@ -61,10 +66,6 @@ class UpdateHost(Protocol):
 # Bytes of tensors per broadcast from rank 0 (vLLM's packed transfer uses 1 GiB, TRL 256 MB).
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_GROUP_NAME = "weight_update_group"
-# A join's own timeout ends its wait on the rank; rank 0 gives the ranks this much longer to
-# report why before it gives up on them.
-JOIN_GRACE_S = 2.0
-JOIN_POLL_S = 0.05
 
 
 def _refused(result: ControlResult, op: str) -> ControlRefusedError:
@@ -207,12 +208,13 @@ def start_weights_update_group(
     backend: str | None = None,
     *,
     timeout_s: float | None = None,
-) -> None:
+) -> float:
     """Start joining a trainer's process group on every rank, in the background
     (`rank_worker.weight_group`): the trainer is its rank 0 and hosts its TCPStore at
     master_address:master_port; engine rank r becomes group rank `rank_offset + r`. `backend`
-    None means nccl on GPU, gloo on CPU; `timeout_s` None is `DEFAULT_JOIN_TIMEOUT_S`. Raises
-    `ControlRefusedError` for bad arguments (nothing started)."""
+    None means nccl on GPU, gloo on CPU; `timeout_s` None is `DEFAULT_JOIN_TIMEOUT_S`. Returns
+    the timeout in force (seconds); raises `ControlRefusedError` for bad arguments (nothing
+    started)."""
     args = {
         "master_address": master_address, "master_port": int(master_port),
         "rank_offset": int(rank_offset), "world_size": int(world_size),
@@ -222,6 +224,7 @@ def start_weights_update_group(
     result = engine.control.call(ControlOp.INIT_WEIGHTS_UPDATE_GROUP, args)
     if not result.ok:
         raise _refused(result, "init_weights_update_group")
+    return DEFAULT_JOIN_TIMEOUT_S if timeout_s is None else float(timeout_s)
 
 
 def weights_update_group_state(engine: UpdateHost, group_name: str) -> dict[str, Any]:
@@ -240,16 +243,6 @@ def weights_update_group_state(engine: UpdateHost, group_name: str) -> dict[str,
         )
     pending = [r.rank for r in result.replies if r.result["state"] != "joined"]
     return {"state": "pending" if pending else "joined", "pending_ranks": pending}
-
-
-def join_timed_out(group_name: str, limit: float, pending_ranks: list[int]) -> str:
-    """The refusal of a join that did not form in time, naming the ranks still waiting (a rank's
-    own failure, when it comes in time, is reported instead, with its reason)."""
-    waiting = ", ".join(f"rank {rank}" for rank in pending_ranks)
-    return (
-        f"init_weights_update_group {group_name!r}: not every member joined within {limit:g} s"
-        + (f" (still joining: {waiting})" if waiting else "")
-    )
 
 
 def abandon_weights_update_group(engine: UpdateHost, group_name: str) -> None:
@@ -272,11 +265,10 @@ def init_weights_update_group(
     """`start_weights_update_group`, then wait (no step runs meanwhile: the offline `LLM`'s
     way; the server polls between steps instead) until every rank joined. `GroupJoinError`
     when the group does not form within the timeout (no rank keeps it)."""
-    start_weights_update_group(
+    limit = start_weights_update_group(
         engine, master_address, master_port, rank_offset, world_size, group_name, backend,
         timeout_s=timeout_s,
     )  # fmt: skip
-    limit = DEFAULT_JOIN_TIMEOUT_S if timeout_s is None else float(timeout_s)
     deadline = time.monotonic() + limit + JOIN_GRACE_S
     while (state := weights_update_group_state(engine, group_name))["state"] != "joined":
         if time.monotonic() > deadline:

@@ -33,7 +33,7 @@ serving. `flagged_routes` names the flag behind each route, for the 404 of a ser
 Joining a trainer's group waits for the trainer (`rank_worker.weight_group`): the ranks join in
 the background and this route polls them between steps, so the engine serves meanwhile; a group
 that has not formed within `timeout` seconds (SGLang's request has no such field; default
-`DEFAULT_JOIN_TIMEOUT_S`) is abandoned on every rank and answered 400 with the reason.
+`rank_worker.weight_group.DEFAULT_JOIN_TIMEOUT_S`, which rank 0 names in its reply) is abandoned on every rank and answered 400 with the reason.
 
 SGLang's pause modes map onto this engine's: "abort" is abort, "in_place" is keep, and
 "retract" (SGLang frees the running requests' KV and recomputes it later) is keep too: the
@@ -50,8 +50,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from rank_worker.weight_group import DEFAULT_JOIN_TIMEOUT_S
-from tp_engine.features.weights_and_sleep.weight_updates import (
+from tp_engine.features.weights_and_sleep.group_join import (
     JOIN_GRACE_S,
     JOIN_POLL_S,
     join_timed_out,
@@ -84,7 +83,7 @@ class InitGroup(_Body):
     world_size: int
     group_name: str = _GROUP
     backend: str | None = None
-    timeout: float | None = None  # seconds the join may wait; None: DEFAULT_JOIN_TIMEOUT_S
+    timeout: float | None = None  # seconds the join may wait; None: the ranks' default
 
 
 class UpdateFromDistributed(_Body):
@@ -184,7 +183,7 @@ def build_admin_router(
         reply = await call("start_weights_update_group", args)
         if reply.status != 200:
             return reply
-        limit = DEFAULT_JOIN_TIMEOUT_S if body.timeout is None else body.timeout
+        limit = float(reply.result["timeout_s"])  # rank 0's: the ranks' default when None
         deadline = time.monotonic() + limit + JOIN_GRACE_S
         name = {"group_name": body.group_name}
         while True:

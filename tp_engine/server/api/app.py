@@ -22,8 +22,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -55,6 +57,7 @@ from tp_engine.server.api.protocol import (
 from tp_engine.server.api.request_work import RequestWork
 from tp_engine.server.api.serving import OpenAIServing
 from tp_engine.server.api.sglang_routes import build_sglang_router
+from tp_engine.server.api.tokenizer_load import load_tokenizer
 from tp_engine.server.api.worker_routes import build_router
 from tp_engine.server.ipc import ApiPipes
 from tp_engine.server.messages import Exit, Hello, Ready
@@ -231,18 +234,32 @@ def _wait_for_hello(pipes: ApiPipes, parent: ProcessWatch) -> Hello | None:
             return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+@dataclass
+class ApiServer:
+    """The API process once it is ready to serve: its app bound to its socket."""
+
+    client: EngineClient
+    app: FastAPI
+    server: Any  # uvicorn.Server
+    sock: socket.socket
+
+    @property
+    def port(self) -> int:
+        return self.sock.getsockname()[1]
+
+
+def start_up(args: argparse.Namespace) -> ApiServer | None:
+    """Everything the API process does before it serves: connect to rank 0, wait for Hello, load
+    the tokenizer, build the app and bind its socket (a taken port ends the process here, with
+    uvicorn's message). None when rank 0 went away or sent what this process cannot serve."""
     import uvicorn
-    from transformers import AutoTokenizer
 
     parent = ProcessWatch(args.parent_pid)
     pipes = ApiPipes(args.run_dir)
     hello = _wait_for_hello(pipes, parent)
     if hello is None:
-        return 1
-    tokenizer = AutoTokenizer.from_pretrained(hello.tokenizer_dir or hello.model_dir)
+        return None
+    tokenizer = load_tokenizer(hello.tokenizer_dir or hello.model_dir)
     if hello.chat_template is not None:  # --chat-template replaces the checkpoint's
         tokenizer.chat_template = hello.chat_template
     try:
@@ -251,17 +268,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         logger.error("cannot serve %s: %s", hello.model_dir, exc)
-        return 1
+        return None
     client = EngineClient(
         pipes, hello, ServerMetrics(hello.served_model_names[0]), args.run_dir, args.parent_pid
     )
-    server: uvicorn.Server | None = None
-    port = 0
+    ready: ApiServer | None = None
 
     async def announce() -> None:
-        while server is None or not server.started:
+        while ready is None or not ready.server.started:
             await asyncio.sleep(0.02)
-        pipes.send(Ready(port=port))
+        pipes.send(Ready(port=ready.port))
 
     app = build_app(client, tokenizer, announce, parsing)
     config = uvicorn.Config(
@@ -273,14 +289,23 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=_GRACEFUL_EXIT_S,
     )
     server = uvicorn.Server(config)
-    sock = config.bind_socket()  # a taken port ends the process here, with uvicorn's message
-    port = sock.getsockname()[1]
+    ready = ApiServer(client, app, server, config.bind_socket())
 
     def on_exit(code: int) -> None:
         server.should_exit = True
 
     client.on_exit = on_exit
-    server.run(sockets=[sock])
+    return ready
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ready = start_up(args)
+    if ready is None:
+        return 1
+    ready.server.run(sockets=[ready.sock])
+    client = ready.client
     return client.exit_code if client.exit_code is not None else 1
 
 

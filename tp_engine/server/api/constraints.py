@@ -11,14 +11,17 @@
     tool_choice "required" or named        json: a schema built from the tools
                                            (`forced_tool_calls.tool_choice_schema`)
 
-At most one source per request: two are a 400 naming both. The constraint is parsed here
-(`StructuredOutputsParams.check`, no tokenizer needed, cached by its text) so that an invalid
-schema, regex or grammar is a 400 whose `param` is the field that carried it
-(`response_format.json_schema.schema`, `structured_outputs.regex`, `guided_regex`,
-`tools.0.function.parameters`), and nothing reaches the engine; rank 0 only compiles it.
-Before it is parsed, its size and a JSON schema's nesting are checked against the server's
-`RequestLimits`, without recursion (a schema nested 900 deep once took xgrammar 75 s). This runs
-on the API process's constraints pool, within the time limit (`request_work`).
+At most one source per request: two are a 400 naming both. Its size and a JSON schema's
+nesting are checked here against the server's `RequestLimits`, without recursion (a schema
+nested 900 deep once took xgrammar 75 s), on the API process's constraints pool, within the time
+limit (`request_work`). Parsing it (`StructuredOutputsParams.check`, no tokenizer needed, cached
+by its text) imports xgrammar, which imports torch, so the API process leaves that to rank 0:
+the request carries each parse by the field it names (`AddRequest.constraint_checks`), and rank
+0 refuses an invalid schema, regex or grammar before the engine sees it, with a 400 whose
+`param` is the field that carried it (`response_format.json_schema.schema`,
+`structured_outputs.regex`, `guided_regex`, `tools.0.function.parameters`); then it compiles
+it. Called without `deferred` (the offline path, the tests) the parse runs here, with the same
+message.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import json
 import re
 from typing import Any
 
-from tp_engine.features.structured.grammar import KINDS, StructuredOutputsParams
+from tp_engine.features.structured.grammar import KINDS, StructuredOutputsParams, parse_refusal
 from tp_engine.server.api.forced_tool_calls import tool_choice_schema
 from tp_engine.server.api.guards import RequestLimits, check_nesting
 from tp_engine.server.api.http_errors import bad_request
@@ -50,10 +53,12 @@ def output_constraint(
     req: CompletionRequest | ChatCompletionRequest,
     tools: ToolPlan | None = None,
     limits: RequestLimits = _DEFAULT_LIMITS,
+    deferred: dict[str, dict[str, Any]] | None = None,
 ) -> StructuredOutputsParams | None:
     """The request's constraint (None: free output); a 400 naming the field if it gives more
     than one, or one that is not valid or over `limits`. `tools`: the chat request's checked
-    tools (`tool_calls.tool_plan`), whose "required" or named tool_choice is a constraint too."""
+    tools (`tool_calls.tool_plan`), whose "required" or named tool_choice is a constraint too.
+    `deferred`: the parses left to rank 0, by the field they name (see `constraint`)."""
     refuse_unsupported_options(req)
     sources = _sources(req, tools)
     if len(sources) > 1:
@@ -68,25 +73,34 @@ def output_constraint(
         assert isinstance(req, ChatCompletionRequest) and req.tools and tools is not None
         for i, tool in enumerate(req.tools):
             if tool.function.name in tools.names and tool.function.parameters:
-                constraint(
-                    {"json": tool.function.parameters}, f"tools.{i}.function.parameters", limits
-                )
+                where = f"tools.{i}.function.parameters"
+                constraint({"json": tool.function.parameters}, where, limits, deferred)
         fields = {"json": tool_choice_schema(req.tools, tools)}
-    return constraint(fields, param, limits)
+    return constraint(fields, param, limits, deferred)
 
 
 def constraint(
-    fields: dict[str, Any], param: str, limits: RequestLimits = _DEFAULT_LIMITS
+    fields: dict[str, Any],
+    param: str,
+    limits: RequestLimits = _DEFAULT_LIMITS,
+    deferred: dict[str, dict[str, Any]] | None = None,
 ) -> StructuredOutputsParams:
     """`StructuredOutputsParams(**fields)`, within `limits` and parsed; its errors are 400s
-    naming `param`."""
+    naming `param`. With `deferred` (the API process) the parse is left to rank 0: `fields`
+    goes into `deferred` under `param`, and rank 0 refuses the request with the same 400
+    (`grammar.parse_refusal`), since parsing imports xgrammar and with it torch."""
     check_size_and_nesting(fields, param, limits)
     try:
         params = StructuredOutputsParams(**fields)
-        params.check()
     except ValueError as exc:
         message = _ENGINE_FIELD.sub(param, str(exc), count=1)
         raise bad_request(message, param) from None
+    if deferred is not None:
+        deferred[param] = fields
+        return params
+    why = parse_refusal(fields, param)
+    if why is not None:
+        raise bad_request(why, param)
     return params
 
 

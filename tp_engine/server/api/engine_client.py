@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shm_ipc.liveness import ProcessWatch
+from tp_engine.lora_request import LoRARequest
 from tp_engine.server import request_trace
 from tp_engine.server.api.metrics import ServerMetrics
 from tp_engine.server.ipc import ApiPipes, RunDir
@@ -82,7 +83,8 @@ class EngineClient:
         prompt_token_ids: list[int],
         sampling_params: dict[str, Any],
         pooling_params: dict[str, Any] | None = None,
-        lora_request: list[Any] | None = None,
+        lora_request: LoRARequest | None = None,
+        constraint_checks: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         """Send one engine request; its events go to `queue`. With `pooling_params` it pools
         its prompt instead of sampling (`sampling_params` is then empty)."""
@@ -99,6 +101,7 @@ class EngineClient:
                 sampling_params,
                 pooling_params=pooling_params,
                 lora_request=lora_request,
+                constraint_checks=constraint_checks or {},
             )
         )
 

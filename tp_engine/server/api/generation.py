@@ -26,8 +26,7 @@ from tp_engine.sampling_params import SamplingParams
 from tp_engine.server.api.engine_client import ACCEPTED, EngineClient, EngineDied
 from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.api.logprob_format import Entry, cut_top
-from tp_engine.server.api.models import wire
-from tp_engine.server.messages import Delta, Rejected
+from tp_engine.server.messages import Delta, Rejected, TokenLogprobs
 
 
 class EngineDiedError(RuntimeError):
@@ -52,9 +51,9 @@ class Choice:
     queue_time_s: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    # Per output token, when logprobs were asked for: [token ids, logprobs, rank] (the sampled
+    # Per output token, when logprobs were asked for: token ids, logprobs, rank (the sampled
     # token first, then the top-k).
-    logprobs: list[list[Any]] | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -66,7 +65,7 @@ class ChoiceUpdate:
     choice: Choice
     text: str
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[list[Any]] | None = None  # of `token_ids`, when asked for
+    logprobs: list[TokenLogprobs] | None = None  # of `token_ids`, when asked for
 
 
 @dataclass(frozen=True)
@@ -90,8 +89,11 @@ class Generation:
         n: int,
         stop: StopOptions,
         adapter: LoRARequest | None = None,
+        constraint_checks: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.client = client
+        # The output constraint's parses, by the field each names: rank 0 runs them (`constraints`).
+        self.constraint_checks = constraint_checks or {}
         # The LoRA adapter the request's `model` picked (None: the base model).
         self.adapter = adapter
         self.request_id = request_id
@@ -114,7 +116,7 @@ class Generation:
         self._n = n
         self._prompt_of = {rid: p for p, rid in enumerate(self.engine_ids)}
         # Per prompt, when prompt_logprobs were asked for (from sample 0's first Delta).
-        self.prompt_logprobs: list[list[Any] | None] = [None] * len(prompts)
+        self.prompt_logprobs: list[list[TokenLogprobs | None] | None] = [None] * len(prompts)
         self._early: list[tuple[str, Any]] = []
 
     def deliver(self, engine_id: str, event: Any) -> None:
@@ -138,7 +140,8 @@ class Generation:
                 engine_id,
                 self.prompts[p].token_ids,
                 params,
-                lora_request=wire(self.adapter),
+                lora_request=self.adapter,
+                constraint_checks=self.constraint_checks,
             )
         pending = set(self.engine_ids)
         rejection: Rejected | None = None
@@ -159,7 +162,7 @@ class Generation:
             self.close()
             # A 404: the adapter its `model` named was unloaded meanwhile (vLLM's NotFoundError).
             kind = "NotFoundError" if rejection.status == 404 else None
-            raise APIError(rejection.status, rejection.message, type=kind)
+            raise APIError(rejection.status, rejection.message, type=kind, param=rejection.param)
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Updates of every choice, in arrival order, until all have finished."""

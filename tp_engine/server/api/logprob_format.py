@@ -19,14 +19,19 @@ from __future__ import annotations
 
 from typing import Any
 
-Entry = list[Any]  # [token_ids, logprobs, rank]
+from tp_engine.core.sequence import TokenLogprobs
+
+Entry = TokenLogprobs  # token_ids (the chosen one first, then the top-k), logprobs, rank
 
 
 def cut_top(entries: list[Entry | None], num_top: int) -> list[Entry | None]:
     """Each entry with its chosen token and only the first `num_top` of its top-k (prompt
     logprobs computed for more than a completion's `logprobs` asks to show)."""
     return [
-        None if e is None else [e[0][: num_top + 1], e[1][: num_top + 1], e[2]] for e in entries
+        None
+        if e is None
+        else TokenLogprobs(e.token_ids[: num_top + 1], e.logprobs[: num_top + 1], e.rank)
+        for e in entries
     ]
 
 
@@ -56,7 +61,10 @@ class LogprobFormatter:
         top: list[dict[str, float] | None] = []
         offsets: list[int] = []
         prompt_ids, prompt_entries = echo or ([], [])
-        rows = [*zip(prompt_ids, prompt_entries, strict=True), *((e[0][0], e) for e in entries)]
+        rows = [
+            *zip(prompt_ids, prompt_entries, strict=True),
+            *((e.token_ids[0], e) for e in entries),
+        ]
         for token_id, entry in rows:
             token = self.token(token_id)
             tokens.append(token)
@@ -66,7 +74,7 @@ class LogprobFormatter:
                 token_logprobs.append(None)
                 top.append(None)
                 continue
-            ids, logprobs, _rank = entry
+            ids, logprobs = entry.token_ids, entry.logprobs
             token_logprobs.append(logprobs[0])
             top.append({self.token(t): lp for t, lp in zip(ids, logprobs, strict=True)})
         return {
@@ -78,7 +86,8 @@ class LogprobFormatter:
 
     def chat(self, entries: list[Entry]) -> dict[str, Any]:
         content = []
-        for ids, logprobs, _rank in entries:
+        for entry in entries:
+            ids, logprobs = entry.token_ids, entry.logprobs
             item = self._chat_token(ids[0], logprobs[0])
             item["top_logprobs"] = [
                 self._chat_token(t, lp) for t, lp in zip(ids[1:], logprobs[1:], strict=True)
@@ -96,8 +105,8 @@ class LogprobFormatter:
             if entry is None:
                 out.append(None)
                 continue
-            ids, logprobs, rank = entry
-            ranks = [rank, *range(1, len(ids))]
+            ids, logprobs = entry.token_ids, entry.logprobs
+            ranks = [entry.rank, *range(1, len(ids))]
             # The chosen token keeps its own rank even when it is also among the top-k.
             per_token: dict[str, Any] = {}
             for t, lp, r in zip(ids, logprobs, ranks, strict=True):

@@ -32,10 +32,7 @@ class ServedModels:
         self.model_dir = hello.model_dir
         self.max_model_len = hello.max_model_len
         self.created = int(time.time())
-        self.adapters: dict[str, LoRARequest] = {
-            name: LoRARequest(name, int_id, path, base)
-            for name, int_id, path, base in hello.lora_modules
-        }
+        self.adapters: dict[str, LoRARequest] = {a.lora_name: a for a in hello.lora_modules}
         # Ids for adapters loaded at run time: after those rank 0 gave the static ones, and
         # never reused, so a reloaded name is a new adapter to rank 0 (and its prefix cache).
         first = max((a.lora_int_id for a in self.adapters.values()), default=0) + 1
@@ -75,10 +72,3 @@ class ServedModels:
             "max_model_len": max_len,
             "permission": [],
         }
-
-
-def wire(adapter: LoRARequest | None) -> list[Any] | None:
-    """An adapter as `AddRequest.lora_request` carries it."""
-    if adapter is None:
-        return None
-    return [adapter.lora_name, adapter.lora_int_id, adapter.lora_path, adapter.base_model_name]

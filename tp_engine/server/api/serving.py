@@ -81,10 +81,12 @@ class OpenAIServing:
         adapter = self.check_model(req.model)
         refuse_unsupported(req)
         check_max_tokens(req)
+        checks: dict[str, dict[str, Any]] = {}  # parsed on rank 0 (`constraints`)
+        limits = self.work.limits
         if gives_constraint(req):
-            constraint = await self.work.constraint(output_constraint, req, None, self.work.limits)
+            constraint = await self.work.constraint(output_constraint, req, None, limits, checks)
         else:  # nothing to parse: the same check inline (see `gives_constraint`)
-            constraint = output_constraint(req, None, self.work.limits)
+            constraint = output_constraint(req, None, limits, checks)
         prompts, max_tokens, extra = await self.work.run(self._completion_inputs, req, constraint)
         return self._generation(
             "cmpl",
@@ -93,6 +95,7 @@ class OpenAIServing:
             lambda p: self.builder.sampling_params(req, max_tokens, extra),
             adapter,
             request_id,
+            checks,
         )
 
     def _completion_inputs(
@@ -116,10 +119,11 @@ class OpenAIServing:
         refuse_unsupported(req)
         check_max_tokens(req)
         check_choices(1, req.n)
+        checks: dict[str, dict[str, Any]] = {}  # parsed on rank 0 (`constraints`)
         if gives_constraint(req):
-            tools, constraint = await self.work.constraint(self._chat_constraint, req)
+            tools, constraint = await self.work.constraint(self._chat_constraint, req, checks)
         else:  # nothing to parse: the same check inline (see `gives_constraint`)
-            tools, constraint = self._chat_constraint(req)
+            tools, constraint = self._chat_constraint(req, checks)
         prompt, max_tokens, extra = await self.work.run(self._chat_inputs, req, constraint)
         gen = self._generation(
             "chatcmpl",
@@ -127,16 +131,18 @@ class OpenAIServing:
             [prompt],
             lambda p: self.builder.sampling_params(req, max_tokens, extra),
             adapter,
+            constraint_checks=checks,
         )
         output = self._chat_output(req, prompt, tools)
         return await self._respond(gen, req, request, chat=True, chat_output=output)
 
     def _chat_constraint(
-        self, req: ChatCompletionRequest
+        self, req: ChatCompletionRequest, checks: dict[str, dict[str, Any]]
     ) -> tuple[ToolPlan | None, StructuredOutputsParams | None]:
-        """The checked tools and the output constraint (constraints pool)."""
+        """The checked tools and the output constraint (constraints pool); the parses for rank
+        0 go into `checks`."""
         tools = tool_plan(req, self.builder.parsing, self.work.limits)
-        return tools, output_constraint(req, tools, self.work.limits)
+        return tools, output_constraint(req, tools, self.work.limits, checks)
 
     def _chat_inputs(
         self, req: ChatCompletionRequest, constraint: StructuredOutputsParams | None
@@ -183,6 +189,7 @@ class OpenAIServing:
         params_for,
         adapter: LoRARequest | None,
         request_id: str | None = None,
+        constraint_checks: dict[str, dict[str, Any]] | None = None,
     ) -> Generation:
         return Generation(
             self.client,
@@ -193,6 +200,7 @@ class OpenAIServing:
             req.n,
             self.builder.stop_options(req),
             adapter,
+            constraint_checks,
         )
 
     async def _respond(

@@ -169,7 +169,9 @@ def _output(
         "weight_version": version,
     }
     if logprobs:
-        meta["output_token_logprobs"] = [[e[1][0], e[0][0], None] for e in choice.logprobs or []]
+        meta["output_token_logprobs"] = [
+            [e.logprobs[0], e.token_ids[0], None] for e in choice.logprobs or []
+        ]
     return {
         "text": choice.detok.text,
         "output_ids": list(choice.detok.token_ids),

@@ -34,16 +34,15 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from tp_engine.core.engine_states import PauseMode
 from tp_engine.core.outputs import SequenceOutput
-from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
+from tp_engine.core.sequence import SequenceStatus
 from tp_engine.engine import EngineDeadError, LLMEngine
+from tp_engine.features.structured.grammar import parse_refusal
 from tp_engine.features.weights_and_sleep.sleep import WeightsNotLoadedError
-from tp_engine.lora_request import LoRARequest
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
 from tp_engine.server.args import LoopOptions
@@ -204,13 +203,18 @@ class EngineLoop:
             why = f"the engine's weights are inconsistent until a full update: {self.engine.inconsistent}"
             self._rejected.append(Rejected(msg.request_id, 503, why))
             return
-        lora = None if msg.lora_request is None else LoRARequest(*msg.lora_request)
+        lora = msg.lora_request
         if lora is not None and lora.lora_int_id not in self.engine.list_loras():
             # Unloaded after the API process picked it (vLLM's answer to an unknown model).
             self._rejected.append(
                 Rejected(msg.request_id, 404, f"The model `{lora.lora_name}` does not exist.")
             )
             return
+        for param, fields in msg.constraint_checks.items():  # the API process cannot parse
+            why = parse_refusal(fields, param)
+            if why is not None:
+                self._rejected.append(Rejected(msg.request_id, 400, why, param))
+                return
         try:
             seq_ids = self.engine.add_request(
                 msg.request_id, msg.prompt_token_ids, _params(msg), lora_request=lora
@@ -420,10 +424,6 @@ def _park() -> None:
         time.sleep(3600)
 
 
-def _wire(entry: TokenLogprobs) -> list[Any]:
-    return [entry.token_ids, entry.logprobs, entry.rank]
-
-
 def _params(msg: AddRequest) -> SamplingParams | PoolingParams:
     """What the request asks for: pooling when it carries PoolingParams fields."""
     if msg.pooling_params is not None:
@@ -442,10 +442,8 @@ def _delta(request_id: str, out: SequenceOutput) -> Delta:
         stop_reason=out.stop_reason if isinstance(out.stop_reason, int) else None,
         num_cached_tokens=out.num_cached_tokens,
         queue_time_s=out.queue_time_s,
-        logprobs=None if out.new_logprobs is None else [_wire(e) for e in out.new_logprobs],
-        prompt_logprobs=None
-        if out.prompt_logprobs is None
-        else [None if e is None else _wire(e) for e in out.prompt_logprobs],
+        logprobs=out.new_logprobs,
+        prompt_logprobs=out.prompt_logprobs,
         pooled=None if out.pooled is None else np.asarray(out.pooled, dtype="<f4").tobytes(),
     )
 

@@ -204,10 +204,7 @@ class Rank0Server:
                 is_matryoshka=engine.model_spec.is_matryoshka,
                 class_labels=list(engine.model_spec.class_labels),
                 enable_lora=engine.lora is not None,
-                lora_modules=[
-                    [m.lora_name, m.lora_int_id, m.lora_path, m.base_model_name]
-                    for m in self.args.lora_modules
-                ],
+                lora_modules=list(self.args.lora_modules),
                 tokenizer_dir=self.config.tokenizer,
                 chat_template=self.args.chat_template,
             ),

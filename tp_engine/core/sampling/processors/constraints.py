@@ -79,9 +79,9 @@ class GrammarMasks(LogitsProcessor):
         """The host bitmask of rows `positions` (of `num_rows`) whose matcher masks the next
         token, and those rows."""
         chosen = [
-            (int(pos), seq.grammar)
+            (int(pos), grammar)
             for pos, seq in zip(positions, states, strict=True)
-            if seq.grammar.masks_next
+            if (grammar := seq.grammar) is not None and grammar.masks_next
         ]
         # Rows of the whole step, so the mask's row i is logits row i; only `chosen` are filled.
         bitmask = torch.empty((num_rows, (self.vocab_size + 31) // 32), dtype=torch.int32)

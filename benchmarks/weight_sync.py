@@ -28,7 +28,7 @@ import torch
 def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from rank_worker.loader import safetensors_files
+    from rank_worker.models.loader import safetensors_files
 
     out: dict[str, torch.Tensor] = {}
     for path in safetensors_files(ckpt):

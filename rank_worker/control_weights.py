@@ -2,7 +2,7 @@
 `rank_worker.control`'s op table (whose two-phase protocol and rules they follow).
 
 Every path ends in the same call, `runner.weight_map.apply(name, full_tensor)`: each rank gets
-the *full* Hugging Face tensor and cuts its own shard in place (`rank_worker.weight_map`), so
+the *full* Hugging Face tensor and cuts its own shard in place (`rank_worker.models.weight_map`), so
 storages and `data_ptr`s stay valid. What differs is where the full tensors come from:
 
     op                         args (msgpack)                        tensors come from
@@ -49,10 +49,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from rank_worker.control import _HANDLERS, ControlOp, ControlRefused, OpHandler, _check_keys
-from rank_worker.loader import safetensors_files
+from rank_worker.models.loader import safetensors_files
+from rank_worker.models.weight_map import WeightLoadError
 from rank_worker.tp import TPInfo, broadcast_tensor
 from rank_worker.weight_group import Group, formed_group, group_broadcast
-from rank_worker.weight_map import WeightLoadError
 
 if TYPE_CHECKING:
     from rank_worker.model_runner import ModelRunner

@@ -49,7 +49,7 @@ from rank_worker.block_tables import BlockTables
 from rank_worker.cuda_graphs import capture_sizes, graph_size_for
 from rank_worker.eagle3_head import Eagle3Head
 from rank_worker.input_prep import StepInputs
-from rank_worker.qwen3 import KVCachePair
+from rank_worker.models.qwen3 import KVCachePair
 
 logger = logging.getLogger(__name__)
 

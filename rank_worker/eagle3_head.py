@@ -32,8 +32,8 @@ from torch import nn
 from rank_worker.attention.backend import AttentionBackend
 from rank_worker.attention.metadata import AttentionMetadata
 from rank_worker.eagle3_format import Eagle3HeadConfig
-from rank_worker.layers import RMSNorm, RopeSpec, RotaryEmbedding
-from rank_worker.qwen3 import KVCachePair
+from rank_worker.models.layers import RMSNorm, RopeSpec, RotaryEmbedding
+from rank_worker.models.qwen3 import KVCachePair
 
 
 class Eagle3Head(nn.Module):

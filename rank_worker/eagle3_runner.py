@@ -58,7 +58,7 @@ from rank_worker.eagle3_graphs import DraftChainGraphs
 from rank_worker.eagle3_head import Eagle3Head
 from rank_worker.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.kv_cache import KVCacheSpec, allocate_kv_cache
-from rank_worker.qwen3 import KVCachePair
+from rank_worker.models.qwen3 import KVCachePair
 from shm_ipc.step_plan import Command, StepPlan
 
 _NO_EDITS = {

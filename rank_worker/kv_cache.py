@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from rank_worker.device_memory import DeviceMemory, MemoryReading
-from rank_worker.layers.linear import local_kv_heads
-from rank_worker.qwen3 import KVCachePair, head_dim_of
+from rank_worker.models.layers.linear import local_kv_heads
+from rank_worker.models.qwen3 import KVCachePair, head_dim_of
 from rank_worker.tp import TPInfo
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from rank_worker.qwen3 import KVCachePair
+from rank_worker.models.qwen3 import KVCachePair
 from rank_worker.side_stream import ImmediateSideStream, SideStream, side_stream_for
 from rank_worker.tp import TPInfo
 from shm_ipc import kv_files

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from rank_worker.architectures import build_model
 from rank_worker.attention.selection import get_backend, select_backend, select_layer_kernels
 from rank_worker.block_tables import BlockTables
 from rank_worker.cuda_graphs import (
@@ -52,16 +51,17 @@ from rank_worker.kv_cache import (
     measure_gpu_num_blocks,
 )
 from rank_worker.kv_copies import HostBlockCopier, queue_plan_copies
-from rank_worker.layers.rope_spec import RopeSpec
-from rank_worker.loader import load_checkpoint
 from rank_worker.lora import layers as lora_layers
 from rank_worker.lora.manager import LoraManager
-from rank_worker.model_spec import HeadSpec, load_hf_config
-from rank_worker.qwen3 import KVCachePair
+from rank_worker.models.architectures import build_model
+from rank_worker.models.layers.rope_spec import RopeSpec
+from rank_worker.models.loader import load_checkpoint
+from rank_worker.models.model_spec import HeadSpec, load_hf_config
+from rank_worker.models.qwen3 import KVCachePair
+from rank_worker.models.weight_map import WeightMap
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.synthetic_plans import synthetic_plan
 from rank_worker.tp import TPInfo, all_reduce_min_int
-from rank_worker.weight_map import WeightMap
 from shm_ipc.step_plan import Command, StepPlan, batch_rows
 
 __all__ = ["ModelRunner", "synthetic_plan"]
@@ -237,7 +237,7 @@ class ModelRunner:
 
     @property
     def head_width(self) -> int:
-        """Columns of the head's rows: the vocabulary for an LM head (`rank_worker.heads`)."""
+        """Columns of the head's rows: the vocabulary for an LM head (`rank_worker.models.heads`)."""
         return int(self.model.head.width)
 
     @property

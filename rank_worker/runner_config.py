@@ -53,7 +53,7 @@ class RunnerConfig:
     # KV cache storage: "auto" (the model dtype) or "fp8" (float8_e4m3fn, per-layer scales).
     kv_cache_dtype: str = "auto"
     # Mixture-of-experts models: whole experts per rank instead of a slice of every expert
-    # (`rank_worker.layers.moe`); no effect on dense models.
+    # (`rank_worker.models.layers.moe`); no effect on dense models.
     enable_expert_parallel: bool = False
     # Run the GPU's data paths on a CPU device: a separate device block table read by a row
     # gather (strided views into the kernels), double-buffered input staging guarded by copy
@@ -74,7 +74,7 @@ class RunnerConfig:
     # Fields merged into the checkpoint's config.json before anything reads it (vLLM's
     # `--hf-overrides`: YaRN, `is_matryoshka`, a reranker's architecture).
     hf_overrides: dict[str, Any] | None = None
-    # The output head, `rank_worker.model_spec.HeadSpec.to_dict()`, decided on rank 0 (it
+    # The output head, `rank_worker.models.model_spec.HeadSpec.to_dict()`, decided on rank 0 (it
     # needs the tokenizer); None: the LM head.
     head: dict[str, Any] | None = None
     # Multi-LoRA (`rank_worker.lora`): slot stacks for `max_loras` adapters of rank up to

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rank_worker.layers import RopeSpec, RotaryEmbedding
 from rank_worker.model_runner import load_hf_config
+from rank_worker.models.layers import RopeSpec, RotaryEmbedding
 from tp_engine.config import EngineConfig
 
 # The e2e tests' scaling: L0 = 32 keeps prompts longer than the pretraining length cheap.

@@ -384,7 +384,7 @@ def _set(d, key, value):
 )  # fmt: skip
 def test_a_head_that_does_not_fit_is_refused_by_name(eagle, tmp_path, tensors, config, match):
     from rank_worker.eagle3_format import read_eagle3_config
-    from rank_worker.model_spec import load_hf_config
+    from rank_worker.models.model_spec import load_hf_config
 
     broken = _broken(eagle, tmp_path, tensors, config)
     with pytest.raises(ValueError, match=match):
@@ -402,7 +402,7 @@ def test_refusals_happen_at_start(eagle, tmp_path):
 def test_speculators_ids_are_layer_inputs(eagle):
     """The same ids mean other layers in the two layouts (SGLang adds one, vLLM does not)."""
     from rank_worker.eagle3_format import default_capture_layers, read_eagle3_config
-    from rank_worker.model_spec import load_hf_config
+    from rank_worker.models.model_spec import load_hf_config
 
     target = load_hf_config(eagle["target"])
     assert read_eagle3_config(eagle["head"], target).capture_layers == (1, 2, 3)

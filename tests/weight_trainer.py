@@ -27,7 +27,7 @@ def trainer_main(port: int, world_size: int, group_name: str, commands: Any, rep
         from safetensors.torch import load_file
 
         from rank_worker.control_weights import parse_dtype
-        from rank_worker.loader import safetensors_files
+        from rank_worker.models.loader import safetensors_files
         from rank_worker.weight_group import group_broadcast, weights_update_group
 
         pg, _store = weights_update_group(

@@ -22,7 +22,7 @@ from typing import Any
 
 from rank_worker.eagle3_format import read_eagle3_config
 from rank_worker.fault_injection import Fault
-from rank_worker.model_spec import ModelSpec, load_hf_config
+from rank_worker.models.model_spec import ModelSpec, load_hf_config
 from rank_worker.tp import TPInfo
 from tp_engine.config import EngineConfig
 from tp_engine.config.generation import eos_token_ids, sampling_defaults
@@ -68,7 +68,7 @@ class LLMEngine(EngineCore):
             model_dir, hf_config, config.runner, config.convert, self._token_id
         )
         _check_pooling_config(model_spec, config)
-        # The same rope spec sizes every rank's cos/sin table (rank_worker/qwen3.py).
+        # The same rope spec sizes every rank's cos/sin table (rank_worker/models/qwen3.py).
         rope = model_spec.rope
         config = config.with_model_defaults(rope.max_positions, rope.max_positions_source)
         self.model_dir = model_dir

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rank_worker.layers.linear import _Linear
 from rank_worker.lora.layers import AdapterBatch, LinearLoRA
 from rank_worker.lora.peft_adapter import (
     LoraConfig,
@@ -31,6 +30,7 @@ from rank_worker.lora.peft_adapter import (
     read_adapter_config,
     unsupported_modules_error,
 )
+from rank_worker.models.layers.linear import _Linear
 from rank_worker.runner_config import RunnerConfig
 
 # Unpacked (HF) projections that are their own layer.

@@ -26,7 +26,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # flash-attn 2's paged KV cache accepts only page sizes that are multiples of 256.
 _FLASH_ATTN_BLOCK_MULTIPLE = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-# vLLM's --runner and --convert values (`rank_worker.model_spec` says what they decide).
+# vLLM's --runner and --convert values (`rank_worker.models.model_spec` says what they decide).
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
 
@@ -89,7 +89,7 @@ class EngineConfig:
     # Speculative decoding (vLLM's `speculative_config`): a dict, its JSON, or a
     # SpeculativeConfig; None = off. See `tp_engine.features.speculative`.
     speculative_config: SpeculativeConfig | None = None
-    # What the model is served as (vLLM's --runner / --convert, `rank_worker.model_spec`):
+    # What the model is served as (vLLM's --runner / --convert, `rank_worker.models.model_spec`):
     # runner "auto" | "generate" | "pooling", convert "auto" | "none" | "embed" | "classify".
     # "auto" decides from the checkpoint (sentence-transformers files: an embedder; a
     # *ForSequenceClassification architecture: a classifier).

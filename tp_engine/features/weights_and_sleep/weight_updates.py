@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rank_worker.control_weights import TensorMeta, dtype_name, stage_tensors
+from rank_worker.models.weight_map import expected_parts
 from rank_worker.weight_group import DEFAULT_JOIN_TIMEOUT_S
-from rank_worker.weight_map import expected_parts
 from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult
 
 if TYPE_CHECKING:
@@ -332,7 +332,7 @@ def get_weights_by_name(engine: UpdateHost, name: str, truncate_size: int = 100)
     `get_weights_by_name`). Not for fp8 weights; for tests and checks, not speed."""
     from safetensors import safe_open
 
-    from rank_worker.loader import safetensors_files
+    from rank_worker.models.loader import safetensors_files
 
     # The full shape, from the checkpoint the engine started with (updates never change it).
     shape = None

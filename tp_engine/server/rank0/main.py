@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from rank_worker import bringup
 from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
-from rank_worker.model_spec import ModelSpec
+from rank_worker.models.model_spec import ModelSpec
 from shm_ipc.liveness import ParentWatch
 from tp_engine.config import EngineConfig
 from tp_engine.server.api.guards import exposure_warning

@@ -9,7 +9,7 @@ attention block (QKV → o_proj) and the MLP (gate/up → down) are built.
 Weights follow `nn.Linear`: `[out_features, in_features]`, `y = x @ W.T + b`.
 
 Every layer takes `quant`: None keeps W in the model dtype and multiplies with `F.linear`; an
-`Fp8BlockQuant` (an FP8 checkpoint, `rank_worker.quantization`) makes W float8_e4m3fn with a
+`Fp8BlockQuant` (an FP8 checkpoint, `rank_worker.models.quantization`) makes W float8_e4m3fn with a
 `weight_scale_inv [cdiv(out, 128), cdiv(in, 128)]` fp32 parameter beside it, cut into shards
 with W (whole blocks only: a cut inside a block is refused when the layer is built), and
 multiplies with the W8A8 block GEMM. The choice is fixed here: `forward` does not branch.
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rank_worker.layers.params import check_shape, make_param, reject_shard_id
-from rank_worker.quantization import (
+from rank_worker.models.layers.params import check_shape, make_param, reject_shard_id
+from rank_worker.models.quantization import (
     FP8_DTYPE,
     Fp8BlockQuant,
     block_slice,

@@ -2,7 +2,7 @@
 loading and for run-time weight updates alike.
 
 Built once per runner from the module tree (`WeightMap(model)`); it holds no weights, only
-rules. Who uses it: `rank_worker.loader.load_checkpoint` (strict: every required name exactly
+rules. Who uses it: `rank_worker.models.loader.load_checkpoint` (strict: every required name exactly
 once, from safetensors files) and run-time updates (`prepare` then `commit`: any subset of
 names, full tensors of any float dtype, the whole batch validated before the first write).
 
@@ -47,9 +47,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from rank_worker.layers.moe import FusedMoE
-from rank_worker.layers.params import CheckpointPart
-from rank_worker.quantization import FP8_DTYPE, scale_shape
+from rank_worker.models.layers.moe import FusedMoE
+from rank_worker.models.layers.params import CheckpointPart
+from rank_worker.models.quantization import FP8_DTYPE, scale_shape
 
 # Checkpoint tensors that are derived, not learnt: older exports saved the rotary table.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rank_worker.layers import ParallelLMHead
+from rank_worker.models.layers import ParallelLMHead
 from rank_worker.tp import TPInfo
 
 

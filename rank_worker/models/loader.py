@@ -1,7 +1,7 @@
 """Load this rank's shard of a Hugging Face safetensors checkpoint into the model.
 
 Every checkpoint tensor is read whole (one at a time, so peak host memory is one tensor, not the
-model) and handed to the model's `WeightMap` (`rank_worker.weight_map`), which owns every name
+model) and handed to the model's `WeightMap` (`rank_worker.models.weight_map`), which owns every name
 rule and writes this rank's shard through each parameter's `weight_loader`. Tensors this rank
 does not keep (other ranks' experts) are checked for presence and shape from the file header
 and never read.
@@ -20,7 +20,7 @@ from pathlib import Path
 from safetensors import safe_open
 from torch import nn
 
-from rank_worker.weight_map import WeightLoadError, WeightMap
+from rank_worker.models.weight_map import WeightLoadError, WeightMap
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "WeightLoadError", "load_checkpoint", "load_weights",
            "safetensors_files"]  # fmt: skip

@@ -1,15 +1,15 @@
 """The Qwen3-MoE model (Qwen3-30B-A3B, Qwen3-235B-A22B), one shard of it per rank.
 
 Qwen3 with sparse MLPs: attention, norms, embedding and LM head are Qwen3's
-(`rank_worker.qwen3`); in a sparse layer the MLP is a router over `num_experts` experts of
+(`rank_worker.models.qwen3`); in a sparse layer the MLP is a router over `num_experts` experts of
 `moe_intermediate_size` features, `num_experts_per_tok` of which run per token
-(`rank_worker.layers.moe`). Layer i is sparse when it is not in `mlp_only_layers` and
+(`rank_worker.models.layers.moe`). Layer i is sparse when it is not in `mlp_only_layers` and
 `(i + 1) % decoder_sparse_step == 0` (transformers' rule); the other layers keep a dense MLP of
 `intermediate_size`. Either kind of MLP ends in one all-reduce, so a forward pass issues the
 same collectives as the dense model.
 
 Experts are tensor-parallel by default (every rank a slice of every expert) or, with
-`enable_expert_parallel`, whole experts per rank; see `rank_worker.layers.moe` for both and
+`enable_expert_parallel`, whole experts per rank; see `rank_worker.models.layers.moe` for both and
 for why tokens are not sent to their experts' ranks.
 
 Checkpoint names are the published ones: `model.layers.{i}.mlp.gate.weight` (the router) and
@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from rank_worker.attention.backend import AttentionBackend
-from rank_worker.layers.moe import Qwen3MoeSparseBlock
-from rank_worker.model_spec import HeadSpec
-from rank_worker.qwen3 import Qwen3ForCausalLM, Qwen3MLP
+from rank_worker.models.layers.moe import Qwen3MoeSparseBlock
+from rank_worker.models.model_spec import HeadSpec
+from rank_worker.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from rank_worker.tp import TPInfo
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rank_worker.layers.params import check_shape, make_param, reject_shard_id
+from rank_worker.models.layers.params import check_shape, make_param, reject_shard_id
 from rank_worker.tp import TPInfo, all_reduce, gather_to_first
 
 

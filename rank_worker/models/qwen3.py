@@ -4,7 +4,7 @@ Per decoder layer: RMSNorm (fused with the residual add) → QKV column-parallel
 per-head q/k RMSNorm → rotary embedding → paged attention → o_proj row-parallel (all-reduce) →
 RMSNorm (fused residual add) → gate/up merged column-parallel → SiLU×mul → down_proj
 row-parallel (all-reduce). Then the final norm and the head chosen at build time
-(`rank_worker.heads`): for generation the vocab-parallel LM head, whose logits are gathered to
+(`rank_worker.models.heads`): for generation the vocab-parallel LM head, whose logits are gathered to
 rank 0. So a forward pass issues 1 + 2 * num_layers all-reduces and one gather (none for an
 embedding or seq-cls head).
 
@@ -34,7 +34,7 @@ from torch import nn
 from rank_worker.attention.backend import AttentionBackend
 from rank_worker.attention.metadata import AttentionMetadata
 from rank_worker.attention.selection import get_backend
-from rank_worker.heads import (
+from rank_worker.models.heads import (
     ClassifierHead,
     ClassifierWeight,
     Head,
@@ -42,7 +42,7 @@ from rank_worker.heads import (
     LMHead,
     TokenScoreHead,
 )
-from rank_worker.layers import (
+from rank_worker.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -53,9 +53,9 @@ from rank_worker.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
-from rank_worker.layers.params import CheckpointPart
-from rank_worker.model_spec import HeadSpec
-from rank_worker.quantization import fp8_quant_of
+from rank_worker.models.layers.params import CheckpointPart
+from rank_worker.models.model_spec import HeadSpec
+from rank_worker.models.quantization import fp8_quant_of
 from rank_worker.tp import TPInfo
 
 # One layer's K and V caches, each [num_blocks, block_size, num_local_kv_heads, head_dim].
@@ -374,8 +374,8 @@ class Qwen3ForCausalLM(nn.Module):
     `[B', vocab]` fp32 on rank 0, None on the other ranks. Every rank must call both with the
     same shapes, since both issue collectives. `fused_kernels`: the Triton kernels for the
     non-matmul ops (see the module docstring); the caller checks that they can run here.
-    `mlp_factory`: each layer's MLP, for models built on this one (`rank_worker.qwen3_moe`).
-    `head`: what `compute_logits` computes (`rank_worker.heads`); None: the LM head.
+    `mlp_factory`: each layer's MLP, for models built on this one (`rank_worker.models.qwen3_moe`).
+    `head`: what `compute_logits` computes (`rank_worker.models.heads`); None: the LM head.
     """
 
     # Checkpoint tensors the loader skips: those of a head this model does not build.
@@ -417,7 +417,7 @@ class Qwen3ForCausalLM(nn.Module):
     def _build_head(
         self, spec: HeadSpec, *, dtype: torch.dtype, device: torch.device | str
     ) -> Head:
-        """The output head `spec` names (`rank_worker.heads`). Heads without an LM head build
+        """The output head `spec` names (`rank_worker.models.heads`). Heads without an LM head build
         none (Qwen3-Embedding ships no `lm_head`; a causal checkpoint served as an embedder
         has one, which the loader then skips)."""
         cfg, tp = self.config, self.tp

@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rank_worker.layers.params import (
+from rank_worker.models.layers.params import (
     CheckpointPart,
     check_shape,
     make_param,
     replicated_weight_loader,
 )
-from rank_worker.quantization import (
+from rank_worker.models.quantization import (
     FP8_DTYPE,
     Fp8BlockQuant,
     block_slice,

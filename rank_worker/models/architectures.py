@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from rank_worker.attention.backend import AttentionBackend
-from rank_worker.model_spec import HeadSpec
-from rank_worker.qwen3 import Qwen3ForCausalLM
-from rank_worker.qwen3_moe import Qwen3MoeForCausalLM
+from rank_worker.models.model_spec import HeadSpec
+from rank_worker.models.qwen3 import Qwen3ForCausalLM
+from rank_worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from rank_worker.tp import TPInfo
 
 logger = logging.getLogger(__name__)
 
-# The body is the same whatever the head (`rank_worker.model_spec` picks it): a seq-cls
+# The body is the same whatever the head (`rank_worker.models.model_spec` picks it): a seq-cls
 # checkpoint, and sentence-transformers 6's re-save of an embedder (`Qwen3Model`), are Qwen3.
 _BY_ARCHITECTURE: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

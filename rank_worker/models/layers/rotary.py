@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rank_worker.layers.rope_spec import RopeSpec
+from rank_worker.models.layers.rope_spec import RopeSpec
 
 
 class RotaryEmbedding(nn.Module):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rank_worker.layers.rope_spec import RopeSpec
+from rank_worker.models.layers.rope_spec import RopeSpec
 
 Task = Literal["generate", "embed", "classify"]
 HeadKind = Literal["lm", "last_token", "token_score", "seq_cls"]

@@ -5,18 +5,18 @@ over ranks and which collective its forward issues, and gives each parameter a `
 that cuts this rank's shard out of the full checkpoint tensor.
 """
 
-from rank_worker.layers.activation import SiluAndMul
-from rank_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from rank_worker.layers.linear import (
+from rank_worker.models.layers.activation import SiluAndMul
+from rank_worker.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from rank_worker.models.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from rank_worker.layers.moe import ExpertPlacement, FusedMoE, Qwen3MoeSparseBlock, TopKRouter
-from rank_worker.layers.norm import RMSNorm
-from rank_worker.layers.rope_spec import RopeSpec
-from rank_worker.layers.rotary import RotaryEmbedding
+from rank_worker.models.layers.moe import ExpertPlacement, FusedMoE, Qwen3MoeSparseBlock, TopKRouter
+from rank_worker.models.layers.norm import RMSNorm
+from rank_worker.models.layers.rope_spec import RopeSpec
+from rank_worker.models.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "ColumnParallelLinear",

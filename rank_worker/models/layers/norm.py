@@ -11,7 +11,7 @@ from typing import overload
 import torch
 from torch import nn
 
-from rank_worker.layers.params import make_param, replicated_weight_loader
+from rank_worker.models.layers.params import make_param, replicated_weight_loader
 
 
 class RMSNorm(nn.Module):

@@ -61,7 +61,6 @@ cache's addresses).
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import os
@@ -74,16 +73,14 @@ import torch
 
 from rank_worker.attention.backend import AttentionBackend
 from rank_worker.attention.metadata import AttentionMetadata
-from rank_worker.input_prep import StepInputs
+from rank_worker.inputs.graph_sizes import capture_sizes, graph_size_for
+from rank_worker.inputs.input_prep import StepInputs
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 from shm_ipc.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
-# Sizes below the first multiple of 8 (batches of a few interactive requests are common).
-_SMALL_SIZES = (1, 2, 4)
-_SIZE_STEP = 8
 # The block every padding sequence reads: any allocated block will do, and block 0 always exists.
 _DUMMY_BLOCK = 0
 # The slot every padding token stores its K/V to: negative means nowhere (store_kv skips it).
@@ -95,16 +92,6 @@ PADDED = "padded"
 # One graph's outputs: the hidden states `[T, hidden]`, then (EAGLE-3) the captured embeddings
 # `[T, hidden]` and states `[T, n * hidden]`.
 Outputs = tuple[torch.Tensor, ...]
-
-
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, then multiples of 8, up to and including max_num_seqs."""
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    sizes = {s for s in _SMALL_SIZES if s <= max_num_seqs}
-    sizes.update(range(_SIZE_STEP, max_num_seqs + 1, _SIZE_STEP))
-    sizes.add(max_num_seqs)
-    return sorted(sizes)
 
 
 def ladders(
@@ -126,12 +113,6 @@ def ladders(
 def verify_query_lens(num_speculative_tokens: int) -> tuple[int, ...]:
     """The q's to capture: decodes, and verify steps of k drafts per sequence when k > 0."""
     return (1,) if num_speculative_tokens == 0 else (1, 1 + num_speculative_tokens)
-
-
-def graph_size_for(num_seqs: int, sizes: list[int]) -> int | None:
-    """The smallest captured size that holds `num_seqs` rows (sizes sorted), or None."""
-    i = bisect.bisect_left(sizes, num_seqs)
-    return sizes[i] if i < len(sizes) else None
 
 
 def uniform_query_len(query_start_loc: np.ndarray) -> int | None:

@@ -45,10 +45,10 @@ import numpy as np
 import torch
 
 from rank_worker.attention.metadata import AttentionMetadata
-from rank_worker.block_tables import BlockTables
-from rank_worker.cuda_graphs import capture_sizes, graph_size_for
 from rank_worker.eagle3_head import Eagle3Head
-from rank_worker.input_prep import StepInputs
+from rank_worker.inputs.block_tables import BlockTables
+from rank_worker.inputs.graph_sizes import capture_sizes, graph_size_for
+from rank_worker.inputs.input_prep import StepInputs
 from rank_worker.models.qwen3 import KVCachePair
 
 logger = logging.getLogger(__name__)

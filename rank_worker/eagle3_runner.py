@@ -52,12 +52,12 @@ import numpy as np
 import torch
 
 from rank_worker.attention.backend import AttentionBackend
-from rank_worker.block_tables import BlockTables
 from rank_worker.eagle3_format import Eagle3HeadConfig, load_eagle3_tensors, read_eagle3_config
 from rank_worker.eagle3_graphs import DraftChainGraphs
 from rank_worker.eagle3_head import Eagle3Head
-from rank_worker.input_prep import StepInputBuffers, StepInputs, prepare_inputs
-from rank_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from rank_worker.inputs.block_tables import BlockTables
+from rank_worker.inputs.input_prep import StepInputBuffers, StepInputs, prepare_inputs
+from rank_worker.kv.cache import KVCacheSpec, allocate_kv_cache
 from rank_worker.models.qwen3 import KVCachePair
 from shm_ipc.step_plan import Command, StepPlan
 

@@ -11,7 +11,7 @@ once on a small mixed step, so that every binary a step can need is compiled bef
 on GPU it then captures the decode CUDA graphs, a collective too) → `execute(plan,
 last_sampled)` per step. `startup_s` records how long each start-up phase took. Each step's
 inputs reach the device in one copy through buffers the runner keeps for its life
-(`rank_worker.input_prep`).
+(`rank_worker.inputs.input_prep`).
 Decode steps, and verify steps with as many drafts in every sequence, replay a graph when one
 fits (`rank_worker.cuda_graphs`); every other step runs eagerly.
 """
@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from rank_worker.attention.selection import get_backend, select_backend, select_layer_kernels
-from rank_worker.block_tables import BlockTables
 from rank_worker.cuda_graphs import (
     PADDED_NOTE,
     DecodeGraphRunner,
@@ -39,18 +38,20 @@ from rank_worker.cuda_graphs import (
     graph_runner_for,
     padded_without_capture,
 )
-from rank_worker.device_memory import CudaMemory, DeviceMemory, add_cuda_user, drop_cuda_user
 from rank_worker.device_sleep import DeviceSleep
 from rank_worker.eagle3_runner import Eagle3Runner
-from rank_worker.input_prep import StepInputBuffers, StepInputs, prepare_inputs
-from rank_worker.kv_cache import (
+from rank_worker.inputs.block_tables import BlockTables
+from rank_worker.inputs.input_prep import StepInputBuffers, StepInputs, prepare_inputs
+from rank_worker.inputs.synthetic_plans import synthetic_plan
+from rank_worker.kv.cache import (
     CacheGroup,
     KVCacheSpec,
     allocate_kv_cache,
     cpu_num_blocks,
     measure_gpu_num_blocks,
 )
-from rank_worker.kv_copies import HostBlockCopier, queue_plan_copies
+from rank_worker.kv.copies import HostBlockCopier, queue_plan_copies
+from rank_worker.kv.device_memory import CudaMemory, DeviceMemory, add_cuda_user, drop_cuda_user
 from rank_worker.lora import layers as lora_layers
 from rank_worker.lora.manager import LoraManager
 from rank_worker.models.architectures import build_model
@@ -60,7 +61,6 @@ from rank_worker.models.model_spec import HeadSpec, load_hf_config
 from rank_worker.models.qwen3 import KVCachePair
 from rank_worker.models.weight_map import WeightMap
 from rank_worker.runner_config import RunnerConfig
-from rank_worker.synthetic_plans import synthetic_plan
 from rank_worker.tp import TPInfo, all_reduce_min_int
 from shm_ipc.step_plan import Command, StepPlan, batch_rows
 

@@ -24,22 +24,21 @@ if not torch.cuda.is_available():  # must precede the first `import kernels` (te
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rank_worker.attention.selection import get_backend
-from rank_worker.block_tables import BlockTables
 from rank_worker.cuda_graphs import (
     ENV_VAR,
     DecodeGraphRunner,
     StaticDecodeBuffers,
-    capture_sizes,
     disabled_reason,
     graph_runner_for,
-    graph_size_for,
     is_decode_only,
     ladders,
     padded_without_capture,
     uniform_query_len,
     verify_query_lens,
 )
-from rank_worker.input_prep import prepare_inputs
+from rank_worker.inputs.block_tables import BlockTables
+from rank_worker.inputs.graph_sizes import capture_sizes, graph_size_for
+from rank_worker.inputs.input_prep import prepare_inputs
 from rank_worker.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo

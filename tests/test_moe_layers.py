@@ -271,7 +271,7 @@ def test_sparse_layers_follow_transformers_rule():
 def test_kv_cache_of_the_30b_a3b_shape(tp_size: int, local_kv_heads: int):
     from transformers import Qwen3MoeConfig
 
-    from rank_worker.kv_cache import KVCacheSpec
+    from rank_worker.kv.cache import KVCacheSpec
 
     config = Qwen3MoeConfig(
         hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from rank_worker import control_sleep, model_runner
 from rank_worker.device_sleep import SleepTag
-from rank_worker.kv_cache import KVCacheSpec
+from rank_worker.kv.cache import KVCacheSpec
 from rank_worker.model_runner import ModelRunner, synthetic_plan
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo

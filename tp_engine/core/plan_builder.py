@@ -13,7 +13,7 @@ A pooling model's head makes the rows (`rank_worker.models.heads`): "logits" are
 
 A decode whose token is still being sampled by the step in flight (asynchronous scheduling) gets
 the input id `-1 - row`: every rank replaces it on the device with that step's sampled token of
-row `row` (`rank_worker.input_prep`).
+row `row` (`rank_worker.inputs.input_prep`).
 
 A step with LoRA requests carries each sequence's adapter slot (`adapter_slots`, -1 for the
 base model), read from the running batch's column that the adapter registry keeps.

@@ -1,6 +1,6 @@
 """What the KV-cache sizing reads of a device's memory, behind an interface a test can fake.
 
-The sizing (`rank_worker.kv_cache.measure_gpu_num_blocks`) needs a handful of numbers: the
+The sizing (`rank_worker.kv.cache.measure_gpu_num_blocks`) needs a handful of numbers: the
 device's total and free bytes (every process), and this process's torch allocator: bytes
 reserved, bytes in live tensors, and the peak of the latter since a reset. `CudaMemory` reads
 them from torch.cuda; those few lines are all of the sizing that only a GPU runs. Tests drive

@@ -3,7 +3,7 @@
 Rank 0's KV manager decides which blocks move between tiers (`tp_engine.core.kv.base`); each
 rank copies its own heads' K/V of those blocks, every layer, before the forward pass that reads
 them. A `BlockCopier` per pair of tiers does it: `DeviceBlockCopier` within the device cache
-(`rank_worker.kv_cache` layout), `HostBlockCopier` between it and a host pool (pinned on a
+(`rank_worker.kv.cache` layout), `HostBlockCopier` between it and a host pool (pinned on a
 GPU), on a side stream that overlaps the copies up with the forward pass.
 """
 
@@ -17,8 +17,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from rank_worker.kv.side_stream import ImmediateSideStream, SideStream, side_stream_for
 from rank_worker.models.qwen3 import KVCachePair
-from rank_worker.side_stream import ImmediateSideStream, SideStream, side_stream_for
 from rank_worker.tp import TPInfo
 from shm_ipc import kv_files
 from shm_ipc.block_copies import (
@@ -97,7 +97,7 @@ def host_pool_blocks(size_gib: float, kv_caches: list[KVCachePair]) -> int:
 
 class HostBlockCopier:
     """Copies between the device cache and this rank's host pool of `num_host_blocks` blocks,
-    on a side stream (`rank_worker.side_stream`) so that copies up overlap the forward pass of
+    on a side stream (`rank_worker.kv.side_stream`) so that copies up overlap the forward pass of
     the plan that carries them; copies within the device cache go to a `DeviceBlockCopier`.
 
     The pool holds a block's K and V of every layer in one piece, `[num_host_blocks, layers, 2,

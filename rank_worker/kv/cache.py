@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rank_worker.device_memory import DeviceMemory, MemoryReading
+from rank_worker.kv.device_memory import DeviceMemory, MemoryReading
 from rank_worker.models.layers.linear import local_kv_heads
 from rank_worker.models.qwen3 import KVCachePair, head_dim_of
 from rank_worker.tp import TPInfo

@@ -45,7 +45,7 @@ On CPU there is nothing asynchronous: one plain host buffer, and the "device" vi
 of it (writing it is the one copy out of shared memory); the host table is the device table,
 so no cells travel. `double_buffered=True` (with `BlockTables(device_copy=True)`; the runner's
 `gpu_data_paths`) runs the GPU's layout on CPU tensors instead, so that CPU tests execute it;
-the copies then go through a `rank_worker.copy_stream` stream, which tests replace with one that
+the copies then go through a `rank_worker.inputs.copy_stream` stream, which tests replace with one that
 checks the event protocol. A step larger than the buffers (a plan whose edits rewrite many long rows
 at once, e.g. admissions with long cached prefixes) is staged in a one-off allocation instead.
 
@@ -71,8 +71,8 @@ import numpy as np
 import torch
 
 from rank_worker.attention.metadata import AttentionMetadata
-from rank_worker.block_tables import BlockTables
-from rank_worker.copy_stream import CopyEvent, CopyStream, copy_stream_for
+from rank_worker.inputs.block_tables import BlockTables
+from rank_worker.inputs.copy_stream import CopyEvent, CopyStream, copy_stream_for
 from rank_worker.runner_config import RunnerConfig
 from shm_ipc.step_plan import StepPlan
 
@@ -184,7 +184,7 @@ class StepInputBuffers:
         """`double_buffered`: the GPU's staging (two host buffers taking turns, a separate
         device buffer, each host buffer guarded by the event of its last copy); None = on for
         CUDA devices. On a CPU device it runs the same logic on CPU tensors (tests).
-        `stream`: how the host buffers reach the device (`rank_worker.copy_stream`); None = the
+        `stream`: how the host buffers reach the device (`rank_worker.inputs.copy_stream`); None = the
         device's own."""
         self.device = torch.device(device)
         self.capacity = packed_size(max_num_tokens, max_num_seqs, max_num_logits, max_edit_cells)

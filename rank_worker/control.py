@@ -58,7 +58,7 @@ from rank_worker.tp import TPInfo, all_gather_bytes
 from shm_ipc import ControlCall
 
 if TYPE_CHECKING:
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from rank_worker.lora.manager import LoraManager, StagedLoad
 from rank_worker.tp import TPInfo
 
 if TYPE_CHECKING:
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
 
 
 def _manager(runner: ModelRunner) -> LoraManager:

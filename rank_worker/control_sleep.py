@@ -1,5 +1,5 @@
 """Sleep mode's control ops (SLEEP, WAKE, MEMORY_REPORT) on one rank: checked on every rank in
-`prepare`, applied by `rank_worker.device_sleep` in `commit` (see `rank_worker.control` for the
+`prepare`, applied by `rank_worker.runner.device_sleep` in `commit` (see `rank_worker.control` for the
 two phases). Importing this module registers the ops in `rank_worker.control`'s table.
 
 Arguments (msgpack) and what each rank refuses in prepare, before any rank changes anything:
@@ -25,11 +25,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rank_worker.control import _HANDLERS, ControlOp, ControlRefused, OpHandler, _check_keys
-from rank_worker.device_sleep import SLEEP_LEVELS, DeviceSleep, SleepTag
+from rank_worker.runner.device_sleep import SLEEP_LEVELS, DeviceSleep, SleepTag
 from rank_worker.tp import TPInfo
 
 if TYPE_CHECKING:
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
 
 
 def host_memory_available() -> int | None:

@@ -55,7 +55,7 @@ from rank_worker.tp import TPInfo, broadcast_tensor
 from rank_worker.weight_group import Group, formed_group, group_broadcast
 
 if TYPE_CHECKING:
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
 
 __all__ = [
     "WEIGHT_HANDLERS",

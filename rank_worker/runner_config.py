@@ -65,11 +65,11 @@ class RunnerConfig:
     # costs both caches' bytes), written by every RUN plan and by DRAFT plans.
     draft_model: str | None = None
     # Speculative decoding with an EAGLE-3 head: its directory. Every rank loads all of it
-    # (replicated, `rank_worker.eagle3_head`), with a one-layer KV cache on the pool's block ids.
+    # (replicated, `rank_worker.spec.eagle3_head`), with a one-layer KV cache on the pool's block ids.
     eagle3_head: str | None = None
     # Speculative decoding, any method: drafts per sequence and step (k; 0: none). Verify steps
     # compute up to 1 + k tokens per sequence; the CUDA graphs capture that uniform shape
-    # (`rank_worker.cuda_graphs`).
+    # (`rank_worker.runner.cuda_graphs`).
     num_speculative_tokens: int = 0
     # Fields merged into the checkpoint's config.json before anything reads it (vLLM's
     # `--hf-overrides`: YaRN, `is_matryoshka`, a reranker's architecture).

@@ -55,7 +55,7 @@ from rank_worker.control import _HANDLERS, ControlOp, ControlRefused, OpHandler,
 from rank_worker.tp import TPInfo
 
 if TYPE_CHECKING:
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -146,7 +146,7 @@ SECTIONS: dict[str, Section] = {
             SectionLength.PER_SEQUENCE,
             1,
             "an EAGLE-3 DRAFT plan: how many chained drafts each sequence wants; the ranks run "
-            "the head's chain to the largest (`rank_worker.eagle3_runner`).",
+            "the head's chain to the largest (`rank_worker.spec.eagle3_runner`).",
         ),
         Section(
             "hidden_rows",

@@ -229,7 +229,7 @@ def lora_reference(
 def lora_runner(base_dir: str, tp: Any, device: str = "cpu", **runner_fields: Any) -> Any:
     """A ModelRunner with LoRA (`MAX_LORAS` slots, rank up to `MAX_LORA_RANK`, 4 adapters
     in host memory unless `runner_fields` say otherwise), its KV cache allocated."""
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
     from rank_worker.runner_config import RunnerConfig
     from tests.tp_cases import BLOCK_SIZE, MAX_MODEL_LEN, NUM_KV_BLOCKS
 

@@ -164,9 +164,9 @@ def generate_tokens(llm: LLM) -> list[list[int]]:
 
 def reference_checksums(checkpoint: Path, rank: int, size: int) -> dict[str, int]:
     """Rank `rank`'s shard of the checkpoint, built in this process without any group."""
-    from rank_worker.model_runner import load_hf_config
     from rank_worker.models.architectures import build_model
     from rank_worker.models.loader import load_weights
+    from rank_worker.runner.model_runner import load_hf_config
 
     model = build_model(load_hf_config(checkpoint), TPInfo(rank, size), torch.float32, "cpu")
     load_weights(model, checkpoint)

@@ -19,7 +19,7 @@ import torch
 
 from rank_worker.kv.cache import KVCacheSpec
 from rank_worker.kv.device_memory import MemoryReading
-from rank_worker.model_runner import ModelRunner
+from rank_worker.runner.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 
@@ -135,7 +135,7 @@ def test_shutdown_frees_every_tensor_of_the_engine(checkpoint):
     alive = [r for r in refs if r() is not None]
     assert not alive, f"{len(alive)} of {len(refs)} tensors outlive the engine"
     with pytest.raises(RuntimeError, match="after release"):
-        from rank_worker.model_runner import synthetic_plan
+        from rank_worker.runner.model_runner import synthetic_plan
 
         runner.execute(synthetic_plan([(0, 1, [0])]))
 

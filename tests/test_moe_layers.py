@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rank_worker.model_runner import load_hf_config
 from rank_worker.models.layers.moe import ExpertPlacement, TopKRouter
 from rank_worker.models.loader import WeightLoadError, load_weights
+from rank_worker.runner.model_runner import load_hf_config
 from rank_worker.tp import TPInfo
 from tp_engine.testing import build_random_qwen3_moe
 

@@ -30,9 +30,9 @@ import torch
 from safetensors.torch import load_file
 
 from rank_worker.control import ControlOp, parameter_checksum
-from rank_worker.model_runner import load_hf_config
 from rank_worker.models.architectures import build_model
 from rank_worker.models.loader import load_weights, safetensors_files
+from rank_worker.runner.model_runner import load_hf_config
 from rank_worker.tp import TPInfo
 from tests.moe_cases import MOE_CHECKPOINTS
 from tests.tp_cases import CHECKPOINTS, MAX_MODEL_LEN

@@ -9,8 +9,8 @@ features (control calls, LoRA slots, sleep mode) and plugs them into the core
 `sleep`, `load_weights`...). The stepping, the requests and the engine's states are
 `tp_engine.core.engine_core.EngineCore`'s.
 
-Start-up mirrors `rank_worker.worker.run_worker` on the other ranks (see
-`rank_worker.bootstrap` for the order). A failure on another rank surfaces here as
+Start-up mirrors `rank_worker.dist.worker.run_worker` on the other ranks (see
+`rank_worker.dist.bootstrap` for the order). A failure on another rank surfaces here as
 `EngineDeadError` naming that rank and step.
 """
 
@@ -20,9 +20,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rank_worker.eagle3_format import read_eagle3_config
 from rank_worker.fault_injection import Fault
 from rank_worker.models.model_spec import ModelSpec, load_hf_config
+from rank_worker.spec.eagle3_format import read_eagle3_config
 from rank_worker.tp import TPInfo
 from tp_engine.config import EngineConfig
 from tp_engine.config.generation import eos_token_ids, sampling_defaults

@@ -1,5 +1,5 @@
 """The batch sizes a step is padded to when it replays a CUDA graph: one ladder, shared by the
-target's graphs (`rank_worker.cuda_graphs`) and the EAGLE-3 draft chain's, so both pad a batch
+target's graphs (`rank_worker.runner.cuda_graphs`) and the EAGLE-3 draft chain's, so both pad a batch
 to the same size."""
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ class LoraManager:
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Every slot stack (A and B of each adapted layer): what sleep mode releases and
-        restores beside the weights (`rank_worker.device_sleep`)."""
+        restores beside the weights (`rank_worker.runner.device_sleep`)."""
         return [t for layer in self.layers.values() for t in (layer.a, layer.b)]
 
     def bind(self, slots: torch.Tensor, any_adapter: bool = True) -> None:

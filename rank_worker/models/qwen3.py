@@ -336,7 +336,7 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(
             hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype, device=device, fused=fused
         )
-        # EAGLE-3 (`rank_worker.eagle3_runner`): the residual streams a forward keeps, as
+        # EAGLE-3 (`rank_worker.spec.eagle3_runner`): the residual streams a forward keeps, as
         # indices of Hugging Face's `output_hidden_states` (i: the input of layer i); empty:
         # none. `captured` then holds `(embeddings [T, hidden], states [T, len * hidden])`.
         self.capture_layers: tuple[int, ...] = ()

@@ -61,7 +61,7 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """One tensor `x [num_tokens, heads, head_dim]` rotated as `forward` rotates each (keys
-        alone: an EAGLE-3 head's entries, `rank_worker.eagle3_head`)."""
+        alone: an EAGLE-3 head's entries, `rank_worker.spec.eagle3_head`)."""
         cos = self.cos_cache[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim / 2]
         sin = self.sin_cache[positions].unsqueeze(1).to(x.dtype)
         return self._rotate(x, cos, sin)

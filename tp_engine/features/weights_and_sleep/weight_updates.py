@@ -38,7 +38,7 @@ from rank_worker.weight_group import DEFAULT_JOIN_TIMEOUT_S
 from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult
 
 if TYPE_CHECKING:
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
     from tp_engine.executor.control import EngineControl, EngineInconsistentError
     from tp_engine.features.weights_and_sleep.sleep import EngineSleep
 

@@ -27,7 +27,7 @@ against position 0 of their first block (column 0 of a real row is its own first
 padding rows read block 0) and write nowhere; their tokens past `wanted` are never read (the
 proposer keeps row i's first `wanted[i]`). One graph therefore serves every DRAFT plan whose
 rows want at most k drafts, whatever the mix. The attention metadata's host fields are bounds
-(`max_model_len`), as for the target's decode graphs (`rank_worker.cuda_graphs`).
+(`max_model_len`), as for the target's decode graphs (`rank_worker.runner.cuda_graphs`).
 
 Where it runs: beside the target's decode graphs, under the same conditions
 (`cuda_graphs.disabled_reason`), captured after them, and dropped with them on sleep (a graph
@@ -45,11 +45,11 @@ import numpy as np
 import torch
 
 from rank_worker.attention.metadata import AttentionMetadata
-from rank_worker.eagle3_head import Eagle3Head
 from rank_worker.inputs.block_tables import BlockTables
 from rank_worker.inputs.graph_sizes import capture_sizes, graph_size_for
 from rank_worker.inputs.input_prep import StepInputs
 from rank_worker.models.qwen3 import KVCachePair
+from rank_worker.spec.eagle3_head import Eagle3Head
 
 logger = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ class SleepingRunner(Protocol):
 
     model: torch.nn.Module
     draft: Any  # the draft model's ModelRunner, or None
-    eagle3: Any  # rank_worker.eagle3_runner.Eagle3Runner, or None
+    eagle3: Any  # rank_worker.spec.eagle3_runner.Eagle3Runner, or None
     kv_caches: list[Any] | None  # (k, v) per layer
     lora: Any  # rank_worker.lora.manager.LoraManager, or None without LoRA
     device: torch.device

@@ -1,6 +1,6 @@
 """EAGLE-3 on one rank: the head beside the target, its own one-layer KV cache, and the two
 passes that use it. Every rank runs both passes with the same inputs (the head is replicated:
-`rank_worker.eagle3_head` says why), so the ranks stay in lock-step through the target's
+`rank_worker.spec.eagle3_head` says why), so the ranks stay in lock-step through the target's
 embedding, the only collective here.
 
 Entry p of a sequence (the head's K/V at slot p) needs the target's states at p and the token
@@ -28,15 +28,15 @@ is request state: it is the last step's tensors, as the block-table mirror is th
 plans' tables.
 
 CUDA graphs: where the target's decode graphs are on, the DRAFT plan's chain replays one
-graph per batch size (`rank_worker.eagle3_graphs`; the host work left is `prepare_inputs` of the
+graph per batch size (`rank_worker.spec.eagle3_graphs`; the host work left is `prepare_inputs` of the
 plan and the `_Kept` lookup), and the target's graphs return its captured states
-(`rank_worker.cuda_graphs`). The RUN plan's pass (`after_run`) stays eager: its entries
+(`rank_worker.runner.cuda_graphs`). The RUN plan's pass (`after_run`) stays eager: its entries
 depend on which tokens the previous plan kept, a host-side lookup per sequence.
 
 Not yet done (none of it needed for exact outputs):
 - Memory: the KV sizing's warm-up forward captures the states (counted), but does not run the
   head's pass. (Sleep gives back the head's weights, kept on the host at both levels, and its
-  cache: `rank_worker.device_sleep`.)
+  cache: `rank_worker.runner.device_sleep`.)
 - Entry p depends on the token after p, which the prefix cache's hash of p's block does not
   cover. A hit starts a sequence at c > 0 with no kept states for entry c - 1, so that entry
   keeps what the block's first owner wrote (the new sequence writes nothing into a cached
@@ -52,13 +52,13 @@ import numpy as np
 import torch
 
 from rank_worker.attention.backend import AttentionBackend
-from rank_worker.eagle3_format import Eagle3HeadConfig, load_eagle3_tensors, read_eagle3_config
-from rank_worker.eagle3_graphs import DraftChainGraphs
-from rank_worker.eagle3_head import Eagle3Head
 from rank_worker.inputs.block_tables import BlockTables
 from rank_worker.inputs.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.kv.cache import KVCacheSpec, allocate_kv_cache
 from rank_worker.models.qwen3 import KVCachePair
+from rank_worker.spec.eagle3_format import Eagle3HeadConfig, load_eagle3_tensors, read_eagle3_config
+from rank_worker.spec.eagle3_graphs import DraftChainGraphs
+from rank_worker.spec.eagle3_head import Eagle3Head
 from shm_ipc.step_plan import Command, StepPlan
 
 _NO_EDITS = {

@@ -31,9 +31,9 @@ from torch import nn
 
 from rank_worker.attention.backend import AttentionBackend
 from rank_worker.attention.metadata import AttentionMetadata
-from rank_worker.eagle3_format import Eagle3HeadConfig
 from rank_worker.models.layers import RMSNorm, RopeSpec, RotaryEmbedding
 from rank_worker.models.qwen3 import KVCachePair
+from rank_worker.spec.eagle3_format import Eagle3HeadConfig
 
 
 class Eagle3Head(nn.Module):
@@ -84,7 +84,7 @@ class Eagle3Head(nn.Module):
         # The cache holds the model dtype or fp8 at scale 1 (a head ships no KV scales).
         self.kv_scales = torch.ones(2, dtype=torch.float32, device=device)
 
-    # Canonical tensor name (`rank_worker.eagle3_format`) -> this module's parameter.
+    # Canonical tensor name (`rank_worker.spec.eagle3_format`) -> this module's parameter.
     _PARAMS: ClassVar[dict[str, str]] = {
         "fc.weight": "fc.weight",
         "midlayer.self_attn.q_proj.weight": "q_proj.weight",

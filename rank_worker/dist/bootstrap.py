@@ -1,13 +1,13 @@
 """What rank 0 tells every worker once, before the first step.
 
 Start-up, in the same order on every rank (rank 0's side is `tp_engine.engine.LLMEngine`, the
-workers' `rank_worker.worker.run_worker`):
+workers' `rank_worker.dist.worker.run_worker`):
 
-1. the process group is up (`rank_worker.bringup`);
+1. the process group is up (`rank_worker.dist.bringup`);
 2. rank 0 broadcasts a `Bootstrap` (checkpoint, `RunnerConfig`, channel handle) as bytes;
 3. each worker attaches a `PlanReceiver`, which says hello to rank 0;
 4. every rank loads its weight shard and agrees on the number of KV blocks (a collective);
-5. every rank runs the same plans, one step after another (`rank_worker.step`), until EXIT.
+5. every rank runs the same plans, one step after another (`rank_worker.dist.step`), until EXIT.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import rank_worker.control_sleep
 import rank_worker.control_weights  # noqa: F401  (registers the weight-update ops)
 from rank_worker.control import ControlResult, RankControl
 from rank_worker.fault_injection import Fault
-from rank_worker.model_runner import ModelRunner
+from rank_worker.runner.model_runner import ModelRunner
 from rank_worker.tp import TPInfo, broadcast_tensor
 from shm_ipc import Command, ControlCall, StepPlan
 

@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass
 
 from rank_worker.fault_injection import Fault
-from rank_worker.launcher_watch import TORCHRUN_WORKER_GRACE_S, LauncherWatch
-from rank_worker.local_group import LocalGroup, spawn_local_group
+from rank_worker.dist.launcher_watch import TORCHRUN_WORKER_GRACE_S, LauncherWatch
+from rank_worker.dist.local_group import LocalGroup, spawn_local_group
 from rank_worker.tp import TPInfo, destroy_process_group, init_process_group
 from shm_ipc.liveness import ParentWatch
 
@@ -98,7 +98,7 @@ def start(tp_size: int, backend: str | None, launcher: ParentWatch | None) -> Ra
         if torchrun_rank() != 0:
             # From before the rendezvous: an agent that dies during it cannot leave this rank
             # waiting for the store's timeout.
-            from rank_worker.worker import watch_launcher
+            from rank_worker.dist.worker import watch_launcher
 
             watch = watch_launcher(launcher, torchrun_rank() or 0, grace_s=TORCHRUN_WORKER_GRACE_S)
         tp = init_process_group(backend)
@@ -114,7 +114,7 @@ def serve_as_worker(ranks: Ranks) -> int:
     """A torchrun rank other than 0: serve rank 0 until it sends EXIT, then leave the group;
     returns the exit code. Exits on its own if torchrun's agent is gone and rank 0 has not
     ended the run in time (`TORCHRUN_WORKER_GRACE_S`)."""
-    from rank_worker.worker import run_worker
+    from rank_worker.dist.worker import run_worker
 
     assert ranks.watch is not None and not ranks.tp.is_first
     try:

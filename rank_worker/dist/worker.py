@@ -1,12 +1,12 @@
 """Ranks 1..N-1: serve rank 0 until it says EXIT, one plan after another.
 
-A worker holds no request state. It receives the `Bootstrap` (`rank_worker.bootstrap`), loads
+A worker holds no request state. It receives the `Bootstrap` (`rank_worker.dist.bootstrap`), loads
 its shard, then runs every message rank 0 publishes (plans, and control calls between them)
-through the same `StepExecutor` as rank 0 (`rank_worker.step`), whose `dispatch` decides what
+through the same `StepExecutor` as rank 0 (`rank_worker.dist.step`), whose `dispatch` decides what
 each one is. A refused or failed control call is a returned value, not an exception (see
 `rank_worker.control`). A worker that fails reports the exception on the channel's back channel
 (rank 0 turns it into an error naming this rank) and exits non-zero; a worker whose rank 0 died
-exits non-zero too, and so does one whose launcher died (`rank_worker.launcher_watch`).
+exits non-zero too, and so does one whose launcher died (`rank_worker.dist.launcher_watch`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from rank_worker.bootstrap import Bootstrap
+from rank_worker.dist.bootstrap import Bootstrap
 from rank_worker.fault_injection import Fault
-from rank_worker.launcher_watch import LauncherWatch
+from rank_worker.dist.launcher_watch import LauncherWatch
 from rank_worker.tp import TPInfo, destroy_process_group
 from shm_ipc import OwnerDiedError, PlanReceiver
 from shm_ipc.errors import ChannelClosed
@@ -48,8 +48,8 @@ def run_worker(
     `on_owner_death` runs if rank 0 dies first (e.g. to remove rendezvous files that only rank 0
     would otherwise clean up).
     """
-    from rank_worker.model_runner import ModelRunner  # deferred: pulls in the model code
-    from rank_worker.step import Flow, StepExecutor
+    from rank_worker.runner.model_runner import ModelRunner  # deferred: pulls in the model code
+    from rank_worker.dist.step import Flow, StepExecutor
 
     if tp.is_first:
         raise ValueError("run_worker is for ranks 1..N-1; rank 0 runs the engine")
@@ -133,8 +133,8 @@ def watch_launcher(
 
 
 def main() -> int:
-    """Entry point of a worker process started by `rank_worker.local_group.spawn_local_group`."""
-    from rank_worker.local_group import join_local_group, remove_group_dir
+    """Entry point of a worker process started by `rank_worker.dist.local_group.spawn_local_group`."""
+    from rank_worker.dist.local_group import join_local_group, remove_group_dir
 
     parent = ParentWatch()  # rank 0, which spawned this process
     fault = Fault.from_env()  # a malformed spec fails this rank before it joins

@@ -95,7 +95,7 @@ def spawn_local_group(world_size: int, backend: str | None = None) -> tuple[TPIn
             WORLD_SIZE=str(world_size),
             **{ENV_STORE: store_path, ENV_BACKEND: backend or "", ENV_THREADS: str(threads)},
         )
-        procs.append(subprocess.Popen([sys.executable, "-m", "rank_worker.worker"], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "rank_worker.dist.worker"], env=env))
     group = LocalGroup(procs, run_dir)
     try:
         if not torch.cuda.is_available():

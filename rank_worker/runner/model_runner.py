@@ -13,7 +13,7 @@ last_sampled)` per step. `startup_s` records how long each start-up phase took. 
 inputs reach the device in one copy through buffers the runner keeps for its life
 (`rank_worker.inputs.input_prep`).
 Decode steps, and verify steps with as many drafts in every sequence, replay a graph when one
-fits (`rank_worker.cuda_graphs`); every other step runs eagerly.
+fits (`rank_worker.runner.cuda_graphs`); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -31,15 +31,6 @@ import numpy as np
 import torch
 
 from rank_worker.attention.selection import get_backend, select_backend, select_layer_kernels
-from rank_worker.cuda_graphs import (
-    PADDED_NOTE,
-    DecodeGraphRunner,
-    disabled_reason,
-    graph_runner_for,
-    padded_without_capture,
-)
-from rank_worker.device_sleep import DeviceSleep
-from rank_worker.eagle3_runner import Eagle3Runner
 from rank_worker.inputs.block_tables import BlockTables
 from rank_worker.inputs.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.inputs.synthetic_plans import synthetic_plan
@@ -60,7 +51,16 @@ from rank_worker.models.loader import load_checkpoint
 from rank_worker.models.model_spec import HeadSpec, load_hf_config
 from rank_worker.models.qwen3 import KVCachePair
 from rank_worker.models.weight_map import WeightMap
+from rank_worker.runner.cuda_graphs import (
+    PADDED_NOTE,
+    DecodeGraphRunner,
+    disabled_reason,
+    graph_runner_for,
+    padded_without_capture,
+)
+from rank_worker.runner.device_sleep import DeviceSleep
 from rank_worker.runner_config import RunnerConfig
+from rank_worker.spec.eagle3_runner import Eagle3Runner
 from rank_worker.tp import TPInfo, all_reduce_min_int
 from shm_ipc.step_plan import Command, StepPlan, batch_rows
 

@@ -91,10 +91,10 @@ def _time_steps(runner: Any, plan: Any, repeats: int) -> float:
 
 
 def main() -> None:
-    import rank_worker.control_lora  # noqa: F401  (registers the LoRA ops)
+    import rank_worker.control.lora_ops  # noqa: F401  (registers the LoRA ops)
     from benchmarks.models import QWEN3_PRESETS
     from benchmarks.results import environment, write_json
-    from rank_worker.control import ControlOp, RankControl
+    from rank_worker.control.protocol import ControlOp, RankControl
     from rank_worker.runner.model_runner import ModelRunner, load_hf_config
     from rank_worker.runner_config import RunnerConfig
     from rank_worker.tp import TPInfo

@@ -1,4 +1,4 @@
-"""Control calls to every rank (`shm_ipc.ControlCall`, `rank_worker.control`, `tp_engine.executor.control`).
+"""Control calls to every rank (`shm_ipc.ControlCall`, `rank_worker.control.protocol`, `tp_engine.executor.control`).
 
 First the wire format and the channel in-process (fast), then the offline `LLM` at TP = 1, 2
 and 4 over gloo (slow; one process group per TP size serves every scenario):
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from rank_worker.control import ControlOp, ControlOutcome, parameter_checksum
+from rank_worker.control.protocol import ControlOp, ControlOutcome, parameter_checksum
 from rank_worker.tp import TPInfo, all_gather_bytes
 from shm_ipc import (
     Command,

@@ -1,4 +1,4 @@
-"""Sleep mode (`tp_engine.features.weights_and_sleep.sleep`, `rank_worker.control_sleep`, `rank_worker.runner.device_sleep`) on CPU.
+"""Sleep mode (`tp_engine.features.weights_and_sleep.sleep`, `rank_worker.control.sleep_ops`, `rank_worker.runner.device_sleep`) on CPU.
 
 Memory is accounted from the storages themselves (`DeviceSleep.report`, every rank's through
 the MEMORY_REPORT call): what a GPU would give back is what the process stops holding. With the
@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rank_worker import control_sleep
+from rank_worker.control import sleep_ops as control_sleep
 from rank_worker.kv.cache import KVCacheSpec
 from rank_worker.runner import model_runner
 from rank_worker.runner.device_sleep import SleepTag

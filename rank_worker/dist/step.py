@@ -4,7 +4,7 @@ one dispatcher of everything rank 0 sends.
     message received (workers: `StepExecutor.dispatch`)
       StepPlan RUN / DRAFT → `run` (below)
       StepPlan EXIT        → leave the worker loop
-      ControlCall          → `control`: both phases of the call (`rank_worker.control`)
+      ControlCall          → `control`: both phases of the call (`rank_worker.control.protocol`)
 
 Rank 0 publishes each message and then calls `run` or `control` itself, since it needs what
 they return (the logits, every rank's reply); it never receives an EXIT.
@@ -28,10 +28,10 @@ import enum
 
 import torch
 
-import rank_worker.control_lora
-import rank_worker.control_sleep
-import rank_worker.control_weights  # noqa: F401  (registers the weight-update ops)
-from rank_worker.control import ControlResult, RankControl
+import rank_worker.control.lora_ops
+import rank_worker.control.sleep_ops
+import rank_worker.control.weight_ops  # noqa: F401  (registers the weight-update ops)
+from rank_worker.control.protocol import ControlResult, RankControl
 from rank_worker.fault_injection import Fault
 from rank_worker.runner.model_runner import ModelRunner
 from rank_worker.tp import TPInfo, broadcast_tensor

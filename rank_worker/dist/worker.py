@@ -4,7 +4,7 @@ A worker holds no request state. It receives the `Bootstrap` (`rank_worker.dist.
 its shard, then runs every message rank 0 publishes (plans, and control calls between them)
 through the same `StepExecutor` as rank 0 (`rank_worker.dist.step`), whose `dispatch` decides what
 each one is. A refused or failed control call is a returned value, not an exception (see
-`rank_worker.control`). A worker that fails reports the exception on the channel's back channel
+`rank_worker.control.protocol`). A worker that fails reports the exception on the channel's back channel
 (rank 0 turns it into an error naming this rank) and exits non-zero; a worker whose rank 0 died
 exits non-zero too, and so does one whose launcher died (`rank_worker.dist.launcher_watch`).
 """

@@ -2,7 +2,7 @@
 adapters that feeds them.
 
 Ownership: rank 0 decides which adapter sits in which slot (its adapter registry) and tells
-every rank through two control calls (`rank_worker.control_lora`): LOAD_LORA puts adapter
+every rank through two control calls (`rank_worker.control.lora_ops`): LOAD_LORA puts adapter
 `lora_uid` from `path` into slot s, UNLOAD_LORA empties a slot. A rank keeps only what those
 calls left: the slot stacks (`LinearLoRA`, device memory allocated once at start-up, before
 the KV cache is sized, so the cache budget already leaves them out) and up to

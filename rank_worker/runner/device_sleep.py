@@ -2,7 +2,7 @@
 it again, keeping every tensor the same Python object.
 
 Ownership: each `ModelRunner` owns one `DeviceSleep` (`runner.device_sleep`); the control ops
-SLEEP and WAKE (`rank_worker.control_sleep`) drive it on every rank, and rank 0's engine keeps
+SLEEP and WAKE (`rank_worker.control.sleep_ops`) drive it on every rank, and rank 0's engine keeps
 the engine-wide view (`tp_engine.features.weights_and_sleep.sleep`). Two tags, as vLLM's:
 
     tag        what                                           after sleep(1)      after sleep(2)

@@ -60,8 +60,8 @@ class Executor(Protocol):
         placeholders). `timeline`: where to record the step's phases (None: nowhere)."""
 
     def control(self, call: ControlCall) -> Any:
-        """Run `call` on every rank (two-phase: `rank_worker.control`); every rank's
-        verdict and reply, as a `rank_worker.control.ControlResult`."""
+        """Run `call` on every rank (two-phase: `rank_worker.control.protocol`); every rank's
+        verdict and reply, as a `rank_worker.control.protocol.ControlResult`."""
 
     def guard(self, what: str) -> AbstractContextManager[None]:
         """Turn a failure inside into `EngineDeadError` naming the rank at fault."""

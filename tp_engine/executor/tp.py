@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from rank_worker.control import ControlResult
+from rank_worker.control.protocol import ControlResult
 from rank_worker.dist.bootstrap import Bootstrap
 from rank_worker.dist.step import StepExecutor
 from rank_worker.fault_injection import Fault

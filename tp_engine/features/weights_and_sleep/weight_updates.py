@@ -2,7 +2,7 @@
 `update_weights_from_disk`, the trainer-group calls (SGLang's names) and `get_weights_by_name`.
 
 Each is one or more control calls (`tp_engine.executor.control`; the ranks' handlers and the data paths
-are `rank_worker.control_weights`), so an update lands between two steps, ordered with the
+are `rank_worker.control.weight_ops`), so an update lands between two steps, ordered with the
 plans, and is validated on every rank before any rank writes. After a committed update:
 
 - the block manager's weight epoch advances (`BlockManager.advance_epoch(flush_cache)`): K/V
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from rank_worker.control_weights import TensorMeta, dtype_name, stage_tensors
+from rank_worker.control.weight_group import DEFAULT_JOIN_TIMEOUT_S
+from rank_worker.control.weight_ops import TensorMeta, dtype_name, stage_tensors
 from rank_worker.models.weight_map import expected_parts
-from rank_worker.weight_group import DEFAULT_JOIN_TIMEOUT_S
 from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult
 
 if TYPE_CHECKING:
@@ -214,7 +214,7 @@ def start_weights_update_group(
     timeout_s: float | None = None,
 ) -> None:
     """Start joining a trainer's process group on every rank, in the background
-    (`rank_worker.weight_group`): the trainer is its rank 0 and hosts its TCPStore at
+    (`rank_worker.control.weight_group`): the trainer is its rank 0 and hosts its TCPStore at
     master_address:master_port; engine rank r becomes group rank `rank_offset + r`. `backend`
     None means nccl on GPU, gloo on CPU; `timeout_s` None is `DEFAULT_JOIN_TIMEOUT_S`. Raises
     `ControlRefusedError` for bad arguments (nothing started)."""

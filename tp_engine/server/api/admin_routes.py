@@ -30,7 +30,7 @@ behind the API key when one is set (the guard keys everything outside its open l
 runs on rank 0 between two steps (`control_ops`); a refusal leaves the engine unchanged and
 serving. `flagged_routes` names the flag behind each route, for the 404 of a server without it.
 
-Joining a trainer's group waits for the trainer (`rank_worker.weight_group`): the ranks join in
+Joining a trainer's group waits for the trainer (`rank_worker.control.weight_group`): the ranks join in
 the background and this route polls them between steps, so the engine serves meanwhile; a group
 that has not formed within `timeout` seconds (SGLang's request has no such field; default
 `DEFAULT_JOIN_TIMEOUT_S`) is abandoned on every rank and answered 400 with the reason.
@@ -50,7 +50,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from rank_worker.weight_group import DEFAULT_JOIN_TIMEOUT_S
+from rank_worker.control.weight_group import DEFAULT_JOIN_TIMEOUT_S
 from tp_engine.features.weights_and_sleep.weight_updates import (
     JOIN_GRACE_S,
     JOIN_POLL_S,

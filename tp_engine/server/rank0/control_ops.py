@@ -64,7 +64,7 @@ def _update_from_disk(engine: LLMEngine, args: dict[str, Any]) -> None:
 
 def _start_group(engine: LLMEngine, args: dict[str, Any]) -> None:
     """Only starts the ranks' joins: the route polls `_group_state` between steps, so that the
-    loop never waits for a trainer (`rank_worker.weight_group`)."""
+    loop never waits for a trainer (`rank_worker.control.weight_group`)."""
     weight_updates.start_weights_update_group(
         engine,
         args["master_address"],

@@ -1,6 +1,6 @@
 """Multi-LoRA's control ops (LOAD_LORA, UNLOAD_LORA) on one rank: checked on every rank in
 `prepare`, applied by `rank_worker.lora.manager.LoraManager` in `commit` (see
-`rank_worker.control` for the two phases). Importing this module registers the ops.
+`rank_worker.control.protocol` for the two phases). Importing this module registers the ops.
 
     op           args                                  refused when
     LOAD_LORA    slot: int, lora_uid: int | str,       LoRA is off; the weights sleep; slot
@@ -21,7 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from rank_worker.control import _HANDLERS, ControlOp, ControlRefused, OpHandler, _check_keys
+from rank_worker.control.protocol import (
+    _HANDLERS,
+    ControlOp,
+    ControlRefused,
+    OpHandler,
+    _check_keys,
+)
 from rank_worker.lora.manager import LoraManager, StagedLoad
 from rank_worker.tp import TPInfo
 

@@ -1,5 +1,5 @@
 """Weight updates on one rank: the handlers of control ops 10, 11, 13 and 15, registered into
-`rank_worker.control`'s op table (whose two-phase protocol and rules they follow).
+`rank_worker.control.protocol`'s op table (whose two-phase protocol and rules they follow).
 
 Every path ends in the same call, `runner.weight_map.apply(name, full_tensor)`: each rank gets
 the *full* Hugging Face tensor and cuts its own shard in place (`rank_worker.models.weight_map`), so
@@ -36,7 +36,7 @@ own group timeout ends its wait.
 
 The trainer's group itself (INIT_WEIGHTS_UPDATE_GROUP, WEIGHTS_UPDATE_GROUP_STATUS,
 DESTROY_WEIGHTS_UPDATE_GROUP: how it is formed so that SGLang's trainer helper meets it, and why it
-is joined in the background) is `rank_worker.weight_group`; this module only receives on it.
+is joined in the background) is `rank_worker.control.weight_group`; this module only receives on it.
 """
 
 from __future__ import annotations
@@ -48,11 +48,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from rank_worker.control import _HANDLERS, ControlOp, ControlRefused, OpHandler, _check_keys
+from rank_worker.control.protocol import (
+    _HANDLERS,
+    ControlOp,
+    ControlRefused,
+    OpHandler,
+    _check_keys,
+)
+from rank_worker.control.weight_group import Group, formed_group, group_broadcast
 from rank_worker.models.loader import safetensors_files
 from rank_worker.models.weight_map import WeightLoadError
 from rank_worker.tp import TPInfo, broadcast_tensor
-from rank_worker.weight_group import Group, formed_group, group_broadcast
 
 if TYPE_CHECKING:
     from rank_worker.runner.model_runner import ModelRunner
@@ -293,7 +299,7 @@ def _commit_disk(runner: ModelRunner, disk: _Disk) -> dict[str, int]:
     return {"tensors": count}
 
 
-# -- LOAD_WEIGHTS_FROM_GROUP: tensors from the trainer's group (`rank_worker.weight_group`) -------
+# -- LOAD_WEIGHTS_FROM_GROUP: tensors from the trainer's group (`rank_worker.control.weight_group`) -------
 
 
 def _recv_device(runner: ModelRunner, group: Group) -> torch.device:

@@ -1,6 +1,6 @@
 """Sleep mode's control ops (SLEEP, WAKE, MEMORY_REPORT) on one rank: checked on every rank in
-`prepare`, applied by `rank_worker.runner.device_sleep` in `commit` (see `rank_worker.control` for the
-two phases). Importing this module registers the ops in `rank_worker.control`'s table.
+`prepare`, applied by `rank_worker.runner.device_sleep` in `commit` (see `rank_worker.control.protocol` for the
+two phases). Importing this module registers the ops in `rank_worker.control.protocol`'s table.
 
 Arguments (msgpack) and what each rank refuses in prepare, before any rank changes anything:
 
@@ -24,7 +24,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from rank_worker.control import _HANDLERS, ControlOp, ControlRefused, OpHandler, _check_keys
+from rank_worker.control.protocol import (
+    _HANDLERS,
+    ControlOp,
+    ControlRefused,
+    OpHandler,
+    _check_keys,
+)
 from rank_worker.runner.device_sleep import SLEEP_LEVELS, DeviceSleep, SleepTag
 from rank_worker.tp import TPInfo
 

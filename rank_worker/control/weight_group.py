@@ -51,7 +51,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from rank_worker.control import _HANDLERS, ControlOp, ControlRefused, OpHandler, _check_keys
+from rank_worker.control.protocol import (
+    _HANDLERS,
+    ControlOp,
+    ControlRefused,
+    OpHandler,
+    _check_keys,
+)
 from rank_worker.tp import TPInfo
 
 if TYPE_CHECKING:

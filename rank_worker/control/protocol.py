@@ -73,23 +73,23 @@ class ControlOp(enum.IntEnum):
     # half of a weight update). `ranks` (optional) limits the check to those ranks, so that a
     # test or an operator can make one chosen rank refuse.
     CHECK_NAMES = 2
-    # 10-19: weight updates (`rank_worker.control_weights`, which documents their arguments).
+    # 10-19: weight updates (`rank_worker.control.weight_ops`, which documents their arguments).
     LOAD_WEIGHTS = 10  # full tensors from rank 0, broadcast over the TP group in buckets
     LOAD_WEIGHTS_FROM_DISK = 11  # each rank reads a safetensors checkpoint itself
-    # 12, 14, 16: a trainer's group (`rank_worker.weight_group`): start joining it in the
+    # 12, 14, 16: a trainer's group (`rank_worker.control.weight_group`): start joining it in the
     # background, leave it (or abandon the join), and each rank's join state.
     INIT_WEIGHTS_UPDATE_GROUP = 12
     LOAD_WEIGHTS_FROM_GROUP = 13  # tensors broadcast by the trainer on that group
     DESTROY_WEIGHTS_UPDATE_GROUP = 14
     GET_WEIGHTS_BY_NAME = 15  # the first values of one checkpoint tensor, from every rank
     WEIGHTS_UPDATE_GROUP_STATUS = 16
-    # Sleep mode (`rank_worker.control_sleep`, which registers them in `_HANDLERS`; step.py
+    # Sleep mode (`rank_worker.control.sleep_ops`, which registers them in `_HANDLERS`; step.py
     # imports it): release the weights' and the KV cache's device memory, restore it, and
     # report each rank's bytes.
     SLEEP = 20
     WAKE = 21
     MEMORY_REPORT = 22
-    # Multi-LoRA (`rank_worker.control_lora`, registered like sleep's): put an adapter into a
+    # Multi-LoRA (`rank_worker.control.lora_ops`, registered like sleep's): put an adapter into a
     # device slot, empty a slot.
     LOAD_LORA = 30
     UNLOAD_LORA = 31

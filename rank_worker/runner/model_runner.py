@@ -18,14 +18,12 @@ fits (`rank_worker.runner.cuda_graphs`); every other step runs eagerly.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -38,12 +36,9 @@ from rank_worker.kv.cache import (
     CacheGroup,
     KVCacheSpec,
     allocate_kv_cache,
-    cpu_num_blocks,
-    measure_gpu_num_blocks,
 )
 from rank_worker.kv.copies import HostBlockCopier, queue_plan_copies
 from rank_worker.kv.device_memory import CudaMemory, DeviceMemory, add_cuda_user, drop_cuda_user
-from rank_worker.lora import layers as lora_layers
 from rank_worker.lora.manager import LoraManager
 from rank_worker.models.architectures import build_model
 from rank_worker.models.layers.rope_spec import RopeSpec
@@ -59,6 +54,15 @@ from rank_worker.runner.cuda_graphs import (
     padded_without_capture,
 )
 from rank_worker.runner.device_sleep import DeviceSleep
+from rank_worker.runner.startup import (
+    ProfileSampling,
+    draft_config,
+    kernel_warmup_plans,
+    largest_step_plan,
+    local_num_kv_blocks,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.spec.eagle3_runner import Eagle3Runner
 from rank_worker.tp import TPInfo, all_reduce_min_int
@@ -67,35 +71,6 @@ from shm_ipc.step_plan import Command, StepPlan, batch_rows
 __all__ = ["ModelRunner", "synthetic_plan"]
 
 logger = logging.getLogger(__name__)
-
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-# Rank 0's sampler at its worst on `[rows, V]` warm-up logits, the first `num_sampled` of them
-# sampled rows and the rest prompt-logprob rows.
-ProfileSampling = Callable[[torch.Tensor, int], None]
-
-
-def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    """`RunnerConfig.dtype` -> torch dtype. "auto": fp32 on CPU (CPU bf16 matmuls are slow and
-    the CPU path is the exactness reference), the checkpoint's dtype on GPU."""
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type != "cuda":
-        return torch.float32
-    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(ckpt, str):
-        ckpt = getattr(torch, ckpt, None)
-    # A config without a dtype says nothing about precision; fp32 cannot lose any.
-    return ckpt if ckpt in _SUPPORTED_DTYPES else torch.float32
-
-
-def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """`RunnerConfig.kv_cache_dtype` -> the cache's torch dtype ("auto": the model's)."""
-    if name == "auto":
-        return dtype
-    if name == "fp8":
-        return torch.float8_e4m3fn
-    raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {name!r}")
 
 
 class ModelRunner:
@@ -193,7 +168,7 @@ class ModelRunner:
             device_copy=gpu_paths,
         )
         self.kv_caches: list[KVCachePair] | None = None
-        # The host-memory KV tier's pool (`kv_copies`), made with the first cache; kept across
+        # The host-memory KV tier's pool (`rank_worker.kv.copies`), made with the first cache; kept across
         # sleep (the device cache is allocated again, the host blocks stay).
         self.host_pool: HostBlockCopier | None = None
         self.num_kv_blocks: int | None = None
@@ -206,15 +181,7 @@ class ModelRunner:
         if config.draft_model is not None:
             self.draft = ModelRunner(
                 config.draft_model,
-                # The draft proposes with the base model; verification keeps outputs exact.
-                dataclasses.replace(
-                    config,
-                    draft_model=None,
-                    enforce_eager=True,
-                    hf_overrides=None,
-                    head=None,
-                    enable_lora=False,
-                ),
+                draft_config(config),
                 tp,
                 self.device,
             )
@@ -256,31 +223,17 @@ class ModelRunner:
         """
         start = time.perf_counter()
         try:
-            return self._determine_num_kv_blocks(profile_sampling)
+            local = local_num_kv_blocks(
+                self.config,
+                self.pool_spec,
+                self.memory,
+                self.baseline_allocated,
+                self.tp.ranks_on_device,
+                lambda: self._warmup(profile_sampling),
+            )
+            return all_reduce_min_int(local, self.tp)
         finally:
             self.startup_s["profile"] = time.perf_counter() - start
-
-    def _determine_num_kv_blocks(self, profile_sampling: ProfileSampling | None) -> int:
-        if self.config.num_kv_blocks is not None:
-            local = self.config.num_kv_blocks
-        elif self.memory is not None:
-            # What is left of the device after every rank's weights (the measurement counts
-            # other processes' memory as used), split between the ranks that share the device.
-            local = (
-                measure_gpu_num_blocks(
-                    self.pool_spec,
-                    lambda: self._warmup(profile_sampling),
-                    self.config.gpu_memory_utilization,
-                    self.memory,
-                    self.baseline_allocated,
-                )
-                // self.tp.ranks_on_device
-            )
-        else:
-            local = cpu_num_blocks(
-                self.pool_spec, self.config.num_kv_blocks, self.config.kv_cache_memory_bytes
-            )
-        return all_reduce_min_int(local, self.tp)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then capture the decode graphs where they are on; `num_blocks`
@@ -492,29 +445,9 @@ class ModelRunner:
     # -- warm-ups -----------------------------------------------------------------------------
 
     def _kernel_warmup_plans(self) -> list[StepPlan]:
-        """The smallest steps that launch every Triton kernel a step can launch.
-
-        A decode over the longest context (the decode kernel, split in as many slices as a
-        single sequence gets, and the merge of the slices) at the head of a mixed step with a
-        2-token prefill after it (the prefill kernel on the rows after the decodes, as in a
-        mixed step), plus the norms, q/k norm + rotary, K/V store and SiLU·mul of every layer.
-        Nothing is stored (`store_kv=False`) and every read is of block 0, so the cache is
-        untouched. Kernels are not specialised on what varies from step to step (batch size,
-        table width, slice offsets), so these launches compile every binary serving needs.
-        With LoRA, the mixed step runs the per-token LoRA kernels; a prefill long enough for
-        the grouped ones follows (`rank_worker.lora.layers.GROUPED_MIN_TOKENS`).
-        """
-        cfg = self.config
-        max_model_len = int(cfg.max_model_len)
-        width = math.ceil(max_model_len / cfg.block_size)
-        decode = (max_model_len - 1, 1, [0] * width)  # (first position, new tokens, blocks)
-        prefill = (0, min(2, cfg.max_num_batched_tokens), [0])
-        mixed = cfg.max_num_seqs >= 2 and cfg.max_num_batched_tokens >= 3
-        batches = [[decode, prefill]] if mixed else [[decode], [prefill]]
-        if self.lora is not None:
-            n = min(lora_layers.GROUPED_MIN_TOKENS, cfg.max_num_batched_tokens, max_model_len)
-            batches.append([(0, n, [0] * math.ceil(n / cfg.block_size))])
-        return [synthetic_plan(seqs) for seqs in batches]
+        """The smallest steps that launch every Triton kernel a step can launch
+        (`rank_worker.runner.startup.kernel_warmup_plans`)."""
+        return kernel_warmup_plans(self.config, with_lora=self.lora is not None)
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
@@ -542,39 +475,10 @@ class ModelRunner:
 
     # -- memory profiling (GPU) -----------------------------------------------------------
 
-    def _warmup_plan(self) -> tuple[StepPlan, int]:
-        """The largest step the scheduler can send, plus the blocks its scratch cache needs.
-
-        One token budget's worth of tokens over `max_num_seqs` sequences: as few, as long
-        prefills as max_model_len allows (attention's peak) and the rest single-token decodes.
-        Logits: one sampled row per sequence (the sampler's peak), then prompt-logprob rows up
-        to `max_num_logits_rows`, the most a step may ask for, taken from the prefill tokens
-        that are not a sequence's last, as a chunk asking for prompt logprobs has them. Every
-        sequence reads the same scratch blocks; nothing is stored.
-        """
-        cfg = self.config
-        max_model_len = int(cfg.max_model_len or 1)  # resolved: checked in __init__
-        budget = cfg.max_num_batched_tokens
-        num_seqs = min(cfg.max_num_seqs, budget)
-        lens = [1] * num_seqs
-        extra = budget - num_seqs
-        for i in range(num_seqs):
-            add = min(extra, max_model_len - 1)
-            lens[i] += add
-            extra -= add
-        num_blocks = math.ceil(max(lens) / cfg.block_size)
-        starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # [B+1]
-        num_tokens = int(starts[-1])
-        sampled = starts[1:] - 1  # [B] each sequence's last token
-        num_sampled = min(max(cfg.resolved_max_num_sampled_rows, num_seqs), num_tokens)
-        num_rows = min(max(cfg.resolved_max_num_logits_rows, num_sampled), num_tokens)
-        not_last = np.setdiff1d(np.arange(num_tokens, dtype=np.int32), sampled)
-        # [B'] sampled rows first (with speculative decoding also rows of other positions, as
-        # a verify entry has them), then prompt-logprob rows (the engine's order).
-        logits = np.concatenate([sampled, not_last[: num_rows - num_seqs]]).astype(np.int32)
-        blocks = list(range(num_blocks))
-        plan = synthetic_plan([(0, n, blocks) for n in lens], logits)
-        return plan, num_blocks, num_sampled
+    def _warmup_plan(self) -> tuple[StepPlan, int, int]:
+        """The largest step the scheduler can send, the blocks its scratch cache needs and its
+        sampled rows (`rank_worker.runner.startup.largest_step_plan`)."""
+        return largest_step_plan(self.config)
 
     @torch.inference_mode()
     def _warmup(self, profile_sampling: ProfileSampling | None = None) -> int:

@@ -42,7 +42,7 @@ def sample_for_profiling(logits: torch.Tensor) -> torch.Tensor:
 
 def profile_sampling(logits: torch.Tensor, num_sampled: int) -> None:
     """`logits [B' + R, V]`: the first `num_sampled` rows are sampled, the other R are
-    prompt-logprob rows (the engine's order); `rank_worker.runner.model_runner.ProfileSampling`."""
+    prompt-logprob rows (the engine's order); `rank_worker.runner.startup.ProfileSampling`."""
     vocab_size = logits.shape[-1]
     # What TokenCounts holds when every sampled row has penalties.
     counts = torch.zeros((num_sampled, vocab_size), dtype=torch.int32, device=logits.device)

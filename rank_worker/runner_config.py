@@ -86,7 +86,7 @@ class RunnerConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
-    # GiB of host memory per rank for the KV tier below the device cache (`kv_copies`); None:
+    # GiB of host memory per rank for the KV tier below the device cache (`rank_worker.kv.copies`); None:
     # none. Every rank sizes its pool from it and its own cache layout, alike on every rank.
     kv_offloading_size: float | None = None
     # The KV file tier's directory (`kv_files`), below the host pool; None: none.

@@ -53,7 +53,7 @@ class LLMEngine(EngineCore):
         from transformers import AutoTokenizer  # deferred: slow to import
 
         if not tp.is_first:
-            raise ValueError("LLMEngine runs on rank 0; other ranks run rank_worker.run_worker")
+            raise ValueError("LLMEngine runs on rank 0; other ranks run rank_worker.dist.worker")
         if config.tensor_parallel_size != tp.size:
             raise ValueError(
                 f"tensor_parallel_size ({config.tensor_parallel_size}) does not match the "

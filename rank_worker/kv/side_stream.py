@@ -1,6 +1,6 @@
 """A second stream for KV-block copies between tiers, overlapped with the forward passes.
 
-The contract `kv_copies.HostBlockCopier` relies on, and all a `SideStream` offers:
+The contract `rank_worker.kv.copies.HostBlockCopier` relies on, and all a `SideStream` offers:
 
     run(work)     queue `work` (device ops) after everything the compute stream has queued so
                   far; returns an event that completes after it

@@ -36,7 +36,7 @@ def load_engine(root: Path) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from rank_worker import input_prep
+    from rank_worker.inputs import input_prep
     from rank_worker.runner_config import RunnerConfig
     from shm_ipc.step_plan import StepPlan
     from tp_engine.config import EngineConfig
@@ -97,7 +97,7 @@ def time_decode_steps(
     prep = e["input_prep"]
     buffers = prep.StepInputBuffers.for_config(runner_config, "cpu")
     if e["v2"]:
-        from rank_worker.block_tables import BlockTables
+        from rank_worker.inputs.block_tables import BlockTables
         from shm_ipc.step_plan import batch_rows
 
         tables = BlockTables(batch_rows(num_seqs), blocks_per_seq, block_size, "cpu")

@@ -43,7 +43,7 @@ def measure(
     import torch
 
     from benchmarks.triton_launches import triton_launch_hook
-    from rank_worker.model_runner import ModelRunner, synthetic_plan
+    from rank_worker.runner.model_runner import ModelRunner, synthetic_plan
     from rank_worker.runner_config import RunnerConfig
     from rank_worker.tp import TPInfo
     from tp_engine.testing import build_random_qwen3

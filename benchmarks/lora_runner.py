@@ -65,7 +65,7 @@ def step_plan(num_seqs: int, new_tokens: int, context: int, block_size: int, slo
     """A RUN plan of `num_seqs` sequences, each computing `new_tokens` at the end of
     `context` tokens, in rows 0.. with blocks of their own; `slots` per sequence."""
 
-    from rank_worker.model_runner import synthetic_plan
+    from rank_worker.runner.model_runner import synthetic_plan
 
     width = -(-context // block_size)
     seqs = [
@@ -91,11 +91,11 @@ def _time_steps(runner: Any, plan: Any, repeats: int) -> float:
 
 
 def main() -> None:
-    import rank_worker.control_lora  # noqa: F401  (registers the LoRA ops)
+    import rank_worker.control.lora_ops  # noqa: F401  (registers the LoRA ops)
     from benchmarks.models import QWEN3_PRESETS
     from benchmarks.results import environment, write_json
-    from rank_worker.control import ControlOp, RankControl
-    from rank_worker.model_runner import ModelRunner, load_hf_config
+    from rank_worker.control.protocol import ControlOp, RankControl
+    from rank_worker.runner.model_runner import ModelRunner, load_hf_config
     from rank_worker.runner_config import RunnerConfig
     from rank_worker.tp import TPInfo
     from shm_ipc import ControlCall

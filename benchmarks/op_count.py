@@ -173,7 +173,7 @@ def count_decode_step(
     add yet, launches the same), each layer's count, the last layer's operations by name, and the operations outside the layers (embedding, final norm, LM head and the
     step's input handling).
     """
-    from rank_worker.model_runner import ModelRunner, synthetic_plan
+    from rank_worker.runner.model_runner import ModelRunner, synthetic_plan
     from rank_worker.runner_config import RunnerConfig
     from rank_worker.tp import TPInfo
 

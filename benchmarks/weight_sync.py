@@ -28,7 +28,7 @@ import torch
 def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from rank_worker.loader import safetensors_files
+    from rank_worker.models.loader import safetensors_files
 
     out: dict[str, torch.Tensor] = {}
     for path in safetensors_files(ckpt):
@@ -39,7 +39,7 @@ def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 def _trainer(port: int, world: int, ckpt: str, repeats: int, replies: Any) -> None:
     """The trainer: joins the group as rank 0, then broadcasts every tensor `repeats` times."""
     try:
-        from rank_worker.weight_group import group_broadcast, weights_update_group
+        from rank_worker.control.weight_group import group_broadcast, weights_update_group
 
         pg, _store = weights_update_group("127.0.0.1", port, 0, world, "bench", "gloo", 600)
         tensors = _tensors(Path(ckpt))

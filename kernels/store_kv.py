@@ -129,13 +129,18 @@ def store_kv_ref(
     slot_mapping: torch.Tensor,
     kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Plain-torch `store_kv`: same arguments, same in-place effect."""
+    """Plain-torch `store_kv`: same arguments, same in-place effect. The one K/V store in plain
+    torch: the fused q/k norm + rotary + store's reference and the torch attention backend (the
+    CPU path, `rank_worker.attention.torch_backend`) store through it too."""
     slots = slot_mapping.long()  # [T]
     keep = slots >= 0
+    if not bool(keep.all()):
+        key, value, slots = key[keep], value[keep], slots[keep]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = quantized(
-        key[keep], kv_scales, 0, k_cache.dtype
-    )
-    v_cache.view(-1, num_kv_heads, head_dim)[slots[keep]] = quantized(
-        value[keep], kv_scales, 1, v_cache.dtype
-    )
+    k = quantized(key, kv_scales, 0, k_cache.dtype)  # [T', num_kv_heads, head_dim]
+    v = quantized(value, kv_scales, 1, v_cache.dtype)
+    if k_cache.dtype == FP8_KV_DTYPE:
+        # CPU torch has no index_copy_ for fp8: copy the bytes.
+        k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)

@@ -72,7 +72,7 @@ class RunnerConfig:
     # KV cache storage: "auto" (the model dtype) or "fp8" (float8_e4m3fn, per-layer scales).
     kv_cache_dtype: str = "auto"
     # Mixture-of-experts models: whole experts per rank instead of a slice of every expert
-    # (`rank_worker.layers.moe`); no effect on dense models.
+    # (`rank_worker.models.layers.moe`); no effect on dense models.
     enable_expert_parallel: bool = False
     # Run the GPU's data paths on a CPU device: a separate device block table read by a row
     # gather (strided views into the kernels), double-buffered input staging guarded by copy
@@ -84,16 +84,16 @@ class RunnerConfig:
     # costs both caches' bytes), written by every RUN plan and by DRAFT plans.
     draft_model: str | None = None
     # Speculative decoding with an EAGLE-3 head: its directory. Every rank loads all of it
-    # (replicated, `rank_worker.eagle3_head`), with a one-layer KV cache on the pool's block ids.
+    # (replicated, `rank_worker.spec.eagle3_head`), with a one-layer KV cache on the pool's block ids.
     eagle3_head: str | None = None
     # Speculative decoding, any method: drafts per sequence and step (k; 0: none). Verify steps
     # compute up to 1 + k tokens per sequence; the CUDA graphs capture that uniform shape
-    # (`rank_worker.cuda_graphs`).
+    # (`rank_worker.runner.cuda_graphs`).
     num_speculative_tokens: int = 0
     # Fields merged into the checkpoint's config.json before anything reads it (vLLM's
     # `--hf-overrides`: YaRN, `is_matryoshka`, a reranker's architecture).
     hf_overrides: dict[str, Any] | None = None
-    # The output head, `rank_worker.model_spec.HeadSpec.to_dict()`, decided on rank 0 (it
+    # The output head, `rank_worker.models.model_spec.HeadSpec.to_dict()`, decided on rank 0 (it
     # needs the tokenizer); None: the LM head.
     head: dict[str, Any] | None = None
     # Multi-LoRA (`rank_worker.lora`): slot stacks for `max_loras` adapters of rank up to
@@ -105,7 +105,7 @@ class RunnerConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
-    # GiB of host memory per rank for the KV tier below the device cache (`kv_copies`); None:
+    # GiB of host memory per rank for the KV tier below the device cache (`rank_worker.kv.copies`); None:
     # none. Every rank sizes its pool from it and its own cache layout, alike on every rank.
     kv_offloading_size: float | None = None
     # The KV file tier's directory (`kv_files`), below the host pool; None: none.

@@ -93,7 +93,7 @@ def init_process_group(
 
     RANK and WORLD_SIZE come from the environment unless given; MASTER_ADDR/MASTER_PORT are read
     by torch's `env://` rendezvous unless `init_method` (e.g. `file:///tmp/x` in tests) or a
-    ready `store` (see `rank_worker.local_group`) is given.
+    ready `store` (see `rank_worker.dist.local_group`) is given.
     `backend` None picks NCCL with a GPU per rank and gloo otherwise. LOCAL_RANK decides the
     rank's device (`TPInfo.device`), selected first under NCCL so that it binds each rank to its
     own GPU. A world of one creates no group.

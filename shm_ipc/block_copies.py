@@ -4,7 +4,7 @@ rank carries it out.
 Rank 0's KV manager (`tp_engine.core.kv`) decides which blocks move where: a full block
 evicted from the device pool copied down to host memory, a prefix hit in host memory copied up
 into freshly allocated device blocks. Every rank then copies its own shard of those blocks
-(`rank_worker.kv_copies.BlockCopier`), before the forward pass that reads them, since each
+(`rank_worker.kv.copies.BlockCopier`), before the forward pass that reads them, since each
 rank holds the K/V of its own heads. Blocks are named by id within their tier; the tiers by
 name ("device" is the paged cache the forward pass reads). Owner: rank 0 builds it; immutable.
 It travels in the StepPlan's `block_copies` section (`encode_block_copies` /
@@ -27,9 +27,9 @@ __all__ = [
     "encode_block_copies",
 ]
 
-# The tier of the paged cache the forward pass reads (`rank_worker.kv_cache`).
+# The tier of the paged cache the forward pass reads (`rank_worker.kv.cache`).
 DEVICE_TIER = "device"
-# Pinned host memory on every rank, the same layout per block (`rank_worker.kv_copies`).
+# Pinned host memory on every rank, the same layout per block (`rank_worker.kv.copies`).
 HOST_TIER = "host"
 # Files, one per block and rank (`shm_ipc.kv_files`): named by key, so a copy names its file
 # blocks by key (`BlockCopy.keys`) and their ids are only positions.

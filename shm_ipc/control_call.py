@@ -3,7 +3,7 @@
 Ownership: rank 0 (`tp_engine.executor.control.EngineControl`) builds one per call and publishes it on
 the plan channel, so it is ordered with the StepPlans around it: every rank sees the plans
 published before it, then the call, then the plans after it, exactly as rank 0 sent them. What
-an op number means and what its arguments are is `rank_worker.control`'s business; this module
+an op number means and what its arguments are is `rank_worker.control.protocol`'s business; this module
 knows numbers and a msgpack map, not models.
 
 It travels like a plan: one ring slot (or the doorbell when it is bigger than a slot), the same
@@ -15,7 +15,7 @@ Wire format (little-endian, explicit; nothing unpickled):
     offset  size  field
     0       4     magic  b"CTRL"
     4       2     version (uint16)
-    6       2     op (uint16; a `rank_worker.control.ControlOp` number)
+    6       2     op (uint16; a `rank_worker.control.protocol.ControlOp` number)
     8       8     step_id (uint64; from the same counter as the plans' step ids)
     16      4     args_length L (uint32)
     20      4     (reserved, 0)
@@ -109,7 +109,7 @@ class ControlCall:
     # From rank 0's step counter: errors and timeouts name it, and the plans around it have
     # the ids just before and after it.
     step_id: int
-    # What to do, as a number (`rank_worker.control.ControlOp`); shm_ipc never interprets it.
+    # What to do, as a number (`rank_worker.control.protocol.ControlOp`); shm_ipc never interprets it.
     op: int
     # The op's arguments; small metadata only (names, shapes). Bulk data never rides here: it
     # goes over the process group or is read by each rank.

@@ -2,7 +2,7 @@
 
 Rank 0 decides which blocks the file tier holds (`tp_engine.core.kv.file_tier`) and checks the
 files before it calls one a hit; every rank writes and reads its own shard
-(`rank_worker.kv_copies`). Both sides use this module, so the name and the layout are defined
+(`rank_worker.kv.copies`). Both sides use this module, so the name and the layout are defined
 once:
 
     <directory>/<key hex>.r<rank>-of-<world>.kvb

@@ -2,7 +2,7 @@
 
 Ownership: rank 0's scheduler holds the request state and the running batch (one row per
 running sequence, with its block table); every rank keeps a mirror of those block tables
-(`rank_worker.block_tables`) that plans keep up to date. A plan carries the step's tokens and
+(`rank_worker.inputs.block_tables`) that plans keep up to date. A plan carries the step's tokens and
 the *changes* to the tables since the last plan, never whole tables, so a decode step's plan
 does not grow with context length: at 256 sequences it is a few kilobytes whether they hold 1k
 or 32k tokens (it grows by one block id per sequence every `block_size` steps). Sampling
@@ -127,7 +127,7 @@ SECTIONS: dict[str, Section] = {
             -1,
             "the LoRA adapter slot of each sequence, 0..max_loras-1, or -1 for the base model; "
             "sent only when some sequence runs an adapter. Each rank expands it per token "
-            "(`rank_worker.input_prep`) for the LoRA layers; the upper bound (max_loras) is the "
+            "(`rank_worker.inputs.input_prep`) for the LoRA layers; the upper bound (max_loras) is the "
             "rank's to check: the wire does not know it.",
         ),
         Section(
@@ -146,7 +146,7 @@ SECTIONS: dict[str, Section] = {
             SectionLength.PER_SEQUENCE,
             1,
             "an EAGLE-3 DRAFT plan: how many chained drafts each sequence wants; the ranks run "
-            "the head's chain to the largest (`rank_worker.eagle3_runner`).",
+            "the head's chain to the largest (`rank_worker.spec.eagle3_runner`).",
         ),
         Section(
             "hidden_rows",

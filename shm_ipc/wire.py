@@ -12,7 +12,7 @@ extension types are refused too: nothing but plain data and the declared types c
     rank 0 -> ranks (plan ring)          ControlCall's args              shm_ipc.control_call
     ranks <-> ranks (TP all-gather)      RankVerdict, RankCommit         shm_ipc.control_call
     workers -> rank 0 (back channel)     ReaderHello, WorkerErrorReport  shm_ipc.error_channel
-    rank 0 -> workers (start-up)         Bootstrap, ChannelHandle        rank_worker.bootstrap,
+    rank 0 -> workers (start-up)         Bootstrap, ChannelHandle        rank_worker.dist.bootstrap,
                                                                          shm_ipc.handle
 
 `ENCODER` is shared: msgspec reuses its buffers between calls, and each message is encoded once

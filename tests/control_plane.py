@@ -8,8 +8,8 @@ from weakref import WeakKeyDictionary
 
 import numpy as np
 
-from rank_worker.block_tables import BlockTables
-from rank_worker.input_prep import positions_of
+from rank_worker.inputs.block_tables import BlockTables
+from rank_worker.inputs.input_prep import positions_of
 from shm_ipc.step_plan import StepPlan
 from tp_engine.config import EngineConfig
 from tp_engine.core.drafting import schedule_step

@@ -229,7 +229,7 @@ def lora_reference(
 def lora_runner(base_dir: str, tp: Any, device: str = "cpu", **runner_fields: Any) -> Any:
     """A ModelRunner with LoRA (`MAX_LORAS` slots, rank up to `MAX_LORA_RANK`, 4 adapters
     in host memory unless `runner_fields` say otherwise), its KV cache allocated."""
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
     from rank_worker.runner_config import RunnerConfig
     from tests.tp_cases import BLOCK_SIZE, MAX_MODEL_LEN, NUM_KV_BLOCKS
 
@@ -246,8 +246,8 @@ def lora_runner(base_dir: str, tp: Any, device: str = "cpu", **runner_fields: An
 
 def lora_call(runner: Any, tp: Any, op: str, **args: Any) -> Any:
     """One control call (`ControlOp[op]`) on this rank, both phases: the ranks' real path."""
-    import rank_worker.control_lora  # noqa: F401  (registers the LoRA ops)
-    from rank_worker.control import ControlOp, RankControl
+    import rank_worker.control.lora_ops  # noqa: F401  (registers the LoRA ops)
+    from rank_worker.control.protocol import ControlOp, RankControl
     from shm_ipc import ControlCall
 
     return RankControl(runner, tp).run(ControlCall(0, int(ControlOp[op]), args))

@@ -1,4 +1,4 @@
-"""Control calls to every rank (`shm_ipc.ControlCall`, `rank_worker.control`, `tp_engine.executor.control`).
+"""Control calls to every rank (`shm_ipc.ControlCall`, `rank_worker.control.protocol`, `tp_engine.executor.control`).
 
 First the wire format and the channel in-process (fast), then the offline `LLM` at TP = 1, 2
 and 4 over gloo (slow; one process group per TP size serves every scenario):
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from rank_worker.control import ControlOp, ControlOutcome, parameter_checksum
+from rank_worker.control.protocol import ControlOp, ControlOutcome, parameter_checksum
 from rank_worker.tp import TPInfo, all_gather_bytes
 from shm_ipc import (
     Command,
@@ -164,9 +164,9 @@ def generate_tokens(llm: LLM) -> list[list[int]]:
 
 def reference_checksums(checkpoint: Path, rank: int, size: int) -> dict[str, int]:
     """Rank `rank`'s shard of the checkpoint, built in this process without any group."""
-    from rank_worker.architectures import build_model
-    from rank_worker.loader import load_weights
-    from rank_worker.model_runner import load_hf_config
+    from rank_worker.models.architectures import build_model
+    from rank_worker.models.loader import load_weights
+    from rank_worker.runner.model_runner import load_hf_config
 
     model = build_model(load_hf_config(checkpoint), TPInfo(rank, size), torch.float32, "cpu")
     load_weights(model, checkpoint)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rank_worker import control as rank_control
-from rank_worker.control import ControlOp, ControlOutcome, OpHandler
+from rank_worker.control import protocol as rank_control
+from rank_worker.control.protocol import ControlOp, ControlOutcome, OpHandler
 from tests.test_control_calls import CKPT, greedy, make_llm
 from tests.tp_cases import build_checkpoints
 from tp_engine.executor.control import EngineInconsistentError

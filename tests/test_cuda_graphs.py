@@ -24,23 +24,22 @@ if not torch.cuda.is_available():  # must precede the first `import kernels` (te
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rank_worker.attention.selection import get_backend
-from rank_worker.block_tables import BlockTables
-from rank_worker.cuda_graphs import (
+from rank_worker.inputs.block_tables import BlockTables
+from rank_worker.inputs.graph_sizes import capture_sizes, graph_size_for
+from rank_worker.inputs.input_prep import prepare_inputs
+from rank_worker.runner.cuda_graphs import (
     ENV_VAR,
     DecodeGraphRunner,
     StaticDecodeBuffers,
-    capture_sizes,
     disabled_reason,
     graph_runner_for,
-    graph_size_for,
     is_decode_only,
     ladders,
     padded_without_capture,
     uniform_query_len,
     verify_query_lens,
 )
-from rank_worker.input_prep import prepare_inputs
-from rank_worker.model_runner import ModelRunner
+from rank_worker.runner.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 from shm_ipc.step_plan import Command, StepPlan
@@ -589,7 +588,7 @@ def test_runner_captures_only_what_its_config_allows(model_dir, monkeypatch, k, 
     1 + 3), static block tables exactly as wide as max_model_len needs; and the runner reports
     how long each start-up phase took. (CPU: capture itself is stubbed, the sizing is what is
     checked.)"""
-    from rank_worker import model_runner
+    from rank_worker.runner import model_runner
 
     captured = []
     monkeypatch.setattr(model_runner, "disabled_reason", lambda *args: None)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rank_worker.cuda_graphs import ENV_VAR
+from rank_worker.runner.cuda_graphs import ENV_VAR
 from tests.test_speculative import CKPT, MAX_TOKENS, NGRAM, hf_greedy_reference, make_prompts
 from tests.tp_cases import MAX_MODEL_LEN, build_checkpoints
 from tp_engine import LLM, SamplingParams

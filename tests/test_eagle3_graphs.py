@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft chain's CUDA graphs (`rank_worker.eagle3_graphs`).
+"""The EAGLE-3 draft chain's CUDA graphs (`rank_worker.spec.eagle3_graphs`).
 
 CPU: the chain over the padded static buffers (what a graph replays), run eagerly before any
 capture, against the plain step-by-step chain (`Eagle3Runner._eager_chain`): the same drafts for
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from rank_worker.model_runner import ModelRunner
+from rank_worker.runner.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 from shm_ipc.step_plan import Command, StepPlan
@@ -254,7 +254,7 @@ def test_engine_drafts_through_the_padded_graphs(pair, monkeypatch, tp):
     and the draft chain over the graphs' padded buffers (at TP 2 a rank that did not would fail
     the collectives). Greedy outputs equal transformers; at TP 1 the drafts are the eager
     engine's (the same acceptance at every position)."""
-    from rank_worker.cuda_graphs import ENV_VAR
+    from rank_worker.runner.cuda_graphs import ENV_VAR
     from tests.moe_cases import hf_greedy
     from tests.test_speculative_eagle3 import MAX_TOKENS, _hf, _prompts
 
@@ -277,7 +277,7 @@ def test_engine_drafts_through_the_padded_graphs(pair, monkeypatch, tp):
 def test_chain_graphs_come_and_go_with_the_targets(pair, monkeypatch):
     """Built after the target's graphs (k steps, max_num_seqs rows), dropped with them (what
     sleep does before it gives back the embedding the graphs read), built again on wake."""
-    from rank_worker.cuda_graphs import ENV_VAR
+    from rank_worker.runner.cuda_graphs import ENV_VAR
 
     monkeypatch.setenv(ENV_VAR, "padded")
     target, head = pair

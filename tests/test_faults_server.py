@@ -95,7 +95,9 @@ def rank_pid(server: Server, rank: int) -> int:
             continue
         if b"torch.distributed.run" in cmdline:
             continue
-        if want in environ and (b"launch/serve.py" in cmdline or b"rank_worker.worker" in cmdline):
+        if want in environ and (
+            b"launch/serve.py" in cmdline or b"rank_worker.dist.worker" in cmdline
+        ):
             return pid
     raise AssertionError(f"no rank {rank} process found")
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rank_worker.kv_cache import KVCacheSpec, cpu_num_blocks
-from rank_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
-from rank_worker.quantization import Fp8BlockQuant, block_slice, fp8_quant_of
+from rank_worker.kv.cache import KVCacheSpec, cpu_num_blocks
+from rank_worker.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from rank_worker.models.quantization import Fp8BlockQuant, block_slice, fp8_quant_of
 from rank_worker.tp import TPInfo
 from tp_engine.config import EngineConfig
 from tp_engine.testing import FP8_QUANTIZATION_CONFIG

@@ -92,7 +92,7 @@ def without_tier(checkpoint) -> tuple[list[list[int]], list[list[int]], int]:
 def test_histories_come_back_from_host_memory(checkpoint, without_tier, tp, monkeypatch) -> None:
     from transformers import AutoConfig
 
-    from rank_worker.side_stream import ENV_VAR
+    from rank_worker.kv.side_stream import ENV_VAR
 
     # The ranks run their copies as late as the side stream's contract allows (a GPU's
     # asynchrony, played on CPU): a forward pass that read a block before its copy up would

@@ -1,6 +1,6 @@
 """The host-memory KV tier's parts: rank 0's index (`tp_engine.core.kv.host_tier`: exact host
 block ids, LRU eviction order, chains kept from their start, the copies it asks for), the ranks'
-host pool (`rank_worker.kv_copies.HostBlockCopier`: copies exact, in order) and the StepPlan
+host pool (`rank_worker.kv.copies.HostBlockCopier`: copies exact, in order) and the StepPlan
 section the copies travel in."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rank_worker.kv_copies import HostBlockCopier
+from rank_worker.kv.copies import HostBlockCopier
 from shm_ipc.block_copies import (
     DEVICE_TIER,
     HOST_TIER,

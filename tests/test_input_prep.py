@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from rank_worker.block_tables import BlockTables
-from rank_worker.input_prep import StepInputBuffers, StepInputs, prepare_inputs
+from rank_worker.inputs.block_tables import BlockTables
+from rank_worker.inputs.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.runner_config import RunnerConfig
 from shm_ipc.step_plan import Command, StepPlan
 
@@ -48,7 +48,7 @@ class CopyHazard(AssertionError):
 
 
 class CheckingStream:
-    """A copy stream that holds the host to the contract of `rank_worker.copy_stream`: a copy
+    """A copy stream that holds the host to the contract of `rank_worker.inputs.copy_stream`: a copy
     happens at once, but its source must stay unchanged until an event marked after it has
     been waited for (a GPU may read it that late). Breaking it raises CopyHazard."""
 

@@ -7,8 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rank_worker.device_memory import MemoryReading
-from rank_worker.kv_cache import (
+from rank_worker.kv.cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KVCacheSpec,
     allocate_kv_cache,
@@ -16,6 +15,7 @@ from rank_worker.kv_cache import (
     gpu_kv_budget_bytes,
     measure_gpu_num_blocks,
 )
+from rank_worker.kv.device_memory import MemoryReading
 from rank_worker.tp import TPInfo
 
 HF = SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, hidden_size=64,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rank_worker.kv_copies import HostBlockCopier
-from rank_worker.side_stream import (
+from rank_worker.kv.copies import HostBlockCopier
+from rank_worker.kv.side_stream import (
     ENV_VAR,
     DeferredSideStream,
     ImmediateSideStream,

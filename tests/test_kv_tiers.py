@@ -1,5 +1,5 @@
 """KV tiers: the scheduler sees the KV manager only through `KVTier`, and the ranks carry out
-block copies (`rank_worker.kv_copies`) exactly."""
+block copies (`rank_worker.kv.copies`) exactly."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from rank_worker.kv_cache import KVCacheSpec, allocate_kv_cache
-from rank_worker.kv_copies import DeviceBlockCopier
+from rank_worker.kv.cache import KVCacheSpec, allocate_kv_cache
+from rank_worker.kv.copies import DeviceBlockCopier
 from shm_ipc.block_copies import DEVICE_TIER, BlockCopy
 from tests.control_plane import Stepper, make_scheduler, make_seq
 from tp_engine.core.kv.base import KVTier

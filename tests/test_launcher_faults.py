@@ -1,4 +1,4 @@
-"""A launcher killed with SIGKILL takes its whole run down (`rank_worker.launcher_watch`).
+"""A launcher killed with SIGKILL takes its whole run down (`rank_worker.dist.launcher_watch`).
 
 torchrun starts every rank in a session of its own, so nothing signals the ranks when its agent
 is killed outright (the OOM killer, `kill -9`, a scheduler reclaiming the node). Each test starts

@@ -17,7 +17,7 @@ from tests.server_harness import REPO_ROOT, wait_until
 # Runs as the grandchild of the test: its parent (the "launcher") is the process the test kills.
 CHILD = """
     import sys, time
-    from rank_worker.launcher_watch import LauncherWatch
+    from rank_worker.dist.launcher_watch import LauncherWatch
     from shm_ipc.liveness import ParentWatch
 
     def on_gone(message):

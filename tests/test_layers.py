@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rank_worker.layers import (
+from rank_worker.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -20,7 +20,7 @@ from rank_worker.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from rank_worker.layers.linear import local_kv_heads
+from rank_worker.models.layers.linear import local_kv_heads
 from rank_worker.tp import TPInfo
 
 CPU = dict(dtype=torch.float32, device="cpu")
@@ -158,7 +158,7 @@ FUSED_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(ato
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fused_norm_and_activation_match_the_torch_path(dtype) -> None:
-    from rank_worker.layers import SiluAndMul
+    from rank_worker.models.layers import SiluAndMul
 
     g = torch.Generator().manual_seed(0)
     kw = dict(dtype=dtype, device=DEVICE)

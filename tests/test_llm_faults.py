@@ -77,7 +77,7 @@ def test_a_malformed_fault_spec_is_refused_before_any_rank_starts(checkpoints, m
 def test_a_second_kill_returns_only_once_the_group_directory_is_gone(tmp_path, monkeypatch):
     """A watchdog thread's `kill` (followed by `os._exit`) while the main thread is still
     removing the rendezvous directory must wait for it, or the directory is left behind."""
-    from rank_worker import local_group
+    from rank_worker.dist import local_group
 
     run_dir = tmp_path / "tpe-group-x"
     run_dir.mkdir()
@@ -108,7 +108,7 @@ def test_remove_tree_removes_a_file_written_again_during_the_removal(tmp_path, m
     its rmdir; one rmtree then leaves the directory, the retry does not."""
     import shutil
 
-    from rank_worker import local_group
+    from rank_worker.dist import local_group
 
     run_dir = tmp_path / "tpe-group-y"
     run_dir.mkdir()

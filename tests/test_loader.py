@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rank_worker.loader import WeightLoadError, load_weights, safetensors_files
-from rank_worker.model_runner import load_hf_config
-from rank_worker.qwen3 import Qwen3ForCausalLM
+from rank_worker.models.loader import WeightLoadError, load_weights, safetensors_files
+from rank_worker.models.qwen3 import Qwen3ForCausalLM
+from rank_worker.runner.model_runner import load_hf_config
 from rank_worker.tp import TPInfo
 from tp_engine.testing import build_random_qwen3
 

@@ -117,7 +117,7 @@ def test_kernel_warmup_launches_grouped_lora_kernels(case: dict[str, Any]) -> No
     # Every binary is compiled before serving: with LoRA the warm-up has a step long enough
     # for the grouped kernels (they compile at their first launch, whatever it computes).
     import rank_worker.lora.layers as lora_layers
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
     from rank_worker.runner_config import RunnerConfig
 
     config = RunnerConfig(
@@ -234,7 +234,7 @@ def test_host_lru_evicts_and_reloads_from_disk(case: dict[str, Any]) -> None:
 def test_slot_stacks_sleep_and_wake_with_the_weights(case: dict[str, Any]) -> None:
     """Sleep releases the slot stacks with the weights and brings them back exactly at either
     level (the adapter stays loaded); while they sleep a load or unload is refused."""
-    from rank_worker.device_sleep import SleepTag
+    from rank_worker.runner.device_sleep import SleepTag
     from tp_engine.features.lora.control import lora_refusal
 
     base, adapters = case["args"][0], case["args"][1]
@@ -264,7 +264,7 @@ def test_slot_stacks_sleep_and_wake_with_the_weights(case: dict[str, Any]) -> No
 
 
 def test_lora_not_enabled_is_refused(case: dict[str, Any]) -> None:
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
     from rank_worker.runner_config import RunnerConfig
     from tp_engine.features.lora.control import lora_refusal
 
@@ -278,7 +278,7 @@ def test_padded_decode_buffers_run_adapters(case: dict[str, Any]) -> None:
     """The decode graph runner's path on CPU (not captured: it runs the padded static buffers
     eagerly, with the GPU's data paths): the mixed decode of 4 sequences padded to 8 rows
     equals PEFT, and the padding rows' slots are -1 (the base model)."""
-    from rank_worker.cuda_graphs import DecodeGraphRunner
+    from rank_worker.runner.cuda_graphs import DecodeGraphRunner
     from tests.tp_cases import BLOCK_SIZE, MAX_MODEL_LEN
 
     base, adapters = case["args"][0], case["args"][1]

@@ -1,6 +1,6 @@
 """The GPU's KV-cache sizing and memory release, run on CPU.
 
-`ModelRunner` measures the device through a `DeviceMemory` (`rank_worker.device_memory`); a
+`ModelRunner` measures the device through a `DeviceMemory` (`rank_worker.kv.device_memory`); a
 stand-in here gives the readings a GPU would, so the runner's side of the measurement (the
 baseline taken before the weights, the warm-up between the reset and the reading, its scratch
 cache) runs in CI. Releasing an engine frees every tensor it made, which is what lets a second
@@ -17,9 +17,9 @@ import weakref
 import pytest
 import torch
 
-from rank_worker.device_memory import MemoryReading
-from rank_worker.kv_cache import KVCacheSpec
-from rank_worker.model_runner import ModelRunner
+from rank_worker.kv.cache import KVCacheSpec
+from rank_worker.kv.device_memory import MemoryReading
+from rank_worker.runner.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 
@@ -135,7 +135,7 @@ def test_shutdown_frees_every_tensor_of_the_engine(checkpoint):
     alive = [r for r in refs if r() is not None]
     assert not alive, f"{len(alive)} of {len(refs)} tensors outlive the engine"
     with pytest.raises(RuntimeError, match="after release"):
-        from rank_worker.model_runner import synthetic_plan
+        from rank_worker.runner.model_runner import synthetic_plan
 
         runner.execute(synthetic_plan([(0, 1, [0])]))
 
@@ -163,7 +163,7 @@ def test_cublas_workspaces_go_back_with_the_last_runner(monkeypatch):
     """cuBLAS's workspaces (torch allocations that outlive an engine) are cleared when the last
     CUDA runner of the process is released, and never while another runner (whose graphs hold
     their addresses) lives. The CUDA calls are stand-ins; the bookkeeping is the GPU's."""
-    from rank_worker import device_memory
+    from rank_worker.kv import device_memory
 
     cleared = []
     monkeypatch.setattr(device_memory, "_cuda_users", set())

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rank_worker.model_runner import ModelRunner
+from rank_worker.runner.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 from shm_ipc.step_plan import Command, StepPlan

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rank_worker.model_spec import HeadSpec, ModelSpec, load_hf_config
+from rank_worker.models.model_spec import HeadSpec, ModelSpec, load_hf_config
 from tp_engine.config import EngineConfig
 from tp_engine.engine import _check_pooling_config
 from tp_engine.pooling_params import PoolingParams

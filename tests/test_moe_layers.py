@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rank_worker.layers.moe import ExpertPlacement, TopKRouter
-from rank_worker.loader import WeightLoadError, load_weights
-from rank_worker.model_runner import load_hf_config
+from rank_worker.models.layers.moe import ExpertPlacement, TopKRouter
+from rank_worker.models.loader import WeightLoadError, load_weights
+from rank_worker.runner.model_runner import load_hf_config
 from rank_worker.tp import TPInfo
 from tp_engine.testing import build_random_qwen3_moe
 
@@ -28,7 +28,7 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _model(model_dir: Path, tp: TPInfo, expert_parallel: bool) -> torch.nn.Module:
-    from rank_worker.architectures import build_model
+    from rank_worker.models.architectures import build_model
 
     return build_model(
         load_hf_config(model_dir), tp, torch.float32, "cpu", enable_expert_parallel=expert_parallel
@@ -162,7 +162,7 @@ def test_each_rank_loads_its_part_of_the_experts(moe_dir: Path, expert_parallel:
 
 
 def test_expert_parallel_never_reads_other_ranks_experts(moe_dir: Path, monkeypatch):
-    import rank_worker.loader as loader
+    import rank_worker.models.loader as loader
 
     read: list[str] = []
     real_safe_open = loader.safe_open
@@ -233,9 +233,9 @@ def test_another_ranks_expert_of_the_wrong_shape_is_refused(moe_dir: Path, tmp_p
 def test_the_model_class_comes_from_config_json(moe_dir: Path):
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    from rank_worker.architectures import model_class_for
-    from rank_worker.qwen3 import Qwen3ForCausalLM
-    from rank_worker.qwen3_moe import Qwen3MoeForCausalLM
+    from rank_worker.models.architectures import model_class_for
+    from rank_worker.models.qwen3 import Qwen3ForCausalLM
+    from rank_worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
     assert model_class_for(load_hf_config(moe_dir)) is Qwen3MoeForCausalLM
     assert model_class_for(Qwen3Config()) is Qwen3ForCausalLM  # no architectures: model_type
@@ -253,7 +253,7 @@ def test_sparse_layers_follow_transformers_rule():
         Qwen3MoeSparseMoeBlock,
     )
 
-    from rank_worker.qwen3_moe import is_sparse_layer
+    from rank_worker.models.qwen3_moe import is_sparse_layer
 
     config = Qwen3MoeConfig(
         hidden_size=16, num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=1,
@@ -271,7 +271,7 @@ def test_sparse_layers_follow_transformers_rule():
 def test_kv_cache_of_the_30b_a3b_shape(tp_size: int, local_kv_heads: int):
     from transformers import Qwen3MoeConfig
 
-    from rank_worker.kv_cache import KVCacheSpec
+    from rank_worker.kv.cache import KVCacheSpec
 
     config = Qwen3MoeConfig(
         hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
@@ -284,7 +284,7 @@ def test_kv_cache_of_the_30b_a3b_shape(tp_size: int, local_kv_heads: int):
 
 
 def test_a_dense_model_ignores_expert_parallelism(tmp_path: Path):
-    from rank_worker.qwen3 import Qwen3ForCausalLM
+    from rank_worker.models.qwen3 import Qwen3ForCausalLM
     from tp_engine.testing import build_random_qwen3
 
     dense = build_random_qwen3(

@@ -7,8 +7,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rank_worker.block_tables import BlockTables
-from rank_worker.input_prep import positions_of
+from rank_worker.inputs.block_tables import BlockTables
+from rank_worker.inputs.input_prep import positions_of
 from shm_ipc.step_plan import Command, StepPlan
 from tp_engine.core.plan_builder import build_step_plan
 from tp_engine.core.running_batch import TableChanges

@@ -371,8 +371,8 @@ def test_rerank_and_score_shapes(tokenizer):
 
 
 def test_tasks_rank_0_announces():
-    from rank_worker.layers.rope_spec import RopeSpec
-    from rank_worker.model_spec import HeadSpec, ModelSpec
+    from rank_worker.models.layers.rope_spec import RopeSpec
+    from rank_worker.models.model_spec import HeadSpec, ModelSpec
     from tp_engine.server.rank0.main import supported_tasks
 
     rope = RopeSpec("default", 16, 10000.0, 512)

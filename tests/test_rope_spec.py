@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rank_worker.layers import RopeSpec, RotaryEmbedding
-from rank_worker.model_runner import load_hf_config
+from rank_worker.models.layers import RopeSpec, RotaryEmbedding
+from rank_worker.runner.model_runner import load_hf_config
 from tp_engine.config import EngineConfig
 
 # The e2e tests' scaling: L0 = 32 keeps prompts longer than the pretraining length cheap.
@@ -120,7 +120,7 @@ def test_other_rope_types_are_refused_by_name(rope_type) -> None:
 
 def test_ranks_refuse_a_max_model_len_past_their_table(tmp_path) -> None:
     # Rank 0 checks first; this guards a runner given more (e.g. a draft model).
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
     from rank_worker.runner_config import RunnerConfig
     from rank_worker.tp import TPInfo
     from tp_engine.testing import build_random_qwen3, with_rope_scaling

@@ -1,4 +1,4 @@
-"""Sleep mode (`tp_engine.features.weights_and_sleep.sleep`, `rank_worker.control_sleep`, `rank_worker.device_sleep`) on CPU.
+"""Sleep mode (`tp_engine.features.weights_and_sleep.sleep`, `rank_worker.control.sleep_ops`, `rank_worker.runner.device_sleep`) on CPU.
 
 Memory is accounted from the storages themselves (`DeviceSleep.report`, every rank's through
 the MEMORY_REPORT call): what a GPU would give back is what the process stops holding. With the
@@ -22,10 +22,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rank_worker import control_sleep, model_runner
-from rank_worker.device_sleep import SleepTag
-from rank_worker.kv_cache import KVCacheSpec
-from rank_worker.model_runner import ModelRunner, synthetic_plan
+from rank_worker.control import sleep_ops as control_sleep
+from rank_worker.kv.cache import KVCacheSpec
+from rank_worker.runner import model_runner
+from rank_worker.runner.device_sleep import SleepTag
+from rank_worker.runner.model_runner import ModelRunner, synthetic_plan
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 from tests.tp_cases import CHECKPOINTS, MAX_MODEL_LEN

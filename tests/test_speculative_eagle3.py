@@ -109,7 +109,7 @@ def _generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 def test_hidden_states_equal_transformers(eagle, which, hf_layers):
     """The states a RUN plan's `hidden_rows` asks for are transformers' hidden_states at the
     head's layers (index 0 is the embedding output, i the input of layer i)."""
-    from rank_worker.model_runner import ModelRunner, synthetic_plan
+    from rank_worker.runner.model_runner import ModelRunner, synthetic_plan
     from rank_worker.runner_config import RunnerConfig
     from rank_worker.tp import TPInfo
 
@@ -138,7 +138,7 @@ def test_hidden_states_equal_transformers(eagle, which, hf_layers):
 def test_hidden_states_reach_rank_0_at_tp2(eagle):
     """Through the executor at TP 2: the `hidden_rows` section crosses the ring, and
     `StepResult.hidden_states` holds the states (computed on sharded layers) transformers has."""
-    from rank_worker.model_runner import synthetic_plan
+    from rank_worker.runner.model_runner import synthetic_plan
 
     prompt = _prompts(1, (9,), seed=8)[0]
     rows = [8, 2, 5]
@@ -383,8 +383,8 @@ def _set(d, key, value):
          "missing_tensor", "aux_layers", "hidden_size", "draft_vocab", "architecture", "fc_norm"],
 )  # fmt: skip
 def test_a_head_that_does_not_fit_is_refused_by_name(eagle, tmp_path, tensors, config, match):
-    from rank_worker.eagle3_format import read_eagle3_config
-    from rank_worker.model_spec import load_hf_config
+    from rank_worker.models.model_spec import load_hf_config
+    from rank_worker.spec.eagle3_format import read_eagle3_config
 
     broken = _broken(eagle, tmp_path, tensors, config)
     with pytest.raises(ValueError, match=match):
@@ -401,8 +401,8 @@ def test_refusals_happen_at_start(eagle, tmp_path):
 
 def test_speculators_ids_are_layer_inputs(eagle):
     """The same ids mean other layers in the two layouts (SGLang adds one, vLLM does not)."""
-    from rank_worker.eagle3_format import default_capture_layers, read_eagle3_config
-    from rank_worker.model_spec import load_hf_config
+    from rank_worker.models.model_spec import load_hf_config
+    from rank_worker.spec.eagle3_format import default_capture_layers, read_eagle3_config
 
     target = load_hf_config(eagle["target"])
     assert read_eagle3_config(eagle["head"], target).capture_layers == (1, 2, 3)
@@ -475,7 +475,7 @@ def test_a_moe_target_drafts_with_a_head(eagle, tmp_path, monkeypatch):
     body): at TP 2, over the graphs' padded paths, greedy equals transformers. The head was
     trained for the dense target, so few drafts are accepted: this is about exactness and the
     plumbing, not acceptance."""
-    from rank_worker.cuda_graphs import ENV_VAR
+    from rank_worker.runner.cuda_graphs import ENV_VAR
     from tests.moe_cases import MIN_ROUTER_MARGIN, load_hf_moe, router_margins
     from tp_engine.testing import build_random_qwen3_moe
 

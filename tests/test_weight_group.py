@@ -1,4 +1,4 @@
-"""`rank_worker.weight_group` on one rank, exactly: the background join's states, what the status
+"""`rank_worker.control.weight_group` on one rank, exactly: the background join's states, what the status
 and destroy ops answer in each, and an abandoned join that forms after all being left. The join
 itself is stood in for (its layout is tested against SGLang's helper in test_sglang_clients)."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from rank_worker import weight_group as wg
-from rank_worker.control import ControlRefused
+from rank_worker.control import weight_group as wg
+from rank_worker.control.protocol import ControlRefused
 from rank_worker.tp import TPInfo
 
 TP = TPInfo(1, 2)  # rank 1 of a TP 2 engine: group rank rank_offset + 1

@@ -1,4 +1,4 @@
-"""Run-time weight updates through the one name-to-shard map (`rank_worker.weight_map`).
+"""Run-time weight updates through the one name-to-shard map (`rank_worker.models.weight_map`).
 
 The reference for an update is a fresh load: a model loaded from checkpoint A and then updated
 in place with all of checkpoint B's tensors must hold exactly what a model loaded from B holds,
@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rank_worker.architectures import build_model
-from rank_worker.loader import load_weights, safetensors_files
-from rank_worker.model_runner import load_hf_config
+from rank_worker.models.architectures import build_model
+from rank_worker.models.loader import load_weights, safetensors_files
+from rank_worker.models.weight_map import WeightMap
+from rank_worker.runner.model_runner import load_hf_config
 from rank_worker.tp import TPInfo
-from rank_worker.weight_map import WeightMap
 from tp_engine.testing import build_random_qwen3, build_random_qwen3_moe
 
 DENSE = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=8,
@@ -189,7 +189,7 @@ def test_bf16_tensors_are_cast_into_an_fp32_model(moe):
 def test_the_runner_computes_with_the_updated_weights(dense_untied):
     """Through `ModelRunner.update_weights`: the scenario's logits equal a fresh runner's on B,
     whose differ from A's."""
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
     from rank_worker.runner_config import RunnerConfig
     from tests.tp_cases import BLOCK_SIZE, MAX_MODEL_LEN, make_scenario
 

@@ -1,5 +1,5 @@
 """Run-time weight updates through the offline `LLM` (`tp_engine.features.weights_and_sleep.weight_updates`,
-`rank_worker.control_weights`): the iterator, disk and trainer-group paths, at TP 1, 2 and 4,
+`rank_worker.control.weight_ops`): the iterator, disk and trainer-group paths, at TP 1, 2 and 4,
 dense and MoE (expert parallel at TP 2).
 
 Two random checkpoints of one shape, A and B. The references for "the engine holds B" are
@@ -29,10 +29,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rank_worker.architectures import build_model
-from rank_worker.control import ControlOp, parameter_checksum
-from rank_worker.loader import load_weights, safetensors_files
-from rank_worker.model_runner import load_hf_config
+from rank_worker.control.protocol import ControlOp, parameter_checksum
+from rank_worker.models.architectures import build_model
+from rank_worker.models.loader import load_weights, safetensors_files
+from rank_worker.runner.model_runner import load_hf_config
 from rank_worker.tp import TPInfo
 from tests.moe_cases import MOE_CHECKPOINTS
 from tests.tp_cases import CHECKPOINTS, MAX_MODEL_LEN

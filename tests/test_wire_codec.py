@@ -70,7 +70,7 @@ def test_the_other_hops_refuse_what_is_not_theirs():
 
 
 def test_a_workers_bootstrap_crosses_as_one_typed_record():
-    from rank_worker.bootstrap import Bootstrap
+    from rank_worker.dist.bootstrap import Bootstrap
     from rank_worker.runner_config import RunnerConfig
 
     handle = ChannelHandle("tpe-1-ab", "/r/plan.sock", "/r/back.sock", "/r", 7, 4096, 3, 1)

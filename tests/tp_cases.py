@@ -208,7 +208,7 @@ def run_scenario(
 ) -> list[torch.Tensor | None]:
     """Load `model_dir` on this rank and execute the plans; logits per plan (None off rank 0).
     `runner_fields`: further RunnerConfig fields (e.g. attention_backend="triton")."""
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
     from rank_worker.runner_config import RunnerConfig
 
     config = RunnerConfig(

@@ -1,5 +1,5 @@
 """A stand-in trainer for the weight-update tests: a separate process that hosts the weights
-update group's TCPStore, joins the group as its rank 0 (as SGLang's trainers do, in the layout of `rank_worker.weight_group`), and
+update group's TCPStore, joins the group as its rank 0 (as SGLang's trainers do, in the layout of `rank_worker.control.weight_group`), and
 broadcasts the tensors it is told to, in order.
 
 Commands on `commands` (a multiprocessing queue), replies on `replies`:
@@ -26,9 +26,9 @@ def trainer_main(port: int, world_size: int, group_name: str, commands: Any, rep
         import torch
         from safetensors.torch import load_file
 
-        from rank_worker.control_weights import parse_dtype
-        from rank_worker.loader import safetensors_files
-        from rank_worker.weight_group import group_broadcast, weights_update_group
+        from rank_worker.control.weight_group import group_broadcast, weights_update_group
+        from rank_worker.control.weight_ops import parse_dtype
+        from rank_worker.models.loader import safetensors_files
 
         pg, _store = weights_update_group(
             "127.0.0.1", port, 0, world_size, group_name, "gloo", timeout_s=60

@@ -11,8 +11,8 @@ features (control calls, LoRA slots, sleep mode) and plugs them into the core
 delegates to (`add_request`, `step`, `stats`...; tests and diagnostics read the core's members
 through `core`).
 
-Start-up mirrors `rank_worker.worker.run_worker` on the other ranks (see
-`rank_worker.bootstrap` for the order). A failure on another rank surfaces here as
+Start-up mirrors `rank_worker.dist.worker.run_worker` on the other ranks (see
+`rank_worker.dist.bootstrap` for the order). A failure on another rank surfaces here as
 `EngineDeadError` naming that rank and step.
 """
 
@@ -24,9 +24,9 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from rank_worker.eagle3_format import read_eagle3_config
 from rank_worker.fault_injection import Fault
-from rank_worker.model_spec import ModelSpec, load_hf_config
+from rank_worker.models.model_spec import ModelSpec, load_hf_config
+from rank_worker.spec.eagle3_format import read_eagle3_config
 from rank_worker.tp import TPInfo
 from tp_engine.common.failures import EngineDeadError
 from tp_engine.common.step_timeline import StepTimeline
@@ -65,7 +65,7 @@ class LLMEngine:
         from transformers import AutoTokenizer  # deferred: slow to import
 
         if not tp.is_first:
-            raise ValueError("LLMEngine runs on rank 0; other ranks run rank_worker.run_worker")
+            raise ValueError("LLMEngine runs on rank 0; other ranks run rank_worker.dist.worker")
         if config.tensor_parallel_size != tp.size:
             raise ValueError(
                 f"tensor_parallel_size ({config.tensor_parallel_size}) does not match the "
@@ -79,7 +79,7 @@ class LLMEngine:
             model_dir, hf_config, config.runner, config.convert, _token_id_of(tokenizer)
         )
         _check_pooling_config(model_spec, config)
-        # The same rope spec sizes every rank's cos/sin table (rank_worker/qwen3.py).
+        # The same rope spec sizes every rank's cos/sin table (rank_worker/models/qwen3.py).
         rope = model_spec.rope
         config = config.with_model_defaults(rope.max_positions, rope.max_positions_source)
         self.model_dir = model_dir

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from rank_worker.model_spec import ModelSpec
+    from rank_worker.models.model_spec import ModelSpec
 
 PoolingTask = Literal["embed", "classify", "score"]
 POOLING_TASKS = ("embed", "classify", "score")

@@ -10,7 +10,7 @@ every sequence (a decode, q = 1; a speculative verify step, q = 1 + k), with dev
 no host synchronisation, no host-to-device copy, and the metadata's host fields used only as
 bounds to size work (`max_query_len` = q, `max_seq_len` and `seq_lens_host` = max_model_len),
 since a captured graph is replayed with other sequence lengths than it was captured with
-(`rank_worker.cuda_graphs`). Padding sequences have seq_len q over a dummy block, so each of
+(`rank_worker.runner.cuda_graphs`). Padding sequences have seq_len q over a dummy block, so each of
 their query rows sees at least one key. How each backend keeps the contract:
 
 - triton: q = 1 takes the decode kernel (device seq_lens and table); q > 1 one launch of the

@@ -14,11 +14,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.store_kv import store_kv_ref
 from rank_worker.attention.backend import AttentionBackend
 from rank_worker.attention.metadata import AttentionMetadata
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
-_FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
 # Sequences computing at most this many tokens (decodes, speculative verify entries, small
 # chunks) are attended together, padded to the longest of them; longer ones one by one.
 BATCHED_QUERY_MAX = 16
@@ -29,13 +29,6 @@ def _scale(kv_scales: torch.Tensor | None, which: int, cache: torch.Tensor) -> t
     if cache.dtype == FP8_KV_DTYPE and kv_scales is None:
         raise ValueError("an fp8 KV cache needs kv_scales, a [2] float32 (k_scale, v_scale)")
     return None if kv_scales is None else kv_scales[which]
-
-
-def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """`x` as `cache` stores it."""
-    if cache.dtype != FP8_KV_DTYPE:
-        return x.to(cache.dtype)
-    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_KV_DTYPE)
 
 
 def from_cache(cached: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -104,18 +97,9 @@ class TorchAttentionBackend(AttentionBackend):
         slot_mapping: torch.Tensor,
         kv_scales: torch.Tensor | None = None,
     ) -> None:
-        slots = slot_mapping.long()  # [T]
-        keep = slots >= 0
-        if not bool(keep.all()):
-            key, value, slots = key[keep], value[keep], slots[keep]
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k = to_cache(key, k_cache, _scale(kv_scales, 0, k_cache))
-        v = to_cache(value, v_cache, _scale(kv_scales, 1, v_cache))
-        if k_cache.dtype == FP8_KV_DTYPE:
-            # CPU torch has no index_copy_ for fp8: copy the bytes.
-            k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        # An fp8 cache without scales is refused here with a ValueError (the reference asserts).
+        _scale(kv_scales, 0, k_cache)
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping, kv_scales)
 
     def attend(
         self,

@@ -32,7 +32,7 @@ from kernels.lora import (
     lora_shrink_ref,
 )
 from kernels.lora_grouped import lora_expand_grouped, lora_shrink_grouped, lora_token_groups
-from rank_worker.layers.linear import ColumnParallelBase, RowParallelLinear
+from rank_worker.models.layers.linear import ColumnParallelBase, RowParallelLinear
 
 
 class OutputPart(NamedTuple):

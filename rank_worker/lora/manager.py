@@ -2,7 +2,7 @@
 adapters that feeds them.
 
 Ownership: rank 0 decides which adapter sits in which slot (its adapter registry) and tells
-every rank through two control calls (`rank_worker.control_lora`): LOAD_LORA puts adapter
+every rank through two control calls (`rank_worker.control.lora_ops`): LOAD_LORA puts adapter
 `lora_uid` from `path` into slot s, UNLOAD_LORA empties a slot. A rank keeps only what those
 calls left: the slot stacks (`LinearLoRA`, device memory allocated once at start-up, before
 the KV cache is sized, so the cache budget already leaves them out) and up to
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rank_worker.layers.linear import _Linear
 from rank_worker.lora.layers import AdapterBatch, LinearLoRA
 from rank_worker.lora.peft_adapter import (
     LoraConfig,
@@ -31,6 +30,7 @@ from rank_worker.lora.peft_adapter import (
     read_adapter_config,
     unsupported_modules_error,
 )
+from rank_worker.models.layers.linear import _Linear
 from rank_worker.runner_config import RunnerConfig
 
 # Unpacked (HF) projections that are their own layer.
@@ -103,7 +103,7 @@ class LoraManager:
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Every slot stack (A and B of each adapted layer): what sleep mode releases and
-        restores beside the weights (`rank_worker.device_sleep`)."""
+        restores beside the weights (`rank_worker.runner.device_sleep`)."""
         return [t for layer in self.layers.values() for t in (layer.a, layer.b)]
 
     def bind(self, slots: torch.Tensor, any_adapter: bool = True) -> None:

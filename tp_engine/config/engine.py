@@ -23,10 +23,16 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # The KV cache's dtype, vLLM's `--kv-cache-dtype` names: "auto" = the model's dtype, "fp8" =
 # float8_e4m3fn with per-layer scales (half the bytes of bf16).
 KV_CACHE_DTYPES = ("auto", "fp8")
+# The LoRA flags' values: the slot stacks' dtypes (`--lora-dtype`; "auto": the model's) and vLLM's
+# `MaxLoRARanks` (`--max-lora-rank`). Every rank checks them again in
+# `rank_worker.lora.peft_adapter`, whose tuples must be the same (a test checks); plain data
+# here, so that the configuration imports no rank code.
+LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # flash-attn 2's paged KV cache accepts only page sizes that are multiples of 256.
 _FLASH_ATTN_BLOCK_MULTIPLE = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-# vLLM's --runner and --convert values (`rank_worker.model_spec` says what they decide).
+# vLLM's --runner and --convert values (`rank_worker.models.model_spec` says what they decide).
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
 
@@ -89,7 +95,7 @@ class EngineConfig:
     # Speculative decoding (vLLM's `speculative_config`): a dict, its JSON, or a
     # SpeculativeConfig; None = off. See `tp_engine.features.speculative`.
     speculative_config: SpeculativeConfig | None = None
-    # What the model is served as (vLLM's --runner / --convert, `rank_worker.model_spec`):
+    # What the model is served as (vLLM's --runner / --convert, `rank_worker.models.model_spec`):
     # runner "auto" | "generate" | "pooling", convert "auto" | "none" | "embed" | "classify".
     # "auto" decides from the checkpoint (sentence-transformers files: an embedder; a
     # *ForSequenceClassification architecture: a classifier).

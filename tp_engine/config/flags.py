@@ -23,6 +23,8 @@ from tp_engine.config.engine import (
     CONVERTS,
     DTYPES,
     KV_CACHE_DTYPES,
+    LORA_DTYPES,
+    MAX_LORA_RANKS,
     RUNNERS,
     EngineConfig,
 )
@@ -35,8 +37,8 @@ class Flag:
     field: str
     help: str
     type: Callable[[str], Any] | None = None
-    # The allowed values, or a function giving them (read when the flag is added).
-    choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None
+    # The allowed values.
+    choices: tuple[Any, ...] | None = None
     # "value" (takes an argument), "switch" (store_true) or "toggle" (--x / --no-x).
     kind: str = "value"
     name: str | None = None  # when the flag is not the field's name with dashes
@@ -62,18 +64,6 @@ def tokenizer_dir(value: str) -> str:
             "save one with tokenizer.save_pretrained(DIR))"
         )
     return value
-
-
-def _lora_dtypes() -> tuple[str, ...]:
-    from rank_worker.runner_config import LORA_DTYPES
-
-    return tuple(LORA_DTYPES)
-
-
-def _lora_ranks() -> tuple[int, ...]:
-    from rank_worker.runner_config import MAX_LORA_RANKS
-
-    return tuple(MAX_LORA_RANKS)
 
 
 ENGINE_FLAGS: tuple[Flag, ...] = (
@@ -136,11 +126,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "requests are unaffected", type=float, name="--structured-outputs-timeout"),
     Flag("enable_lora", "serve LoRA adapters", kind="switch", group="lora"),
     Flag("max_loras", "most distinct adapters in one batch (slots)", type=int, group="lora"),
-    Flag("max_lora_rank", "largest adapter rank served", type=int, choices=_lora_ranks,
+    Flag("max_lora_rank", "largest adapter rank served", type=int, choices=MAX_LORA_RANKS,
          group="lora"),
     Flag("max_cpu_loras", "adapters kept in host memory (default: --max-loras)", type=int,
          group="lora"),
-    Flag("lora_dtype", "adapter weights' dtype (auto: the model's)", choices=_lora_dtypes,
+    Flag("lora_dtype", "adapter weights' dtype (auto: the model's)", choices=LORA_DTYPES,
          group="lora"),
 )  # fmt: skip
 
@@ -174,8 +164,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, *, exclude: Iterable[str] 
         elif flag.kind == "toggle":
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            choices = flag.choices() if callable(flag.choices) else flag.choices
-            kwargs.update(type=flag.type, choices=choices, metavar=flag.metavar)
+            kwargs.update(type=flag.type, choices=flag.choices, metavar=flag.metavar)
         target.add_argument(flag.option, **kwargs)
     return groups
 

@@ -30,7 +30,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = _DEFAULT_LOOKUP_MAX
     # draft_model: the drafter's checkpoint directory; eagle3: the head's (either published
-    # layout, `rank_worker.eagle3_format`).
+    # layout, `rank_worker.spec.eagle3_format`).
     model: str | None = None
 
     def __post_init__(self) -> None:

@@ -80,7 +80,7 @@ class EngineCore:
     """Rank 0's engine core over `executor` (see the module docstring).
 
     `config`: resolved (`EngineConfig.with_model_defaults`); `model_spec`: the model's task
-    and head (`rank_worker.model_spec.ModelSpec`, read for `is_pooling` and `task`, and by
+    and head (`rank_worker.models.model_spec.ModelSpec`, read for `is_pooling` and `task`, and by
     `PoolingParams.resolve`); `generation_defaults`: SamplingParams fields the checkpoint sets
     for requests that leave them unset; `hooks`: what the features plug in (none by default).
 

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 class RequestIntake:
     """Requests in and ended from outside (see the module docstring). `model_spec`: the
-    model's task (`rank_worker.model_spec.ModelSpec`); `generation_defaults`: SamplingParams
+    model's task (`rank_worker.models.model_spec.ModelSpec`); `generation_defaults`: SamplingParams
     fields the checkpoint sets."""
 
     def __init__(

@@ -9,11 +9,11 @@ Every logits row of a step has a role, named by `LogitsLayout`: the sampled rows
 sampling entry, or one per verified position of a speculative verify entry), then the rows of
 prompt logprobs, then the pooled rows (a pooling request's last prompt token, in the step that
 computes it). The sampler, logprob recording, pooling and the memory warm-up read that layout.
-A pooling model's head makes the rows (`rank_worker.heads`): "logits" are then its outputs.
+A pooling model's head makes the rows (`rank_worker.models.heads`): "logits" are then its outputs.
 
 A decode whose token is still being sampled by the step in flight (asynchronous scheduling) gets
 the input id `-1 - row`: every rank replaces it on the device with that step's sampled token of
-row `row` (`rank_worker.input_prep`).
+row `row` (`rank_worker.inputs.input_prep`).
 
 A step with LoRA requests carries each sequence's adapter slot (`adapter_slots`, -1 for the
 base model), read from the running batch's column that the adapter registry keeps.

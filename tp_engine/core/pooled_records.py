@@ -1,6 +1,6 @@
 """Rank 0's last step of a pooling request: its head row becomes its result.
 
-The head (`rank_worker.heads`) returns raw rows in fp32; what a request asked for
+The head (`rank_worker.models.heads`) returns raw rows in fp32; what a request asked for
 (`PoolingParams`, resolved) is applied here, per request, on the host copy:
 
     embed      row[:dimensions], then L2-normalised when `normalize` (vLLM's order: a

@@ -31,12 +31,12 @@ class StepResult:
     # prompt-logprob rows, pooled rows: `plan_builder.LogitsLayout`). For a pooling model the
     # head replaces the LM head and its pooled rows are these rows (V is the head's width).
     # A DRAFT plan's: the draft model's logits [R, V], or an EAGLE-3 head's whole chain of
-    # drafts [R, k] int64 target ids (`rank_worker.eagle3_runner`).
+    # drafts [R, k] int64 target ids (`rank_worker.spec.eagle3_runner`).
     logits: torch.Tensor
     # [num_rows, 3 * hidden] an EAGLE-3 head's target states (its three captured layers,
     # concatenated low to high, before any norm) of the tokens the plan's `hidden_rows`
     # section names, in that order; None when it names none. The head itself reads them on
-    # the ranks, where they already are (`rank_worker.eagle3_runner`): this is the copy rank 0
+    # the ranks, where they already are (`rank_worker.spec.eagle3_runner`): this is the copy rank 0
     # asked for.
     hidden_states: torch.Tensor | None = None
 
@@ -60,8 +60,8 @@ class Executor(Protocol):
         placeholders). `timeline`: where to record the step's phases (None: nowhere)."""
 
     def control(self, call: ControlCall) -> Any:
-        """Run `call` on every rank (two-phase: `rank_worker.control`); every rank's
-        verdict and reply, as a `rank_worker.control.ControlResult`."""
+        """Run `call` on every rank (two-phase: `rank_worker.control.protocol`); every rank's
+        verdict and reply, as a `rank_worker.control.protocol.ControlResult`."""
 
     def guard(self, what: str) -> AbstractContextManager[None]:
         """Turn a failure inside into `EngineDeadError` naming the rank at fault."""

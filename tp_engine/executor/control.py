@@ -4,7 +4,7 @@ steps, to do something other than a forward pass, and returns what every rank an
 Ownership: the bring-up gives the engine one `EngineControl` (`LLMEngine.control`) over the
 core's few step-ordering operations (`ControlHost`) and the executor that runs the call on every
 rank (`tp_engine.executor.base.Executor.control`); the ranks' side, the op table and the
-two-phase protocol, is `rank_worker.control`. A call, on rank 0:
+two-phase protocol, is `rank_worker.control.protocol`. A call, on rank 0:
 
     quiesce       the engine applies the step in flight (asynchronous scheduling), keeping its
                   outputs for the next `step()`: nothing is in flight, so no rank is still
@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from rank_worker.control import ControlOp, ControlOutcome, ControlResult
+from rank_worker.control.protocol import ControlOp, ControlOutcome, ControlResult
 from shm_ipc import ControlCall
 from tp_engine.common.failures import EngineDeadError
 from tp_engine.executor.base import Executor

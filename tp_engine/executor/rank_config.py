@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rank_worker.model_spec import HeadSpec
+from rank_worker.models.model_spec import HeadSpec
 from rank_worker.runner_config import RunnerConfig
 from tp_engine.config import EngineConfig
 

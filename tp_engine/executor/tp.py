@@ -6,7 +6,7 @@ It owns the plan channel (`shm_ipc.PlanBroadcaster`, one writer, `tp.size - 1` r
 calls on this rank. A plan or a call is published on the ring first and then run here: every
 rank runs the same messages in the same order, so their collectives meet.
 
-Start-up mirrors `rank_worker.worker.run_worker` on the other ranks (`rank_worker.bootstrap`
+Start-up mirrors `rank_worker.dist.worker.run_worker` on the other ranks (`rank_worker.dist.bootstrap`
 has the order): the bootstrap message, every reader attached, then each rank loads its shard,
 measures its memory and allocates the KV cache.
 """
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from rank_worker.bootstrap import Bootstrap
-from rank_worker.control import ControlResult
+from rank_worker.control.protocol import ControlResult
+from rank_worker.dist.bootstrap import Bootstrap
+from rank_worker.dist.step import StepExecutor
 from rank_worker.fault_injection import Fault
-from rank_worker.model_runner import ModelRunner
+from rank_worker.runner.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
-from rank_worker.step import StepExecutor
 from rank_worker.tp import TPInfo
 from shm_ipc import ChannelError, ControlCall, PlanBroadcaster, StepPlan
 from tp_engine.common.failures import EngineDeadError, FailureGuard, diagnose_stall

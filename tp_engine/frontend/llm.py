@@ -4,10 +4,10 @@ Three ways to run, one engine:
 
 - plain Python, N = 1: everything happens in this process;
 - plain Python, N > 1: this process becomes rank 0 and starts ranks 1..N-1 as child processes
-  (`python -m rank_worker.worker`) that rendezvous with it on 127.0.0.1;
+  (`python -m rank_worker.dist.worker`) that rendezvous with it on 127.0.0.1;
 - under torchrun (RANK and WORLD_SIZE set): every rank constructs `LLM`; on rank 0 it returns
   the engine, on the other ranks it serves rank 0 until shutdown and then exits the process.
-  Every rank watches the torchrun agent (`rank_worker.launcher_watch`): once it is gone, rank 0's
+  Every rank watches the torchrun agent (`rank_worker.dist.launcher_watch`): once it is gone, rank 0's
   `generate` raises `EngineDeadError` and the process exits within `RANK0_GRACE_S` whatever
   the script does, and the workers follow.
 
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from rank_worker import bringup
-from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
+from rank_worker.dist import bringup
+from rank_worker.dist.launcher_watch import RANK0_GRACE_S, LauncherWatch
 from tp_engine.config import EngineConfig
 from tp_engine.engine import LLMEngine
 from tp_engine.features.weights_and_sleep import weight_updates
@@ -68,7 +68,7 @@ class LLM(PoolingMethods):
         dist_backend: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        launcher = bringup.torchrun_launcher()  # first: see rank_worker.bringup
+        launcher = bringup.torchrun_launcher()  # first: see rank_worker.dist.bringup
         tp_size = bringup.tensor_parallel_size(tensor_parallel_size)
         # Validate every argument before any process is started.
         config = EngineConfig(model=model, tensor_parallel_size=tp_size, **engine_kwargs)

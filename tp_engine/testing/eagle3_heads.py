@@ -7,7 +7,7 @@ continuations of random prompts; a draft vocabulary of the most frequent target 
 ascending, `d2t[i] = used[i] - i`); training-time test (TTT) over `ttt` chained steps with
 teacher forcing, step j at RoPE position p + j attending to step 0's keys at positions <= p and
 to its own chain's keys at base p; loss weights 0.8^j; Adam, seeded. The head's math here is
-written out independently of the runtime's (`rank_worker.eagle3_head`).
+written out independently of the runtime's (`rank_worker.spec.eagle3_head`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# The speculators converter's rename of the decoder layer (`rank_worker.eagle3_format`).
+# The speculators converter's rename of the decoder layer (`rank_worker.spec.eagle3_format`).
 _SPECULATORS_PREFIX = ("midlayer.", "layers.0.")
 
 

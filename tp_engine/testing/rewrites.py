@@ -37,7 +37,7 @@ def rewrite_checkpoint(
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from rank_worker.loader import INDEX_FILE, safetensors_files
+    from rank_worker.models.loader import INDEX_FILE, safetensors_files
 
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():

@@ -2,5 +2,5 @@
 
 `base.KVTier` is what the scheduler asks of it; `block_manager.BlockManager` is the device
 (GPU) tier, the one implementation today. Further tiers (host memory, then files) add a class
-beside it, and a matching `rank_worker.kv_copies.BlockCopier` on the ranks moves the blocks.
+beside it, and a matching `rank_worker.kv.copies.BlockCopier` on the ranks moves the blocks.
 """

@@ -8,7 +8,7 @@ tier consults and feeds, not something the scheduler sees: a prefix lookup that 
 device pool may hit below (the device tier then allocates device blocks and asks for a copy
 up), and a full block the device pool evicts may be copied down first. Those decisions leave
 rank 0 as `shm_ipc.block_copies.BlockCopy` values (in a StepPlan section: a later issue),
-carried out on every rank by a `rank_worker.kv_copies.BlockCopier` before the forward pass.
+carried out on every rank by a `rank_worker.kv.copies.BlockCopier` before the forward pass.
 Adding a tier is a class beside `BlockManager` and a copier on the ranks; the scheduler, which
 sees only `KVTier`, is not edited.
 

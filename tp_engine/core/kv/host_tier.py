@@ -3,7 +3,7 @@ hash, and which to evict (least recently used).
 
 The host pool itself lives on every rank (pinned memory holding that rank's heads); rank 0 only
 decides, and its decisions leave as `BlockCopy` values that every rank carries out in order
-before the forward pass (`rank_worker.kv_copies`). Keys are the device tier's chained block
+before the forward pass (`rank_worker.kv.copies`). Keys are the device tier's chained block
 hashes (`block_manager.hash_block_tokens`, rooted in the weight epoch and the adapter tags), so a
 hit here is exactly a block the device tier would have hit: the same tokens after the same
 prefix, under the same weights and adapter.

@@ -1,6 +1,6 @@
 """The sampler at its most memory-hungry, for the GPU memory warm-up.
 
-`rank_worker.model_runner` measures the memory a step can take by running the largest step
+`rank_worker.runner.model_runner` measures the memory a step can take by running the largest step
 once; only rank 0 samples, so rank 0's engine hands it `profile_sampling`, which puts every
 sampled row through the widest path of the pipeline (a sort over the vocabulary for top-p
 without top-k, logprobs) and the prompt-logprob rows through `compute_logprobs`, so that the
@@ -42,7 +42,7 @@ def sample_for_profiling(logits: torch.Tensor) -> torch.Tensor:
 
 def profile_sampling(logits: torch.Tensor, num_sampled: int) -> None:
     """`logits [B' + R, V]`: the first `num_sampled` rows are sampled, the other R are
-    prompt-logprob rows (the engine's order); `rank_worker.model_runner.ProfileSampling`."""
+    prompt-logprob rows (the engine's order); `rank_worker.runner.startup.ProfileSampling`."""
     vocab_size = logits.shape[-1]
     # What TokenCounts holds when every sampled row has penalties.
     counts = torch.zeros((num_sampled, vocab_size), dtype=torch.int32, device=logits.device)

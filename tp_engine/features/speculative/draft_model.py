@@ -2,7 +2,7 @@
 vocabulary proposes greedily.
 
 The draft runs on the same ranks as the target, sharded the same way, with a KV cache of its
-own on the same block ids (`rank_worker.model_runner`: a block of the pool holds both models'
+own on the same block ids (`rank_worker.runner.model_runner`: a block of the pool holds both models'
 K/V). Every RUN plan also runs the draft over the same tokens, so its cache always holds what
 the target's holds: prompts, prefix-cache hits (a cached block holds both) and accepted tokens.
 Drafting k tokens for the verify entries of a step is then k DRAFT plans, one token per

@@ -3,7 +3,7 @@ of the target's hidden states drafts a chain of k tokens.
 
 Rank 0's half is one DRAFT plan per step: each drafting sequence's last token (not yet through
 the target), its length and how many drafts it wants (`eagle_drafts`). The ranks run the
-whole chain from it (`rank_worker.eagle3_runner`): the head's first entry reads the target
+whole chain from it (`rank_worker.spec.eagle3_runner`): the head's first entry reads the target
 states the last RUN plan left on every rank, the next ones the head's own output, each on the
 head's own cache at positions the verify entry's blocks hold (allocated first:
 `drafts_after_allocation`, and this plan carries the step's block-table changes). So drafting

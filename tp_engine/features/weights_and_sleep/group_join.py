@@ -2,7 +2,7 @@
 (`weight_updates.init_weights_update_group`) and the API process's route, which polls rank 0
 between steps (`tp_engine.server.api.admin_routes`). Imports nothing but the standard library,
 so that the API process, which holds no model code, can use it; the default join timeout is the
-ranks' (`rank_worker.weight_group.DEFAULT_JOIN_TIMEOUT_S`), so rank 0 resolves it and sends it
+ranks' (`rank_worker.control.weight_group.DEFAULT_JOIN_TIMEOUT_S`), so rank 0 resolves it and sends it
 back in the start's reply."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 RL trainers that share the GPUs with the engine put it to sleep while they train and wake it
 to generate. Every rank releases its memory in the SLEEP control call and takes it back in WAKE
-(`rank_worker.control_sleep`, `rank_worker.device_sleep`, which also says what happens to the
+(`rank_worker.control.sleep_ops`, `rank_worker.runner.device_sleep`, which also says what happens to the
 weights at each level, to `data_ptr` and to the CUDA graphs). What the engine does around them:
 
     sleep(level)   the call runs first (quiesced: no step in flight), so a refusal changes
@@ -34,8 +34,8 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from rank_worker.control import ControlOp, ControlResult
-from rank_worker.device_sleep import SLEEP_LEVELS, SleepTag
+from rank_worker.control.protocol import ControlOp, ControlResult
+from rank_worker.runner.device_sleep import SLEEP_LEVELS, SleepTag
 from tp_engine.core.hooks import CoreAccess
 from tp_engine.executor.control import ControlRefusedError, EngineControl, EngineInconsistentError
 

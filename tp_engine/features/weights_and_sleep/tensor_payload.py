@@ -123,7 +123,7 @@ def _unflatten(obj: Any) -> list[tuple[str, torch.Tensor]]:
         fields = vars(m)
         name, shape, dtype = fields.get("name"), fields.get("shape"), fields.get("dtype")
         start, end = fields.get("start_idx"), fields.get("end_idx")
-        ok = (
+        if not (
             isinstance(name, str)
             and isinstance(shape, tuple)
             and all(type(d) is int and d >= 0 for d in shape)
@@ -133,8 +133,7 @@ def _unflatten(obj: Any) -> list[tuple[str, torch.Tensor]]:
             and 0 <= start <= end <= flat.numel()
             and start % dtype.itemsize == 0
             and end - start == torch.Size(shape).numel() * dtype.itemsize
-        )
-        if not ok:
+        ):
             raise TensorPayloadError(f"bad metadata in a flattened bucket: {fields!r:.200}")
         named.append((name, flat[start:end].view(dtype).reshape(shape)))
     return named

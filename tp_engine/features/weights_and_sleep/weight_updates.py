@@ -2,7 +2,7 @@
 `update_weights_from_disk`, the trainer-group calls (SGLang's names) and `get_weights_by_name`.
 
 Each is one or more control calls (`tp_engine.executor.control`; the ranks' handlers and the data paths
-are `rank_worker.control_weights`), so an update lands between two steps, ordered with the
+are `rank_worker.control.weight_ops`), so an update lands between two steps, ordered with the
 plans, and is validated on every rank before any rank writes. After a committed update:
 
 - the block manager's weight epoch advances (`BlockManager.advance_epoch(flush_cache)`): K/V
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from rank_worker.control_weights import TensorMeta, dtype_name, stage_tensors
-from rank_worker.weight_group import DEFAULT_JOIN_TIMEOUT_S
-from rank_worker.weight_map import expected_parts
+from rank_worker.control.weight_group import DEFAULT_JOIN_TIMEOUT_S
+from rank_worker.control.weight_ops import TensorMeta, dtype_name, stage_tensors
+from rank_worker.models.weight_map import expected_parts
 from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult
 from tp_engine.features.weights_and_sleep.group_join import (
     JOIN_GRACE_S,
@@ -43,7 +43,7 @@ from tp_engine.features.weights_and_sleep.group_join import (
 )
 
 if TYPE_CHECKING:
-    from rank_worker.model_runner import ModelRunner
+    from rank_worker.runner.model_runner import ModelRunner
     from tp_engine.core.hooks import CoreAccess
     from tp_engine.executor.control import EngineControl
     from tp_engine.features.weights_and_sleep.sleep import EngineSleep
@@ -210,7 +210,7 @@ def start_weights_update_group(
     timeout_s: float | None = None,
 ) -> float:
     """Start joining a trainer's process group on every rank, in the background
-    (`rank_worker.weight_group`): the trainer is its rank 0 and hosts its TCPStore at
+    (`rank_worker.control.weight_group`): the trainer is its rank 0 and hosts its TCPStore at
     master_address:master_port; engine rank r becomes group rank `rank_offset + r`. `backend`
     None means nccl on GPU, gloo on CPU; `timeout_s` None is `DEFAULT_JOIN_TIMEOUT_S`. Returns
     the timeout in force (seconds); raises `ControlRefusedError` for bad arguments (nothing
@@ -319,7 +319,7 @@ def get_weights_by_name(engine: UpdateHost, name: str, truncate_size: int = 100)
     `get_weights_by_name`). Not for fp8 weights; for tests and checks, not speed."""
     from safetensors import safe_open
 
-    from rank_worker.loader import safetensors_files
+    from rank_worker.models.loader import safetensors_files
 
     # The full shape, from the checkpoint the engine started with (updates never change it).
     shape = None

@@ -30,10 +30,10 @@ behind the API key when one is set (the guard keys everything outside its open l
 runs on rank 0 between two steps (`control_ops`); a refusal leaves the engine unchanged and
 serving. `flagged_routes` names the flag behind each route, for the 404 of a server without it.
 
-Joining a trainer's group waits for the trainer (`rank_worker.weight_group`): the ranks join in
+Joining a trainer's group waits for the trainer (`rank_worker.control.weight_group`): the ranks join in
 the background and this route polls them between steps, so the engine serves meanwhile; a group
 that has not formed within `timeout` seconds (SGLang's request has no such field; default
-`rank_worker.weight_group.DEFAULT_JOIN_TIMEOUT_S`, which rank 0 names in its reply) is abandoned on every rank and answered 400 with the reason.
+`rank_worker.control.weight_group.DEFAULT_JOIN_TIMEOUT_S`, which rank 0 names in its reply) is abandoned on every rank and answered 400 with the reason.
 
 SGLang's pause modes map onto this engine's: "abort" is abort, "in_place" is keep, and
 "retract" (SGLang frees the running requests' KV and recomputes it later) is keep too: the

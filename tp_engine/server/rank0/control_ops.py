@@ -63,7 +63,7 @@ def _update_from_disk(engine: LLMEngine, args: dict[str, Any]) -> None:
 
 def _start_group(engine: LLMEngine, args: dict[str, Any]) -> dict[str, Any]:
     """Only starts the ranks' joins: the route polls `_group_state` between steps, so that the
-    loop never waits for a trainer (`rank_worker.weight_group`). The reply names the timeout in
+    loop never waits for a trainer (`rank_worker.control.weight_group`). The reply names the timeout in
     force (the ranks' default when none was asked), the route's deadline."""
     limit = weight_updates.start_weights_update_group(
         engine,

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N launch/serve.py ...   every rank runs `main`:
         rank 0      → `Rank0Server`: engine + API process + engine loop
-        rank 1..N-1 → `rank_worker.bringup.serve_as_worker` until rank 0 sends EXIT
+        rank 1..N-1 → `rank_worker.dist.bringup.serve_as_worker` until rank 0 sends EXIT
     python launch/serve.py [--tensor-parallel-size N]   this process is rank 0 (and starts
                                                         ranks 1..N-1 itself when N > 1)
     python launch/serve.py --data-parallel-size D ...   the launcher of D such runs (replicas)
@@ -15,7 +15,7 @@ them to or, if rank 0 dies, through their owner watchdog. The API process runs i
 session for the same reason and exits when rank 0 says so or disappears.
 
 A killed launcher: under torchrun every rank watches the agent that started it
-(`rank_worker.launcher_watch`), and rank 0 of a data-parallel replica watches the launcher of
+(`rank_worker.dist.launcher_watch`), and rank 0 of a data-parallel replica watches the launcher of
 the replicas in the same way. When it is gone, rank 0 ends the run as a dead engine does (no
 drain, no linger: in-flight requests fail, the API process and the workers are told to exit) and
 exits 1; if its main thread cannot get there within `RANK0_GRACE_S`, the watch thread stops the
@@ -40,9 +40,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rank_worker import bringup
-from rank_worker.launcher_watch import RANK0_GRACE_S, LauncherWatch
-from rank_worker.model_spec import ModelSpec
+from rank_worker.dist import bringup
+from rank_worker.dist.launcher_watch import RANK0_GRACE_S, LauncherWatch
+from rank_worker.models.model_spec import ModelSpec
 from shm_ipc.liveness import ParentWatch
 from tp_engine.config import EngineConfig
 from tp_engine.server.api.guards import exposure_warning
@@ -71,7 +71,7 @@ _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 
 def main(argv: list[str] | None = None) -> int:
-    launcher = bringup.torchrun_launcher()  # first: see rank_worker.bringup
+    launcher = bringup.torchrun_launcher()  # first: see rank_worker.dist.bringup
     # Watched only by a data-parallel replica (its parent is the launcher of the replicas).
     parent = ParentWatch() if launcher is None else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

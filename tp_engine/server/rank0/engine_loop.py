@@ -41,7 +41,6 @@ from tp_engine.core.engine_states import PauseMode
 from tp_engine.core.outputs import SequenceOutput
 from tp_engine.core.sequence import SequenceStatus
 from tp_engine.engine import EngineDeadError, LLMEngine
-from tp_engine.features.structured.grammar import parse_refusal
 from tp_engine.features.weights_and_sleep.sleep import WeightsNotLoadedError
 from tp_engine.pooling_params import PoolingParams
 from tp_engine.sampling_params import SamplingParams
@@ -60,6 +59,7 @@ from tp_engine.server.messages import (
     Exit,
     Rejected,
 )
+from tp_engine.server.rank0.constraint_parses import ConstraintParses
 from tp_engine.server.rank0.control_ops import run_op
 from tp_engine.server.rank0.watchdog import Watchdog
 from tp_engine.server.request_trace import for_process
@@ -68,6 +68,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle loop sleeps in poll: bounds how late a signal or a dead API is noticed.
 _IDLE_POLL_S = 0.05
+# ...and while constraints parse: how late a parsed request is added.
+_PARSE_POLL_S = 0.002
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -104,6 +106,9 @@ class EngineLoop:
         # once it compiles, rejected (400) if it fails or runs out of time.
         self._compiling: dict[str, str] = {}
         engine.compile_verdicts = {}
+        # Requests whose output constraints parse on a thread of their own (the API process
+        # cannot parse them): added to the engine, or refused, once parsed.
+        self._parses = ConstraintParses(engine.config.structured_outputs_timeout_s)
         self._deltas: list[Delta] = []
         self._last_stats: EngineStats | None = None
         self._stop_signal: int | None = None
@@ -146,7 +151,10 @@ class EngineLoop:
                 return self._die(self._end_reason, linger_s=0.0)
             busy = engine.has_work()
             self._watchdog.busy(busy)
-            if self.pipes.poll(0 if busy else _IDLE_POLL_S):
+            if self._parses:
+                self._take_parses()
+            idle_poll_s = _PARSE_POLL_S if self._parses else _IDLE_POLL_S
+            if self.pipes.poll(0 if busy else idle_poll_s):
                 try:
                     self._read_inbox()
                 except Exception as exc:  # a malformed frame or a bug: fail loudly, never hang
@@ -162,9 +170,9 @@ class EngineLoop:
             # Draining is done when nothing can run any more (every request finished, or the
             # rest held by a pause or sleep) or at the deadline; what is left is aborted.
             if self._drain_deadline is not None and (
-                not engine.has_work() or time.monotonic() > self._drain_deadline
+                not (engine.has_work() or self._parses) or time.monotonic() > self._drain_deadline
             ):
-                if engine.has_unfinished():
+                if engine.has_unfinished() or self._parses:
                     self._abort_everything()
                 self._flush()
                 return self._finish(EXIT_OK)
@@ -210,11 +218,22 @@ class EngineLoop:
                 Rejected(msg.request_id, 404, f"The model `{lora.lora_name}` does not exist.")
             )
             return
-        for param, fields in msg.constraint_checks.items():  # the API process cannot parse
-            why = parse_refusal(fields, param)
-            if why is not None:
-                self._rejected.append(Rejected(msg.request_id, 400, why, param))
-                return
+        if msg.constraint_checks:
+            self._parses.submit(msg)  # added by `_take_parses` once its constraints parse
+            return
+        self._admit(msg)
+
+    def _take_parses(self) -> None:
+        for verdict in self._parses.take():
+            if verdict.why is None:
+                self._admit(verdict.msg)
+            else:
+                self._rejected.append(
+                    Rejected(verdict.msg.request_id, 400, verdict.why, verdict.param)
+                )
+
+    def _admit(self, msg: AddRequest) -> None:
+        lora = msg.lora_request
         try:
             seq_ids = self.engine.add_request(
                 msg.request_id, msg.prompt_token_ids, _params(msg), lora_request=lora
@@ -237,6 +256,8 @@ class EngineLoop:
             self._accepted.append(msg.request_id)
 
     def _abort(self, msg: AbortRequest) -> None:
+        if self._parses.discard(msg.request_id):
+            return  # the client left while its constraint parsed: nothing was added
         samples = self._requests.get(msg.request_id, [])
         if samples and samples[0].seq_id in self._compiling:  # the client left while it compiled
             del self._compiling[samples[0].seq_id]
@@ -371,6 +392,8 @@ class EngineLoop:
 
     def _abort_everything(self, why: str = "the server is shutting down; retry elsewhere") -> None:
         logger.warning("%s: aborting %d sequences", why, len(self._live))
+        for request_id in self._parses.drop_all():  # never added
+            self._rejected.append(Rejected(request_id, 503, why))
         for request_id in self._compiling.values():  # never accepted
             self._rejected.append(Rejected(request_id, 503, why))
             for live in self._requests.pop(request_id, []):

@@ -11,8 +11,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 
 from tests.pooling_cases import (
@@ -137,7 +136,7 @@ def test_vllm_formatted_texts_on_the_routes(tokenizer):
 
     # The card's prompt is ~280 tokens of this test vocabulary: a longer context.
     engine = ScriptedEngine(
-        dataclasses.replace(hello("/m", ["classify", "score"]), max_model_len=1024)
+        msgspec.structs.replace(hello("/m", ["classify", "score"]), max_model_len=1024)
     )
     client = TestClient(
         build_app(engine, tokenizer, pair_tokens=rerank_token_ids), base_url="http://localhost"

@@ -12,6 +12,7 @@ into `torch.distributed`, so single-rank runs need no process group at all.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -39,8 +40,9 @@ class TPInfo:
 
     `local_rank` / `local_size`: its place among the ranks of this node (torchrun's LOCAL_RANK
     and LOCAL_WORLD_SIZE); local rank r runs on GPU `r % device_count` when CUDA is available,
-    also over gloo, where ranks may outnumber GPUs and share them. `init_process_group` decides
-    all of it once; everything downstream reads it from here.
+    also over gloo, where ranks may outnumber GPUs and share them. `nodes`: the node of every
+    rank, by rank, as the launcher numbers them (torchrun's GROUP_RANK; empty: one node).
+    `init_process_group` decides all of it once; everything downstream reads it from here.
     """
 
     rank: int
@@ -48,6 +50,7 @@ class TPInfo:
     local_rank: int = 0
     local_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    nodes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -57,6 +60,18 @@ class TPInfo:
     def is_first(self) -> bool:
         """Rank 0 schedules, gathers the logits and samples."""
         return self.rank == 0
+
+    def node_of(self, rank: int) -> int:
+        return self.nodes[rank] if self.nodes else 0
+
+    @property
+    def node(self) -> int:
+        return self.node_of(self.rank)
+
+    @property
+    def remote_ranks(self) -> tuple[int, ...]:
+        """The ranks on other nodes than rank 0's: the plan channel reaches them over TCP."""
+        return tuple(r for r in range(self.size) if self.node_of(r) != self.node_of(0))
 
     @property
     def is_single(self) -> bool:
@@ -71,6 +86,16 @@ class TPInfo:
             return 1
         count = torch.cuda.device_count()
         return sum(1 for r in range(self.local_size) if r % count == self.local_rank % count)
+
+
+ENV_NODE_RANK = "TP_ENGINE_NODE_RANK"
+
+
+def launcher_node_rank() -> int:
+    """This process's node as its launcher numbers it: torchrun's GROUP_RANK, else
+    `$TP_ENGINE_NODE_RANK` (set by `tp-engine serve --node-rank`), else 0. Never the hostname:
+    two "nodes" may share a host, and one host may carry several names."""
+    return int(os.environ.get("GROUP_RANK") or os.environ.get(ENV_NODE_RANK) or 0)
 
 
 def local_device(local_rank: int) -> torch.device:
@@ -96,7 +121,8 @@ def init_process_group(
     ready `store` (see `rank_worker.dist.local_group`) is given.
     `backend` None picks NCCL with a GPU per rank and gloo otherwise. LOCAL_RANK decides the
     rank's device (`TPInfo.device`), selected first under NCCL so that it binds each rank to its
-    own GPU. A world of one creates no group.
+    own GPU. Once joined, the ranks all-gather their nodes (`launcher_node_rank`) into
+    `TPInfo.nodes`. A world of one creates no group.
     """
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
@@ -129,7 +155,11 @@ def init_process_group(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    return tp
+    nodes = torch.tensor([launcher_node_rank()], dtype=torch.int64, device=_comm_device())
+    parts = [torch.empty_like(nodes) for _ in range(world_size)]
+    dist.all_gather(parts, nodes)
+    node_of = tuple(int(p.item()) for p in parts)
+    return dataclasses.replace(tp, nodes=node_of if len(set(node_of)) > 1 else ())
 
 
 def destroy_process_group() -> None:

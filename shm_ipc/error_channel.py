@@ -1,7 +1,9 @@
-"""The back channel, workers → rank 0: a hello at start-up, then exception reports.
+"""The back channel, workers → rank 0: a hello at start-up, then exception reports (and, from
+ranks on other nodes, an ack per message).
 
-Ownership: rank 0 binds one PULL socket in the run directory (`BackChannelReader`); every worker
-connects a PUSH socket to it (`BackChannelWriter`). PUSH queues rather than drops, so a hello or a
+Ownership: rank 0 binds one PULL socket in the run directory (`BackChannelReader`), and on TCP
+too when some ranks are on other nodes; every worker connects a PUSH socket to it
+(`BackChannelWriter`). PUSH queues rather than drops, so a hello or a
 report sent before the connection is up waits in the worker's queue instead of being lost, and
 closing the writer lingers briefly so that a report sent just before a worker exits still
 arrives. Messages are `shm_ipc.wire` records (typed msgpack maps, nothing is unpickled) tagged
@@ -10,6 +12,7 @@ by their class name under "kind":
     {"kind": "ReaderHello", "rank": int, "pid": int}
     {"kind": "WorkerErrorReport", "rank": int, "step_id": int | None, "type": str,
      "message": str, "traceback": str}
+    {"kind": "ReaderAck", "rank": int, "seq": int}     (remote ranks only: `shm_ipc.remote`)
 
 The hello registers the worker's pid, which rank 0 watches while it waits for acknowledgements,
 so a dead worker is noticed in a fraction of a second rather than at the end of a timeout.
@@ -59,7 +62,14 @@ class ReaderHello(wire.Message, frozen=True):
     pid: int
 
 
-BackMessage = WorkerErrorReport | ReaderHello
+class ReaderAck(wire.Message, frozen=True):
+    """A rank on another node holds message `seq` (the ring's ack, for a reader without it)."""
+
+    rank: int
+    seq: int
+
+
+BackMessage = WorkerErrorReport | ReaderHello | ReaderAck
 _DECODER = wire.decoder(BackMessage)
 
 
@@ -69,13 +79,18 @@ def decode_back_message(data: bytes) -> BackMessage:
 
 
 class BackChannelReader:
-    """Rank 0's end: a PULL socket bound at `path`, read without blocking."""
+    """Rank 0's end: a PULL socket bound at `path` (and on `tcp_url` too, when given: its
+    address is then `tcp_address`), read without blocking."""
 
-    def __init__(self, ctx: zmq.Context, path: str):
+    def __init__(self, ctx: zmq.Context, path: str, tcp_url: str | None = None):
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.tcp_address = ""
         try:
             self.socket.bind(f"ipc://{path}")
+            if tcp_url is not None:
+                self.socket.bind(tcp_url)
+                self.tcp_address = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         except BaseException:
             self.socket.close()
             raise
@@ -104,13 +119,14 @@ class BackChannelReader:
 
 
 class BackChannelWriter:
-    """A worker's end: a PUSH socket connected to rank 0's PULL socket."""
+    """A worker's end: a PUSH socket connected to rank 0's PULL socket at `endpoint`
+    (`ipc://...` on rank 0's node, `tcp://...` on the others)."""
 
-    def __init__(self, ctx: zmq.Context, path: str):
+    def __init__(self, ctx: zmq.Context, endpoint: str):
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, _WRITER_LINGER_MS)
         try:
-            self.socket.connect(f"ipc://{path}")
+            self.socket.connect(endpoint)
         except BaseException:
             self.socket.close(linger=0)
             raise

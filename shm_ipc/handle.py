@@ -21,11 +21,13 @@ from shm_ipc import wire
 from shm_ipc.paths import check_socket_path, private_dir
 from shm_ipc.ring import SHM_DIR
 
-HANDLE_VERSION = 1
+HANDLE_VERSION = 2
 
 
 class ChannelHandle(wire.Record, frozen=True):
-    """Everything a worker needs to join the channel. Readers are ranks 1..num_readers."""
+    """Everything a worker needs to join the channel. Readers are ranks 1..num_readers: those
+    on rank 0's node read the ring, the `remote_readers` get every message over TCP
+    (`shm_ipc.remote`)."""
 
     shm_name: str  # file name under /dev/shm of the ring region
     plan_socket: str  # path of rank 0's XPUB doorbell socket (ipc://)
@@ -35,6 +37,37 @@ class ChannelHandle(wire.Record, frozen=True):
     slot_bytes: int  # payload capacity of one ring slot
     num_slots: int
     num_readers: int
+    # Ranks on other nodes than rank 0's, and rank 0's TCP endpoints for them ("" without).
+    remote_readers: tuple[int, ...] = ()
+    remote_plan_address: str = ""
+    remote_back_address: str = ""
+    heartbeat_address: str = ""
+    # The node of every rank, by rank (empty: all on one node), for messages that name them.
+    nodes: tuple[int, ...] = ()
+
+    @property
+    def ring_readers(self) -> int:
+        """How many ranks read the ring: the readers on rank 0's node."""
+        return self.num_readers - len(self.remote_readers)
+
+    def is_remote(self, rank: int) -> bool:
+        return rank in self.remote_readers
+
+    def ring_index(self, rank: int) -> int:
+        """A local reader's ack byte in each ring slot: its place among the local readers."""
+        return rank - 1 - sum(1 for r in self.remote_readers if r < rank)
+
+    def ring_rank(self, index: int) -> int:
+        """The rank of the local reader at ring index `index` (`ring_index`'s inverse)."""
+        local = [r for r in range(1, self.num_readers + 1) if r not in self.remote_readers]
+        return local[index]
+
+    def node_of(self, rank: int) -> int:
+        return self.nodes[rank] if rank < len(self.nodes) else 0
+
+    def name(self, rank: int) -> str:
+        """ "rank 2", or "rank 2 (node 1)" when the run spans nodes."""
+        return f"rank {rank} (node {self.node_of(rank)})" if self.remote_readers else f"rank {rank}"
 
     @property
     def shm_path(self) -> str:

@@ -7,6 +7,11 @@ checksum verified on the copy: rank 0 gets the slot back without waiting for the
 the plan stays valid for as long as the caller keeps it, and a plan that is not exactly what
 rank 0 wrote cannot get through. The copy costs microseconds (plans are kilobytes to a few
 hundred kilobytes), against milliseconds for the forward pass it feeds.
+
+A rank on another node than rank 0 (`handle.is_remote`) has no ring: it gets each message whole
+over TCP (`remote.py`), acknowledges it on the back channel, and knows rank 0 alive by its
+heartbeats (`heartbeat.py`) rather than its pid. Everything after the bytes arrive (the seq,
+length and checksum checks, the decode) is the same code for both.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import zmq
 
 from shm_ipc.channel import DOORBELL, OWNER_CHECK_INTERVAL_S, DoorbellKind, term_context
 from shm_ipc.control_call import ControlCall, ControlDecodeError
-from shm_ipc.error_channel import BackChannelWriter, ReaderHello, WorkerErrorReport
+from shm_ipc.error_channel import BackChannelWriter, ReaderAck, ReaderHello, WorkerErrorReport
 from shm_ipc.errors import (
     ChannelClosed,
     ChannelError,
@@ -28,7 +33,9 @@ from shm_ipc.errors import (
     OwnerDiedError,
 )
 from shm_ipc.handle import ChannelHandle, remove_handle_names
+from shm_ipc.heartbeat import HeartbeatLink
 from shm_ipc.liveness import ProcessWatch
+from shm_ipc.remote import REMOTE_HEADER
 from shm_ipc.ring import ShmRing, Where
 from shm_ipc.step_plan import PlanDecodeError, StepPlan
 
@@ -46,6 +53,7 @@ class PlanReceiver:
             raise ValueError(f"reader rank must be in 1..{handle.num_readers}, got {rank}")
         self.handle = handle
         self.rank = rank
+        self.remote = handle.is_remote(rank)
         self._ring: ShmRing | None = None
         self._ctx: zmq.Context | None = None
         self._sub: zmq.Socket | None = None
@@ -53,6 +61,10 @@ class PlanReceiver:
         self._closed = False
         self._next_seq = 1
         self._last_step: int | None = None  # step of the last plan received, for errors
+        self._owner: ProcessWatch | HeartbeatLink
+        if self.remote:
+            self._connect_remote()
+            return
         self._owner = ProcessWatch(handle.owner_pid)
         if not self._owner.alive():
             self._owner_died()
@@ -60,7 +72,7 @@ class PlanReceiver:
             self._ring = ShmRing.attach(
                 handle.shm_name,
                 num_slots=handle.num_slots,
-                num_readers=handle.num_readers,
+                num_readers=handle.ring_readers,
                 slot_bytes=handle.slot_bytes,
                 owner_pid=handle.owner_pid,
             )
@@ -79,13 +91,34 @@ class PlanReceiver:
             self._sub.setsockopt(zmq.RCVHWM, 0)  # never drop; the ring bounds what is in flight
             self._sub.setsockopt(zmq.LINGER, 0)
             self._sub.connect(f"ipc://{handle.plan_socket}")
-            self._back = BackChannelWriter(self._ctx, handle.back_socket)
+            self._back = BackChannelWriter(self._ctx, f"ipc://{handle.back_socket}")
             # Sent after the ring is mapped and both sockets connect: once rank 0 has every
             # hello (and subscription) it removes the names these steps need.
             self._back.send(ReaderHello(rank=rank, pid=os.getpid()))
         except BaseException:
             self.close()
             raise
+
+    def _connect_remote(self) -> None:
+        """A rank on another node: TCP sockets and a heartbeat link to rank 0, no ring."""
+        handle = self.handle
+        try:
+            self._owner = HeartbeatLink(handle.heartbeat_address, self.rank)
+            self._ctx = zmq.Context()
+            self._sub = self._ctx.socket(zmq.SUB)
+            self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self._sub.setsockopt(zmq.RCVHWM, 0)  # never drop; acks bound what is in flight
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.connect(handle.remote_plan_address)
+            self._back = BackChannelWriter(self._ctx, handle.remote_back_address)
+            self._back.send(ReaderHello(rank=self.rank, pid=os.getpid()))
+        except BaseException:
+            self.close()
+            raise
+
+    def owner_alive(self) -> bool:
+        """Whether rank 0 is still there (safe to call from another thread)."""
+        return self._owner.alive()
 
     @property
     def last_step_id(self) -> int | None:
@@ -99,7 +132,7 @@ class PlanReceiver:
         `ChannelClosed` if rank 0 closed the channel, `CorruptMessageError` on a sequence,
         length or checksum mismatch, and `ChannelTimeout` only if `timeout_s` is given.
         """
-        ring = self._live_ring()
+        self._check_open()
         frames = self._wait_doorbell(timeout_s)
         if len(frames[0]) != DOORBELL.size:
             raise self._corrupt(f"a {len(frames[0])}-byte doorbell")
@@ -114,6 +147,31 @@ class PlanReceiver:
             raise self._corrupt(
                 f"doorbell kind {kind} for message {seq}, expected {self._next_seq}"
             )
+        if self._ring is None:
+            data, step, length, checksum = self._take_remote(seq, frames)
+            where = "over tcp"
+        else:
+            data, step, length, checksum = self._take_from_ring(self._ring, seq, frames)
+            where = f"(slot {self._ring.slot_of(seq)})"
+        self._next_seq = seq + 1
+        if len(data) != length or xxhash.xxh3_64_intdigest(data) != checksum:
+            raise self._corrupt(f"checksum mismatch in message {seq} {where}", step)
+        try:
+            if kind == DoorbellKind.CONTROL:
+                plan: StepPlan | ControlCall = ControlCall.decode(data)
+            else:
+                plan = StepPlan.decode(data)
+        except (PlanDecodeError, ControlDecodeError) as exc:
+            raise self._corrupt(f"payload does not decode: {exc}", step) from exc
+        if plan.step_id != step:
+            raise self._corrupt(f"payload is step {plan.step_id}, slot header says {step}", step)
+        self._last_step = step
+        return plan
+
+    def _take_from_ring(
+        self, ring: ShmRing, seq: int, frames: list[bytes]
+    ) -> tuple[bytes, int, int, int]:
+        """Message `seq`'s payload, step, length and checksum, from its slot (or its doorbell)."""
         slot = ring.slot_of(seq)
         header = ring.read_header(slot)
         step = header.step_id
@@ -131,21 +189,17 @@ class PlanReceiver:
                 f"{len(frames)}-frame doorbell",
                 step,
             )
-        ring.ack(slot, self.rank - 1)  # last touch of the slot: see ring.py, rule 4
-        self._next_seq = seq + 1
-        if len(data) != header.length or xxhash.xxh3_64_intdigest(data) != header.checksum:
-            raise self._corrupt(f"checksum mismatch in message {seq} (slot {slot})", step)
-        try:
-            if kind == DoorbellKind.CONTROL:
-                plan: StepPlan | ControlCall = ControlCall.decode(data)
-            else:
-                plan = StepPlan.decode(data)
-        except (PlanDecodeError, ControlDecodeError) as exc:
-            raise self._corrupt(f"payload does not decode: {exc}", step) from exc
-        if plan.step_id != step:
-            raise self._corrupt(f"payload is step {plan.step_id}, slot header says {step}", step)
-        self._last_step = step
-        return plan
+        ring.ack(slot, self.handle.ring_index(self.rank))  # last touch: ring.py, rule 4
+        return data, step, header.length, header.checksum
+
+    def _take_remote(self, seq: int, frames: list[bytes]) -> tuple[bytes, int, int, int]:
+        """Message `seq` as it came over TCP (`remote.py`), acknowledged to rank 0."""
+        if len(frames) != 3 or len(frames[1]) != REMOTE_HEADER.size:
+            raise self._corrupt(f"a remote message of {len(frames)} frames")
+        step, length, checksum = REMOTE_HEADER.unpack(frames[1])
+        assert self._back is not None
+        self._back.send(ReaderAck(rank=self.rank, seq=seq))
+        return frames[2], step, length, checksum
 
     def report_error(self, step_id: int | None, exc: BaseException) -> bool:
         """Send `exc` to rank 0 (type, message, traceback) without blocking; False if it could
@@ -184,11 +238,15 @@ class PlanReceiver:
                 )
 
     def _owner_died(self) -> None:
-        # Rank 0 can no longer clean up; if it died during start-up its names still exist.
-        remove_handle_names(self.handle)
+        if isinstance(self._owner, HeartbeatLink):
+            # Nothing of rank 0's is named on this node.
+            why = f"rank 0 (node {self.handle.node_of(0)}) is gone: {self._owner.why_gone()}"
+        else:
+            # Rank 0 can no longer clean up; if it died during start-up its names still exist.
+            remove_handle_names(self.handle)
+            why = f"rank 0 (pid {self.handle.owner_pid}) is gone"
         raise OwnerDiedError(
-            f"rank {self.rank}: rank 0 (pid {self.handle.owner_pid}) is gone; last step "
-            f"received: {self._last_step}",
+            f"rank {self.rank}: {why}; last step received: {self._last_step}",
             rank=0,
             step_id=self._last_step,
         )
@@ -204,10 +262,9 @@ class PlanReceiver:
             f"rank {self.rank}, {where}: {what}", rank=self.rank, step_id=step_id
         )
 
-    def _live_ring(self) -> ShmRing:
-        if self._closed or self._ring is None:
+    def _check_open(self) -> None:
+        if self._closed or self._sub is None:
             raise ChannelError(f"rank {self.rank}: the plan channel is closed", rank=self.rank)
-        return self._ring
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -224,6 +281,8 @@ class PlanReceiver:
             term_context(self._ctx, "plan receiver")
         if self._ring is not None:
             self._ring.close()
+        if isinstance(getattr(self, "_owner", None), HeartbeatLink):
+            self._owner.close()
 
     def __enter__(self) -> PlanReceiver:
         return self

@@ -66,6 +66,9 @@ class StandInExecutor:
     def diagnose_stall(self, step_id: int):
         return None
 
+    def check_ranks(self):
+        return None
+
     def shutdown(self, exit_step_id: int | None) -> None:
         self.closed_with.append(exit_step_id)
 

@@ -25,6 +25,9 @@ class FakeChannel:
     def dead_readers(self) -> list[int]:
         return self.dead
 
+    def describe(self, ranks: list[int]) -> str:
+        return " and ".join(f"rank {rank}" for rank in ranks)  # one node, as PlanBroadcaster
+
 
 def report(rank: int, message: str, type_: str = "RuntimeError") -> WorkerErrorReport:
     return WorkerErrorReport(rank=rank, step_id=8, type=type_, message=message, traceback="")

@@ -50,6 +50,8 @@ def strategy(tp: Any) -> st.SearchStrategy:
         return st.one_of(*(strategy(a) for a in args))
     if origin is list:
         return st.lists(strategy(args[0]), max_size=3)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return st.lists(strategy(args[0]), max_size=3).map(tuple)
     if origin is dict:
         return st.dictionaries(st.text(max_size=6), strategy(args[1]), max_size=3)
     if tp is type(None):

@@ -23,7 +23,7 @@ from rank_worker.dist.launcher_watch import LauncherWatch
 from rank_worker.tp import TPInfo, destroy_process_group
 from shm_ipc import OwnerDiedError, PlanReceiver
 from shm_ipc.errors import ChannelClosed
-from shm_ipc.liveness import ParentWatch, ProcessWatch
+from shm_ipc.liveness import ParentWatch
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,14 @@ def run_worker(
         raise ValueError("run_worker is for ranks 1..N-1; rank 0 runs the engine")
     boot = Bootstrap.receive(tp)
     receiver = PlanReceiver(boot.channel, tp.rank)
-    owner = ProcessWatch(boot.channel.owner_pid)
-    _start_owner_watchdog(boot.channel.owner_pid, tp.rank, on_owner_death)
+    if receiver.remote:
+        logger.info(
+            "rank %d (node %d): plans from rank 0 over %s",
+            tp.rank,
+            tp.node,
+            boot.channel.remote_plan_address,
+        )
+    _start_owner_watchdog(receiver, tp.rank, on_owner_death)
     step_id: int | None = None
     try:
         runner = ModelRunner(boot.model_dir, boot.runner_config, tp, tp.device)
@@ -68,7 +74,7 @@ def run_worker(
             if executor.dispatch(message) is Flow.EXIT:
                 return EXIT_OK
     except (OwnerDiedError, ChannelClosed) as exc:
-        logger.error("rank %d: %s", tp.rank, exc)
+        logger.error("%s", exc)  # the message names this rank
         return EXIT_OWNER_DIED
     except BaseException as exc:
         # Tell rank 0 what happened before the process group notices this rank is gone.
@@ -78,12 +84,12 @@ def run_worker(
     finally:
         receiver.close()
         # Whichever way this rank noticed (recv, or a collective that broke mid-step).
-        if on_owner_death is not None and not owner.alive():
+        if on_owner_death is not None and not receiver.owner_alive():
             on_owner_death()
 
 
 def _start_owner_watchdog(
-    owner_pid: int, rank: int, on_owner_death: Callable[[], None] | None
+    receiver: PlanReceiver, rank: int, on_owner_death: Callable[[], None] | None
 ) -> None:
     """Exit this process if rank 0 dies while this rank is blocked somewhere other than `recv`.
 
@@ -94,12 +100,11 @@ def _start_owner_watchdog(
     """
 
     def watch() -> None:
-        owner = ProcessWatch(owner_pid)
         dead_checks = 0
         while dead_checks < 2:
             time.sleep(1.0)
-            dead_checks = dead_checks + 1 if not owner.alive() else 0
-        logger.error("rank %d: rank 0 (pid %d) died; exiting", rank, owner_pid)
+            dead_checks = dead_checks + 1 if not receiver.owner_alive() else 0
+        logger.error("rank %d: rank 0 is gone; exiting", rank)
         if on_owner_death is not None:
             on_owner_death()
         os._exit(EXIT_OWNER_DIED)

@@ -92,8 +92,13 @@ class FailureGuard:
         silent = sorted(rank for rank in dead if rank not in reported)
         if silent:
             # Nothing tells which went first when several died without a word (a rank whose
-            # collective broke may abort in C++ too): every one of them is named.
-            names = " and ".join(f"rank {rank}" for rank in silent)
+            # collective broke may abort in C++ too): every one of them is named, with its
+            # node when the run spans nodes.
+            names = (
+                " and ".join(f"rank {rank}" for rank in silent)
+                if self.channel is None
+                else self.channel.describe(silent)
+            )
             return EngineDeadError(
                 f"{names} died during {self.what} without reporting an error "
                 "(killed, or out of memory?)",
@@ -114,6 +119,19 @@ def diagnose_stall(channel: PlanBroadcaster | None, step_id: int) -> EngineDeadE
         return None
     guard = FailureGuard(channel, f"step {step_id}")
     return guard._root_cause(channel.poll_errors(), channel.dead_readers())
+
+
+def check_ranks(channel: PlanBroadcaster | None) -> EngineDeadError | None:
+    """Between steps: the root cause among error reports and deaths since the last step, or
+    None when every worker is alive and silent. Cheap (pid and heartbeat clocks, a non-blocking
+    read of the back channel), so an idle engine loop can ask it a few times a second: a node
+    lost while nothing runs is otherwise noticed only by the next request's collective."""
+    if channel is None:
+        return None
+    dead, reports = channel.dead_readers(), channel.poll_errors()
+    if not dead and not reports:
+        return None
+    return FailureGuard(channel, "an idle wait")._root_cause(reports, dead)
 
 
 # Messages of a rank whose collective broke because a peer vanished: a consequence, not a cause.

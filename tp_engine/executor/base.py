@@ -69,6 +69,11 @@ class Executor(Protocol):
     def diagnose_stall(self, step_id: int) -> EngineDeadError | None:
         """For a watchdog while `execute` is stuck: what the ranks say about `step_id`."""
 
+    def check_ranks(self) -> EngineDeadError | None:
+        """Between steps, never blocking: a rank that died, reported an error or whose node
+        fell silent since the last step (an idle engine runs no collective that would
+        notice)."""
+
     def shutdown(self, exit_step_id: int | None) -> None:
         """Release the ranks: tell them to exit with `exit_step_id` (None: a rank failed, none
         is listening) and give back this process's device memory. Idempotent."""

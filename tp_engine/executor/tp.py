@@ -1,7 +1,8 @@
 """The tensor-parallel executor: rank 0's `ModelRunner` plus the plan ring to the other ranks.
 
 Ownership: built by the bring-up (`tp_engine.engine.LLMEngine`), which hands it to the core.
-It owns the plan channel (`shm_ipc.PlanBroadcaster`, one writer, `tp.size - 1` readers), rank
+It owns the plan channel (`shm_ipc.PlanBroadcaster`, one writer, `tp.size - 1` readers: the ring
+on rank 0's node, TCP to the ranks on others), rank
 0's runner (weights, KV cache, CUDA graphs) and the `StepExecutor` that runs plans and control
 calls on this rank. A plan or a call is published on the ring first and then run here: every
 rank runs the same messages in the same order, so their collectives meet.
@@ -27,7 +28,7 @@ from rank_worker.runner.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 from shm_ipc import ChannelError, ControlCall, PlanBroadcaster, StepPlan
-from tp_engine.common.failures import EngineDeadError, FailureGuard, diagnose_stall
+from tp_engine.common.failures import EngineDeadError, FailureGuard, check_ranks, diagnose_stall
 from tp_engine.common.step_timeline import StepTimeline, gpu_phase_or_null, phase_or_null
 from tp_engine.executor.base import StepResult
 
@@ -68,7 +69,10 @@ class TPExecutor:
         channel = None
         try:
             if tp.size > 1:
-                channel = PlanBroadcaster(num_readers=tp.size - 1)
+                # Ranks on other nodes get the plans over TCP (`shm_ipc.remote`).
+                channel = PlanBroadcaster(
+                    num_readers=tp.size - 1, remote_readers=tp.remote_ranks, nodes=tp.nodes
+                )
                 Bootstrap(str(model_dir), runner_config, channel.handle).send(tp)
                 channel.wait_for_readers()
             with FailureGuard(channel, "start-up"):
@@ -118,6 +122,9 @@ class TPExecutor:
 
     def diagnose_stall(self, step_id: int) -> EngineDeadError | None:
         return diagnose_stall(self.channel, step_id)
+
+    def check_ranks(self) -> EngineDeadError | None:
+        return check_ranks(self.channel)
 
     def shutdown(self, exit_step_id: int | None) -> None:
         try:

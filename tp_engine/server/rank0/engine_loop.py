@@ -68,6 +68,9 @@ logger = logging.getLogger(__name__)
 
 # How long an idle loop sleeps in poll: bounds how late a signal or a dead API is noticed.
 _IDLE_POLL_S = 0.05
+# How often an idle loop asks whether every rank is still there (`Executor.check_ranks`): a
+# rank or a node lost while no step runs would otherwise be found by the next request.
+_RANK_CHECK_S = 0.5
 # ...and while constraints parse: how late a parsed request is added.
 _PARSE_POLL_S = 0.002
 
@@ -120,6 +123,7 @@ class EngineLoop:
         # Per-request timestamps for the TTFT breakdown; None unless asked for (request_trace).
         self._trace = for_process("rank0")
         self._num_steps = 0
+        self._next_rank_check = 0.0
 
     def request_stop(self, signum: int) -> None:
         """From a signal handler: begin a graceful shutdown at the next iteration."""
@@ -184,6 +188,11 @@ class EngineLoop:
                 except Exception as exc:  # a bug on rank 0: fail every request, not just hang
                     logger.exception("engine step failed")
                     return self._die(f"rank 0 failed: {type(exc).__name__}: {exc}")
+            elif time.monotonic() >= self._next_rank_check:
+                self._next_rank_check = time.monotonic() + _RANK_CHECK_S
+                lost = engine.executor.check_ranks()
+                if lost is not None:
+                    return self._die(str(lost))
             self._flush()
             if self._pending_pauses and not engine.has_work():
                 self._answer_pauses()

@@ -33,6 +33,7 @@ from benchmarks.parallel_limits import (
     rank_memory,
     step_limit,
 )
+from benchmarks.results import git_commit, git_dirty
 
 # The fields of Qwen/Qwen3-235B-A22B's published config.json that the limit reads
 # (transformers 4.51.0; every layer sparse: decoder_sparse_step 1, no mlp_only_layers).
@@ -220,10 +221,12 @@ def format_tables(result: dict[str, Any]) -> str:
         "Memory per rank\n\n" + _md(
             ["layout", "stage", "layers", "weights GB", "KV B/token", "KV heads",
              "KV room GB", "max KV tokens", "fits"], mem),
-        f"Decode step, every sequence at {result['context_len']} tokens (step = TPOT)\n\n" + _md(
+        f"Decode step, every sequence at {result['context_len']} tokens (step = TPOT; "
+        "compute, memory and comm: one micro-batch's path through the stages)\n\n" + _md(
             ["layout", "batch", "micro-batches", "KV fits", "step ms", "tok/s", "compute ms",
              "memory ms", "comm ms", "comm share", "idle"], dec),
-        f"Prefill of one {result['prompt_len']}-token prompt\n\n" + _md(
+        f"Prefill of one {result['prompt_len']}-token prompt (compute, memory, comm: one "
+        "chunk's path)\n\n" + _md(
             ["layout", "chunks", "time ms", "compute ms", "memory ms", "comm ms",
              "comm share", "idle"], pre),
         "Sensitivity: decode step ms (PP: P micro-batches in flight) and whole prefill ms\n\n"
@@ -300,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     result["command"] = "python -m benchmarks.multi_node_limits " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
+    result["commit"], result["worktree_dirty"] = git_commit(), git_dirty()
     print(format_tables(result))
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,9 @@ layers; the others keep a dense MLP of I):
   all E in large batches. Real routing is not uniform; skewed routing reads fewer experts,
   so this is the bound for a balanced router. With expert or tensor parallelism the ranks
   share those bytes (assumed evenly).
+
+Per rank and per pipeline stage, with the links between GPUs (replicated KV heads, stages,
+collectives, bubbles): `benchmarks.parallel_limits`.
 """
 
 from __future__ import annotations

@@ -530,6 +530,49 @@ def test_metrics_use_vllms_names(server):
     assert server.metric("vllm:request_success_total") >= 2
 
 
+def test_vllms_grafana_dashboard_reads_only_served_series(server):
+    """Every series and label vLLM's own dashboard queries (`tests/test_grafana_dashboard.py`)
+    is on our /metrics, and the request-phase histograms hold this test's requests: one
+    prompt with n = 2 (5 tokens each) and one with n = 1 (3 tokens), all cut by max_tokens."""
+    from tests import dashboard_queries
+    from tests.test_grafana_dashboard import DASHBOARD
+
+    def scrape():
+        status, data = server.get("/metrics")
+        assert status == 200
+        return data.decode()
+
+    before = scrape()
+    complete(server, prompt=PROMPTS[1], max_tokens=5, n=2)
+    complete(server, prompt=PROMPTS[2], max_tokens=3)
+    after = scrape()
+    refs = dashboard_queries.references(dashboard_queries.load(DASHBOARD))
+    assert dashboard_queries.missing(refs, after, {"model_name": MODEL}) == []
+
+    def grew(name):
+        return dashboard_queries.total(after, name, model_name=MODEL) - dashboard_queries.total(
+            before, name, model_name=MODEL
+        )
+
+    finished = 3  # sequences: two samples, one request
+    assert grew("vllm:request_success_total") == finished
+    for phase in ("prefill", "decode", "inference"):
+        assert grew(f"vllm:request_{phase}_time_seconds_count") == finished, phase
+    prefill = grew("vllm:request_prefill_time_seconds_sum")
+    decode = grew("vllm:request_decode_time_seconds_sum")
+    # Prefill starts at rank 0's first scheduling, after the request reached the API process,
+    # and ends with the first token, as TTFT does; inference is prefill and decode.
+    assert 0 < prefill <= grew("vllm:time_to_first_token_seconds_sum")
+    assert decode > 0  # 4 and 2 decode tokens after each first token
+    assert grew("vllm:request_inference_time_seconds_sum") == pytest.approx(prefill + decode)
+    # One observation per prompt, its longest sample: 5 (of two samples) and 3.
+    assert grew("vllm:request_max_num_generation_tokens_count") == 2
+    assert grew("vllm:request_max_num_generation_tokens_sum") == 5 + 3
+    assert grew("vllm:request_generation_tokens_sum") == 5 + 5 + 3
+    assert dashboard_queries.total(after, "vllm:num_requests_swapped") == 0
+    assert dashboard_queries.total(after, "vllm:cpu_cache_usage_perc") == 0  # no host KV tier
+
+
 def test_tokenize_and_detokenize(server, llm):
     status, resp = server.post("/tokenize", {"prompt": PROMPTS[0]}, AUTH)
     assert status == 200 and resp["tokens"] == llm.tokenizer(PROMPTS[0])["input_ids"]

@@ -49,6 +49,9 @@ class SequenceOutput:
     # hidden]` for an embedding, `[num_labels]` probabilities (a reranker: `[1]`), float32 on
     # the host. None for generation and for an aborted pooling request.
     pooled: torch.Tensor | None = None
+    # On the first output only: the time.monotonic() of its first scheduling (one clock for
+    # every process of the machine), where vLLM's prefill and inference times start.
+    scheduled_at: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -358,6 +358,7 @@ class StepPipeline:
             num_cached_tokens=seq.num_cached_tokens if first else None,
             queue_time_s=seq.queue_time_s if first else None,
             pooled=seq.pooled,
+            scheduled_at=seq.scheduled_at if first else None,
         )
 
 

@@ -154,8 +154,11 @@ class Sequence:
         # its request's samples this is (`CompletionOutput.index`).
         self.group_id = seq_id
         self.sample_index = 0
-        # Seconds from arrival to its first admission; whether the engine has reported on it.
+        # Seconds from arrival to its first admission, and that admission's time.monotonic()
+        # (vLLM's first SCHEDULED event: a preemption moves neither); whether the engine has
+        # reported on it.
         self.queue_time_s: float | None = None
+        self.scheduled_at: float | None = None
         self.reported = False
         # Output tokens already in an output (a speculative step can add several at once).
         self.num_reported_tokens = 0

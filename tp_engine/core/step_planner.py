@@ -213,8 +213,9 @@ class StepPlanner:
             if takes_rows and rows_left is not None:
                 rows_left -= num_tokens
             self.queue.take(seq)
-            if seq.queue_time_s is None:
-                seq.queue_time_s = max(0.0, time.monotonic() - seq.arrival_time)
+            if seq.scheduled_at is None:
+                seq.scheduled_at = time.monotonic()
+                seq.queue_time_s = max(0.0, seq.scheduled_at - seq.arrival_time)
             self.batch.add(seq)
             self.batch.sync_blocks(seq)
             if bm.loading(seq):

@@ -201,6 +201,10 @@ class Delta(wire.Record, frozen=True, omit_defaults=True):
     # A pooling request's result, in its final Delta: little-endian float32 bytes (an
     # embedding, or one score per label), as compact as msgpack carries bytes.
     pooled: bytes | None = None
+    # time.monotonic() on rank 0 of the first step that scheduled it (CLOCK_MONOTONIC, the
+    # API process's clock too); first Delta only. /metrics' prefill and inference times start
+    # here.
+    scheduled_at: float | None = None
 
 
 class EngineOutputs(wire.Message, frozen=True):

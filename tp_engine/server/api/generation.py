@@ -26,6 +26,7 @@ from tp_engine.sampling_params import SamplingParams
 from tp_engine.server.api.engine_client import ACCEPTED, EngineClient, EngineDied
 from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.api.logprob_format import Entry, cut_top
+from tp_engine.server.api.metrics import RequestTimes
 from tp_engine.server.messages import Delta, Rejected, TokenLogprobs
 
 
@@ -49,6 +50,8 @@ class Choice:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     queue_time_s: float | None = None
+    # time.monotonic() of its first scheduling on rank 0, and of its first and last tokens here.
+    scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     # Per output token, when logprobs were asked for: token ids, logprobs, rank (the sampled
@@ -201,6 +204,8 @@ class Generation:
             choice.num_cached_tokens = delta.num_cached_tokens
         if delta.queue_time_s is not None:
             choice.queue_time_s = delta.queue_time_s
+        if delta.scheduled_at is not None:
+            choice.scheduled_at = delta.scheduled_at
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[choice.prompt_index] = delta.prompt_logprobs
         engine_done = delta.finish_reason is not None
@@ -253,18 +258,18 @@ class Generation:
         choice.last_token_at = now
 
     def _record_finish(self, choice: Choice, now: float) -> None:
-        num_generated = len(choice.detok.token_ids)
-        decode_s = None
-        if choice.first_token_at is not None and choice.last_token_at is not None:
-            decode_s = choice.last_token_at - choice.first_token_at
-        self.client.metrics.request_finished(
+        metrics = self.client.metrics
+        metrics.request_finished(
             choice.finish_reason or "abort",
             num_prompt_tokens=len(self.prompts[choice.prompt_index].token_ids),
-            num_generated_tokens=num_generated,
+            num_generated_tokens=len(choice.detok.token_ids),
             e2e_s=now - self.arrival,
-            decode_s=decode_s,
             queue_time_s=choice.queue_time_s,
+            times=RequestTimes(choice.scheduled_at, choice.first_token_at, choice.last_token_at),
         )
+        samples = self._choices_of(self.engine_ids[choice.prompt_index])
+        if all(c.finished for c in samples):
+            metrics.samples_finished([len(c.detok.token_ids) for c in samples])
 
     # -- totals ------------------------------------------------------------------------------------
 

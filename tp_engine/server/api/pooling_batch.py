@@ -19,6 +19,7 @@ import numpy as np
 
 from tp_engine.server.api.engine_client import ACCEPTED, EngineClient, EngineDied
 from tp_engine.server.api.http_errors import APIError
+from tp_engine.server.api.metrics import RequestTimes
 from tp_engine.server.messages import Delta, Rejected
 
 # Little-endian float32: the byte order of `Delta.pooled`, whatever the machines' order.
@@ -81,9 +82,10 @@ class PoolingBatch:
             num_prompt_tokens=num_prompt_tokens,
             num_generated_tokens=0,
             e2e_s=time.monotonic() - self.arrival,
-            decode_s=None,
             queue_time_s=delta.queue_time_s,
+            times=RequestTimes(scheduled_at=delta.scheduled_at),
         )
+        metrics.samples_finished([0])
 
     def close(self) -> None:
         """Abort every prompt that has no result yet. Synchronous: safe in a cancelled

@@ -474,6 +474,7 @@ def _delta(request_id: str, out: SequenceOutput) -> Delta:
         stop_reason=out.stop_reason if isinstance(out.stop_reason, int) else None,
         num_cached_tokens=out.num_cached_tokens,
         queue_time_s=out.queue_time_s,
+        scheduled_at=out.scheduled_at,
         logprobs=out.new_logprobs,
         prompt_logprobs=out.prompt_logprobs,
         pooled=None if out.pooled is None else np.asarray(out.pooled, dtype="<f4").tobytes(),

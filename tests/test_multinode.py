@@ -1,0 +1,156 @@
+"""Tensor parallelism across two "nodes" (`tests/multinode_harness.py`: torchrun on each, node
+1 in its own namespaces): `torchrun --nnodes 2 --nproc-per-node 2 launch/serve.py` serves greedy
+completions equal to transformers at TP 4 over 2 x 2 ranks, with prefix hits, chunked prefill
+and preemption; and the faults end cleanly: node 1 lost → node 0's server ends naming its ranks
+and node; node 0 lost → node 1's ranks exit. The plan path is checked from the logs: node 1's
+ranks get plans over TCP, node 0's rank 1 from the ring.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shm_ipc.liveness import ProcessWatch
+from tests.multinode_harness import (
+    free_port,
+    node_env,
+    start_node0,
+    start_node1,
+    unshare_available,
+)
+from tests.server_harness import Server, shm_entries
+from tests.tp_cases import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+# Two KV heads over four ranks: each KV head is replicated on two ranks (node 0 holds one head
+# on both of its ranks, node 1 the other).
+SHAPE = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+             intermediate_size=64, seed=7, max_position_embeddings=256)  # fmt: skip
+MAX_TOKENS = 12
+# Small KV pool and step budget: six prompts of 20-40 tokens over 18 blocks of 8 preempt, and
+# every prompt is prefilled in chunks of at most 16 tokens.
+SERVE_ARGS = ["--tensor-parallel-size", "4", "--block-size", "8", "--num-kv-blocks", "18",
+              "--max-num-batched-tokens", "16", "--max-num-seqs", "6",
+              "--enable-prefix-caching", "--served-model-name", "mn"]  # fmt: skip
+NODE_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    why_not = unshare_available()
+    if why_not is not None:
+        pytest.fail(f"the multi-node tests need namespaces (run as root): {why_not}")
+    from tp_engine.testing import build_random_qwen3
+
+    return build_random_qwen3(tmp_path_factory.mktemp("mn") / "ckpt", **SHAPE)
+
+
+def start_cluster(checkpoint: Path, logs: Path) -> tuple[Server, Server]:
+    port = free_port()
+    env = node_env(TP_ENGINE_NODE_TIMEOUT_S=str(NODE_TIMEOUT_S))
+    args = ["--model", str(checkpoint), *SERVE_ARGS]
+    node1 = start_node1(args, port, checkpoint, logs / "node1.log", env)
+    node0 = start_node0(args, port, logs / "node0.log", env)
+    try:
+        node0.wait_ready()
+    except BaseException:
+        node0.stop()
+        node1.stop()
+        raise
+    # Node 1's processes, watched by their host pids (its own pid namespace numbers them anew).
+    node1.watches = [ProcessWatch(pid) for pid in node1.descendants()]
+    return node0, node1
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint, tmp_path_factory) -> Iterator[tuple[Server, Server]]:
+    node0, node1 = start_cluster(checkpoint, tmp_path_factory.mktemp("logs"))
+    yield node0, node1
+    node0.stop()
+    node1.stop()
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 600) for _ in range(16)]  # two full blocks shared by all
+    return [shared + [rng.randrange(3, 600) for _ in range(rng.randrange(4, 24))]
+            for _ in range(6)]  # fmt: skip
+
+
+def complete(server: Server, batch: list[list[int]]) -> dict:
+    body = {"model": "mn", "prompt": batch, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    status, resp = server.post("/v1/completions", body)
+    assert status == 200, resp
+    return resp
+
+
+def test_tp4_across_two_nodes_equals_transformers_with_prefix_hits_chunks_and_preemption(
+    cluster, checkpoint
+):
+    node0, node1 = cluster
+    batch = prompts(seed=1)
+    expected = hf_greedy(checkpoint, batch, MAX_TOKENS)
+    preempted_before = node0.metric("vllm:num_preemptions_total")
+    first = complete(node0, batch)
+    assert [c["token_ids"] for c in first["choices"]] == expected
+    assert node0.metric("vllm:num_preemptions_total") > preempted_before
+    again = complete(node0, batch)  # the shared prefix and whole prompts are cached now
+    assert [c["token_ids"] for c in again["choices"]] == expected
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # The path the plans took: node 1's ranks over TCP, node 0's rank 1 from the ring.
+    log0, log1 = node0.log(), node1.log()
+    assert "node 1 ready: ranks [2, 3] get plans over tcp://" in log0
+    for rank in (2, 3):
+        assert f"rank {rank} (node 1): plans from rank 0 over tcp://" in log1
+    assert "rank 1 (node" not in log0 + log1  # rank 1 shares rank 0's node: the ring
+    # Only node 0 serves HTTP.
+    assert "Uvicorn running" in log0 and "Uvicorn running" not in log1
+    assert log1.count("Traceback") == 0
+
+
+def test_node1_lost_ends_node0_naming_its_ranks_and_node(checkpoint, tmp_path):
+    node0, node1 = start_cluster(checkpoint, tmp_path)
+    try:
+        assert complete(node0, prompts(seed=2)[:1])["choices"][0]["finish_reason"] == "length"
+        run_pids = node0.run_pids()
+        lost_at = time.monotonic()
+        os.kill(node1.proc.pid, signal.SIGKILL)  # unshare --kill-child: the whole node goes
+        code = node0.proc.wait(timeout=60)
+        took = time.monotonic() - lost_at
+        assert code != 0
+        log = node0.log()
+        assert "ranks 2 and 3 (node 1) died during an idle wait" in log, node0.log_tail()
+        assert took < 30, f"node 0 took {took:.1f} s to end"
+        assert node0.alive_pids() == set(), "a node 0 process outlived the run"
+        assert shm_entries(run_pids) == set()
+        assert node1.proc.wait(timeout=30) != 0 and node1.alive_pids() == set()
+    finally:
+        node0.stop()
+        node1.stop()
+
+
+def test_node0_lost_makes_node1_ranks_exit(checkpoint, tmp_path):
+    node0, node1 = start_cluster(checkpoint, tmp_path)
+    try:
+        assert complete(node0, prompts(seed=3)[:1])["choices"][0]["finish_reason"] == "length"
+        for pid in node0.descendants() | {node0.proc.pid}:
+            os.kill(pid, signal.SIGKILL)  # node 0, every process of it at once
+        lost_at = time.monotonic()
+        code = node1.proc.wait(timeout=60)
+        took = time.monotonic() - lost_at
+        assert code != 0
+        assert took < 30, f"node 1 took {took:.1f} s to exit"
+        assert "rank 0 (node 0) is gone" in node1.log(), node1.log_tail()
+        assert len(node1.watches) >= 3 and node1.alive_pids() == set()
+    finally:
+        node0.stop()
+        node1.stop()

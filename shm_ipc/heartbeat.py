@@ -151,7 +151,7 @@ class HeartbeatHub:
                 self._closed_by_peer.add(rank)
             sel.unregister(sock)
             sock.close()
-            logger.warning("rank %d: its heartbeat connection closed", rank)
+            logger.info("rank %d: its heartbeat connection closed", rank)
             return
         with self._lock:
             self._seen[rank] = time.monotonic()

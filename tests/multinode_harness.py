@@ -43,12 +43,41 @@ def unshare_available() -> str | None:
     return None if done.returncode == 0 else f"unshare refused: {done.stderr.strip()}"
 
 
-def torchrun(node_rank: int, nproc: int, master_port: int) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
-        "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-        "--master-port", str(master_port),
-    ]  # fmt: skip
+DOC = REPO_ROOT / "docs" / "multi-node.md"
+DOC_SECTION = "Try it on one machine"
+# Node 1's namespaces and private mounts, as the page writes them.
+UNSHARE = ["unshare", "--mount", "--ipc", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
+           "bash", "-c"]  # fmt: skip
+MOUNTS = ["mount -t tmpfs tmpfs /dev/shm", "mount -t tmpfs tmpfs /tmp"]
+
+
+def documented_commands() -> dict[str, tuple[list[str], list[str]]]:
+    """docs/multi-node.md's "Try it on one machine" commands, node 0's and node 1's, for each
+    launch form ("torchrun", "tp-engine"); node 1's torchrun command taken from inside its
+    `unshare` line, which must be the harness's own namespaces and mounts."""
+    from tests.test_readme_commands import page_blocks
+
+    blocks = [b for b in page_blocks(DOC) if b.section == DOC_SECTION and b.lang == "bash"]
+    assert len(blocks) == 3, f"{DOC.name}: expected 3 bash blocks under {DOC_SECTION!r}"
+    (node0,), (wrapped,), (tpe0, tpe1) = (b.commands for b in blocks)
+    words = shlex.split(wrapped)
+    assert words[:-1] == UNSHARE, f"node 1's namespaces differ from the harness's: {words}"
+    *mounts, node1 = words[-1].split(" && ")
+    assert mounts == MOUNTS and node1.startswith("exec "), words[-1]
+    return {
+        "torchrun": (shlex.split(node0), shlex.split(node1[len("exec ") :])),
+        "tp-engine": (shlex.split(tpe0), shlex.split(tpe1)),
+    }
+
+
+def runnable(argv: list[str], master_port: int, extra: list[str]) -> list[str]:
+    """A documented command as this test runs it: this interpreter's torchrun or tp-engine, a
+    free rendezvous port, and the test's own flags (checkpoint, port 0, ...) appended."""
+    head = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
+            "tp-engine": [sys.executable, "-m", "tp_engine.cli"]}[argv[0]]  # fmt: skip
+    rest = list(argv[1:])
+    rest[rest.index("--master-port") + 1] = str(master_port)
+    return [*head, *rest, *extra]
 
 
 def node_env(**extra: str) -> dict[str, str]:
@@ -57,29 +86,22 @@ def node_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_node0(serve_args: list[str], master_port: int, log: Path, env: dict) -> Server:
-    """Node 0: rank 0 (the engine and the HTTP server) and rank 1; not yet waited for."""
-    cmd = [*torchrun(0, 2, master_port), "launch/serve.py", "--port", "0", *serve_args]
+def start_node0(cmd: list[str], log: Path, env: dict) -> Server:
+    """Node 0: rank 0 (the engine and the HTTP server) and its node's ranks; not waited for."""
     return Server(cmd, env, log)
 
 
-def start_node1(
-    serve_args: list[str], master_port: int, checkpoint: Path, log: Path, env: dict
-) -> Server:
-    """Node 1, ranks 2 and 3, in its own namespaces (module docstring)."""
-    run = [*torchrun(1, 2, master_port), str(REPO_ROOT / "launch/serve.py"), "--port", "0",
-           *serve_args]  # fmt: skip
+def start_node1(cmd: list[str], checkpoint: Path, log: Path, env: dict) -> Server:
+    """Node 1 in its own namespaces (module docstring), the checkpoint copied into its /tmp."""
     script = " && ".join(
         [
-            "mount -t tmpfs tmpfs /dev/shm",
+            *MOUNTS[:1],
             f"cd {shlex.quote(str(checkpoint.parent))}",  # a handle on it once /tmp is covered
-            "mount -t tmpfs tmpfs /tmp",
+            *MOUNTS[1:],
             f"mkdir -p {shlex.quote(str(checkpoint))}",
             f"cp -a ./{shlex.quote(checkpoint.name)}/. {shlex.quote(str(checkpoint))}/",
             f"cd {shlex.quote(str(REPO_ROOT))}",
-            "exec " + shlex.join(run),
+            "exec " + shlex.join(cmd),
         ]
     )
-    cmd = ["unshare", "--mount", "--ipc", "--pid", "--fork", "--kill-child", "--mount-proc",
-           "--", "bash", "-c", script]  # fmt: skip
-    return Server(cmd, env, log)
+    return Server([*UNSHARE, script], env, log)

@@ -1,9 +1,10 @@
-"""Tensor parallelism across two "nodes" (`tests/multinode_harness.py`: torchrun on each, node
-1 in its own namespaces): `torchrun --nnodes 2 --nproc-per-node 2 launch/serve.py` serves greedy
-completions equal to transformers at TP 4 over 2 x 2 ranks, with prefix hits, chunked prefill
-and preemption; and the faults end cleanly: node 1 lost → node 0's server ends naming its ranks
-and node; node 0 lost → node 1's ranks exit. The plan path is checked from the logs: node 1's
-ranks get plans over TCP, node 0's rank 1 from the ring.
+"""Tensor parallelism across two "nodes" (`tests/multinode_harness.py`: node 1 in its own
+namespaces), launched with docs/multi-node.md's own commands: both forms (torchrun on each node,
+and `tp-engine serve --nnodes --node-rank`) serve greedy completions equal to transformers at TP
+4 over 2 x 2 ranks, dense with prefix hits, chunked prefill and preemption, and MoE; the faults
+end cleanly: node 1 lost → node 0's server ends naming its ranks and node; node 0 lost → node
+1's ranks exit; node 1 never there → node 0's start-up fails naming it. The plan path is checked
+from the logs: node 1's ranks get plans over TCP, node 0's rank 1 from the ring.
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ from pathlib import Path
 import pytest
 
 from shm_ipc.liveness import ProcessWatch
+from tests.moe_cases import MIN_ROUTER_MARGIN, MOE_CHECKPOINTS, load_hf_moe, router_margins
+from tests.moe_cases import hf_greedy as moe_greedy
 from tests.multinode_harness import (
+    documented_commands,
     free_port,
     node_env,
+    runnable,
     start_node0,
     start_node1,
     unshare_available,
@@ -37,7 +42,7 @@ SHAPE = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim
 MAX_TOKENS = 12
 # Small KV pool and step budget: six prompts of 20-40 tokens over 18 blocks of 8 preempt, and
 # every prompt is prefilled in chunks of at most 16 tokens.
-SERVE_ARGS = ["--tensor-parallel-size", "4", "--block-size", "8", "--num-kv-blocks", "18",
+SERVE_ARGS = ["--port", "0", "--block-size", "8", "--num-kv-blocks", "18",
               "--max-num-batched-tokens", "16", "--max-num-seqs", "6",
               "--enable-prefix-caching", "--served-model-name", "mn"]  # fmt: skip
 NODE_TIMEOUT_S = 3.0
@@ -53,12 +58,22 @@ def checkpoint(tmp_path_factory) -> Path:
     return build_random_qwen3(tmp_path_factory.mktemp("mn") / "ckpt", **SHAPE)
 
 
-def start_cluster(checkpoint: Path, logs: Path) -> tuple[Server, Server]:
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> Path:
+    from tp_engine.testing import build_random_qwen3_moe
+
+    shape = dict(MOE_CHECKPOINTS["moe_e6k2"], max_position_embeddings=256)
+    return build_random_qwen3_moe(tmp_path_factory.mktemp("mn-moe") / "ckpt", **shape)
+
+
+def start_cluster(checkpoint: Path, logs: Path, form: str = "torchrun") -> tuple[Server, Server]:
+    """docs/multi-node.md's two commands of `form`, on `checkpoint`, node 1 namespaced."""
     port = free_port()
     env = node_env(TP_ENGINE_NODE_TIMEOUT_S=str(NODE_TIMEOUT_S))
-    args = ["--model", str(checkpoint), *SERVE_ARGS]
-    node1 = start_node1(args, port, checkpoint, logs / "node1.log", env)
-    node0 = start_node0(args, port, logs / "node0.log", env)
+    extra = ["--model", str(checkpoint), *SERVE_ARGS]
+    doc0, doc1 = documented_commands()[form]
+    node1 = start_node1(runnable(doc1, port, extra), checkpoint, logs / "node1.log", env)
+    node0 = start_node0(runnable(doc0, port, extra), logs / "node0.log", env)
     try:
         node0.wait_ready()
     except BaseException:
@@ -117,18 +132,35 @@ def test_tp4_across_two_nodes_equals_transformers_with_prefix_hits_chunks_and_pr
     assert log1.count("Traceback") == 0
 
 
-def test_node1_lost_ends_node0_naming_its_ranks_and_node(checkpoint, tmp_path):
-    node0, node1 = start_cluster(checkpoint, tmp_path)
+def test_moe_with_tp_engine_serve_then_node1_lost_ends_node0_naming_its_ranks(
+    moe_checkpoint, tmp_path
+):
+    batch = prompts(seed=2)[:3]
+    model = load_hf_moe(moe_checkpoint)
+    expected = moe_greedy(model, batch, MAX_TOKENS)
+    assert router_margins(model, [p + e for p, e in zip(batch, expected, strict=True)]) > (
+        MIN_ROUTER_MARGIN
+    )  # no near-tie between experts that float reordering could flip
+    node0, node1 = start_cluster(moe_checkpoint, tmp_path, form="tp-engine")
     try:
-        assert complete(node0, prompts(seed=2)[:1])["choices"][0]["finish_reason"] == "length"
+        assert [c["token_ids"] for c in complete(node0, batch)["choices"]] == expected
+        assert "Uvicorn running" not in node1.log()  # headless
         run_pids = node0.run_pids()
         lost_at = time.monotonic()
         os.kill(node1.proc.pid, signal.SIGKILL)  # unshare --kill-child: the whole node goes
+        lost = "ranks 2 and 3 (node 1) died during an idle wait"
+        deadline = time.monotonic() + 30
+        while node0.proc.poll() is None and time.monotonic() < deadline:
+            status, body = node0.get("/health")
+            if status == 503:  # the engine is dead; the server lingers a moment, saying why
+                assert lost in body.decode(), body
+                break
+            time.sleep(0.1)
         code = node0.proc.wait(timeout=60)
         took = time.monotonic() - lost_at
         assert code != 0
         log = node0.log()
-        assert "ranks 2 and 3 (node 1) died during an idle wait" in log, node0.log_tail()
+        assert lost in log, node0.log_tail()
         assert took < 30, f"node 0 took {took:.1f} s to end"
         assert node0.alive_pids() == set(), "a node 0 process outlived the run"
         assert shm_entries(run_pids) == set()
@@ -154,3 +186,29 @@ def test_node0_lost_makes_node1_ranks_exit(checkpoint, tmp_path):
     finally:
         node0.stop()
         node1.stop()
+
+
+def test_a_node_that_never_joins_fails_node0_start_up_naming_it(checkpoint, tmp_path):
+    doc0, _ = documented_commands()["tp-engine"]
+    extra = ["--model", str(checkpoint), *SERVE_ARGS, "--node-join-timeout", "2"]
+    port = free_port()
+    node0 = start_node0(runnable(doc0, port, extra), tmp_path / "node0.log", node_env())
+    try:
+        assert node0.proc.wait(timeout=120) != 0
+        assert "node 1 (ranks [2, 3]) did not join within 2 s" in node0.log(), node0.log_tail()
+        assert ranks_meeting_at(port) == [], "node 0's spawned rank outlived its start-up"
+    finally:
+        node0.stop()
+
+
+def ranks_meeting_at(port: int) -> list[int]:
+    """Pids of the processes whose rendezvous is 127.0.0.1:`port` (spawned ranks carry it)."""
+    marker = f"TP_ENGINE_STORE=tcp://127.0.0.1:{port}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker in Path(f"/proc/{entry}/environ").read_bytes():
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found

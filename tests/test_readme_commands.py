@@ -57,6 +57,11 @@ REASONS = [
         "a benchmark: minutes of CPU (tests/test_bench.py runs small ones)",
     ),
     (
+        re.compile(r"--nnodes"),
+        "one of several nodes: tests/test_multinode.py runs docs/multi-node.md's commands, the "
+        "second node in its own namespaces",
+    ),
+    (
         re.compile(r"--data-parallel-size"),
         "replicas behind sglang-router: minutes; tests/test_data_parallel.py runs them",
     ),

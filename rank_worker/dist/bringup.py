@@ -5,6 +5,9 @@
                                        LOCAL_RANK from torchrun)
     python ..., tensor parallel N > 1  rank 0                        spawned here (`local_group`)
     python ..., N = 1                  rank 0 of a group of one      none
+    python ... --nnodes M --node-rank  node R's first rank, R*N/M    this node's others spawned
+      R (on each of M nodes)           (rank 0 on node 0)            here, the rest by the
+                                                                     other nodes' launchers
 
 `start` joins or makes the group and returns a `Ranks`: this rank's `TPInfo` (device
 included), the fault the tests asked for, and what must be released at the end (spawned
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 from rank_worker.fault_injection import Fault
 from rank_worker.dist.launcher_watch import TORCHRUN_WORKER_GRACE_S, LauncherWatch
-from rank_worker.dist.local_group import LocalGroup, spawn_local_group
+from rank_worker.dist.local_group import LocalGroup, NodeSpec, spawn_local_group
 from rank_worker.tp import TPInfo, destroy_process_group, init_process_group
 from shm_ipc.liveness import ParentWatch
 
@@ -89,10 +92,16 @@ class Ranks:
             destroy_process_group()
 
 
-def start(tp_size: int, backend: str | None, launcher: ParentWatch | None) -> Ranks:
-    """Join torchrun's group, or spawn ranks 1..tp_size-1 and be rank 0, or be a group of one
-    (see the module docstring). Raises naming a spawned rank that failed to start."""
+def start(
+    tp_size: int, backend: str | None, launcher: ParentWatch | None, node: NodeSpec | None = None
+) -> Ranks:
+    """Join torchrun's group, or spawn ranks 1..tp_size-1 and be rank 0, or (`node`) spawn this
+    node's ranks and be its first, or be a group of one (see the module docstring). Raises
+    naming a spawned rank that failed to start or a node that did not join."""
     fault = Fault.from_env()
+    if node is not None and node.nnodes > 1:
+        tp, group = spawn_local_group(tp_size, backend, node)
+        return Ranks(tp, fault, None, group)
     if launcher is not None:
         watch = None
         if torchrun_rank() != 0:
@@ -116,9 +125,12 @@ def serve_as_worker(ranks: Ranks) -> int:
     ended the run in time (`TORCHRUN_WORKER_GRACE_S`)."""
     from rank_worker.dist.worker import run_worker
 
-    assert ranks.watch is not None and not ranks.tp.is_first
+    assert not ranks.tp.is_first
+    code = 1
     try:
-        return run_worker(ranks.tp, ranks.fault)
+        code = run_worker(ranks.tp, ranks.fault)
+        return code
     finally:
-        ranks.watch.stop()  # rank 0 ended the run: its exit is not a death to report
-        ranks.release(dead=False)
+        if ranks.watch is not None:
+            ranks.watch.stop()  # rank 0 ended the run: its exit is not a death to report
+        ranks.release(dead=code != 0)

@@ -20,6 +20,7 @@ from tp_engine.config.speculative import SpeculativeConfig
 from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.api.guards import RequestLimits, allowed_hosts
+from tp_engine.server.nodes import add_node_flags
 
 # The API key may come from the environment, so that it does not show in `ps`.
 API_KEY_ENV = "TP_ENGINE_API_KEY"
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Set by the data-parallel launcher on the replicas it starts: serve one engine and end the
     # run if the launcher is gone (as torchrun's ranks do).
     p.add_argument("--replica-index", type=int, default=None, help=argparse.SUPPRESS)
+    add_node_flags(p)
     p.add_argument(
         "--engine-iteration-timeout",
         type=float,

@@ -55,6 +55,7 @@ from tp_engine.server.args import (
 )
 from tp_engine.server.ipc import EnginePipes, RunDir
 from tp_engine.server.messages import Dead, Exit, Hello, Ready
+from tp_engine.server.nodes import node_spec
 from tp_engine.server.rank0.engine_loop import EXIT_FAILED, EngineLoop, stop_api_process
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         tp_size = bringup.tensor_parallel_size(args.tensor_parallel_size)
         config = engine_config(args, tp_size)
         sargs = server_args(args)
+        node = node_spec(args, tp_size, under_torchrun=launcher is not None)
     except ValueError as exc:
         parser.error(str(exc))
     warning = exposure_warning(sargs.host, sargs.api_key)
@@ -103,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         for sig in _STOP_SIGNALS:  # see the module docstring
             signal.signal(sig, signal.SIG_IGN)
         return bringup.serve_as_worker(bringup.start(tp_size, sargs.dist_backend, launcher))
+    if node is not None and node.node_rank > 0:  # headless: this node's ranks serve rank 0
+        with _signals_ignored():
+            ranks = bringup.start(tp_size, sargs.dist_backend, None, node)
+        return bringup.serve_as_worker(ranks)
     with _signals_ignored():  # spawned children inherit SIG_IGN across exec; see the docstring
-        ranks = bringup.start(tp_size, sargs.dist_backend, launcher)
+        ranks = bringup.start(tp_size, sargs.dist_backend, launcher, node)
     replica_launcher = parent if args.replica_index is not None else None
     return Rank0Server(config, sargs, ranks, replica_launcher).run()
 

@@ -44,7 +44,8 @@ MAX_TOKENS = 12
 # every prompt is prefilled in chunks of at most 16 tokens.
 SERVE_ARGS = ["--port", "0", "--block-size", "8", "--num-kv-blocks", "18",
               "--max-num-batched-tokens", "16", "--max-num-seqs", "6",
-              "--enable-prefix-caching", "--served-model-name", "mn"]  # fmt: skip
+              "--enable-prefix-caching", "--served-model-name", "mn",
+              "--enable-sleep-mode"]  # fmt: skip
 NODE_TIMEOUT_S = 3.0
 
 
@@ -130,6 +131,17 @@ def test_tp4_across_two_nodes_equals_transformers_with_prefix_hits_chunks_and_pr
     # Only node 0 serves HTTP.
     assert "Uvicorn running" in log0 and "Uvicorn running" not in log1
     assert log1.count("Traceback") == 0
+
+
+def test_control_calls_reach_the_other_node_sleep_and_wake(cluster, checkpoint):
+    node0, _ = cluster
+    batch = prompts(seed=4)[:2]
+    expected = hf_greedy(checkpoint, batch, MAX_TOKENS)
+    assert node0.request("POST", "/sleep?level=1")[0] == 200  # a control call on every rank
+    status, body = node0.get("/is_sleeping")
+    assert status == 200 and b"true" in body
+    assert node0.request("POST", "/wake_up")[0] == 200
+    assert [c["token_ids"] for c in complete(node0, batch)["choices"]] == expected
 
 
 def test_moe_with_tp_engine_serve_then_node1_lost_ends_node0_naming_its_ranks(

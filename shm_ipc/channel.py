@@ -57,8 +57,11 @@ server without traffic idles for hours); instead it checks rank 0's pid from the
 `OWNER_CHECK_INTERVAL_S` and raises `OwnerDiedError` when rank 0 is gone, after removing the
 run's names in case rank 0 died before its handshake could.
 
-All ranks must share one pid namespace (as under torchrun on one machine): pids are how each
-side tells a dead peer from a slow one.
+The ranks on rank 0's node must share its pid namespace (as under torchrun on one machine):
+pids are how each side tells a dead peer from a slow one there. Ranks on other nodes get every
+message over TCP instead of the ring and are watched by heartbeats instead of pids (`remote.py`,
+`heartbeat.py`); everything above holds for them too, their acks travelling on the back
+channel.
 """
 
 from __future__ import annotations

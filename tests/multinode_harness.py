@@ -8,8 +8,9 @@ in their own mount, IPC and pid namespaces with their own /dev/shm and /tmp.
 
 So isolated, nothing of rank 0's shared memory, socket files or process table is visible on
 node 1: a rank that tried the ring, a Unix socket or a pid watch across "nodes" fails at once
-instead of silently working. Only loopback TCP joins them, as a network would. The checkpoint is
-copied into node 1's own /tmp at the same path (every node brings its own copy of the weights).
+instead of silently working. Only loopback TCP joins them, as a network would. The checkout, its
+virtual environment and the checkpoint stay visible on node 1 at their own paths, even under
+/tmp (`start_node1`), as every node of a cluster has its own copy of them.
 SIGKILL to node 1's `unshare` (`--kill-child`) takes the whole namespace down at once: a node
 lost.
 """
@@ -92,16 +93,17 @@ def start_node0(cmd: list[str], log: Path, env: dict) -> Server:
 
 
 def start_node1(cmd: list[str], checkpoint: Path, log: Path, env: dict) -> Server:
-    """Node 1 in its own namespaces (module docstring), the checkpoint copied into its /tmp."""
-    script = " && ".join(
-        [
-            *MOUNTS[:1],
-            f"cd {shlex.quote(str(checkpoint.parent))}",  # a handle on it once /tmp is covered
-            *MOUNTS[1:],
-            f"mkdir -p {shlex.quote(str(checkpoint))}",
-            f"cp -a ./{shlex.quote(checkpoint.name)}/. {shlex.quote(str(checkpoint))}/",
-            f"cd {shlex.quote(str(REPO_ROOT))}",
-            "exec " + shlex.join(cmd),
-        ]
-    )
-    return Server([*UNSHARE, script], env, log)
+    """Node 1 in its own namespaces (module docstring). The page's mounts cover /tmp, which
+    would hide a checkout, a virtual environment or a checkpoint under it (CI clones into
+    /tmp): each is bind-mounted aside first and moved back onto its own path after, so node 1
+    sees those and nothing else of the host's /tmp."""
+    keep = sorted({str(REPO_ROOT), str(Path(sys.prefix).resolve()), str(checkpoint)})
+    aside = [f"/dev/shm/.keep{i}" for i in range(len(keep))]
+    q = shlex.quote
+    steps = [MOUNTS[0]]
+    steps += [f"mkdir {a} && mount --bind {q(k)} {a}" for k, a in zip(keep, aside, strict=True)]
+    steps += MOUNTS[1:]
+    steps += [f"mkdir -p {q(k)} && mount --move {a} {q(k)} && rmdir {a}"
+              for k, a in zip(keep, aside, strict=True)]  # fmt: skip
+    steps += [f"cd {q(str(REPO_ROOT))}", "exec " + shlex.join(cmd)]
+    return Server([*UNSHARE, " && ".join(steps)], env, log)

@@ -110,8 +110,16 @@ class RunnerConfig:
     kv_offloading_size: float | None = None
     # The KV file tier's directory (`kv_files`), below the host pool; None: none.
     kv_offloading_dir: str | None = None
+    # Pipeline parallelism (`rank_worker.pp`): stages of the model, each a tensor-parallel group
+    # of world_size / pipeline_parallel_size ranks holding its share of the layers; and that
+    # share, layers per stage (None: vLLM's even split). Rank 0 resolves the partition once
+    # ($TP_ENGINE_PP_LAYER_PARTITION or the engine's field), so every rank splits alike.
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.pp_layer_partition is not None:  # a list after the wire
+            object.__setattr__(self, "pp_layer_partition", tuple(self.pp_layer_partition))
         if self.enable_lora:
             check_lora_limits(
                 self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype

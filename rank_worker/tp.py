@@ -1,9 +1,14 @@
 """Tensor-parallel facts and the named collectives every parallel layer uses.
 
-Every rank holds one shard of every layer; the ranks of one model form one process group (the
-default group that torchrun's environment sets up). This module is the only place that talks to
-`torch.distributed`: layers receive a `TPInfo` in their constructor and call the functions below,
-so a layer's docstring can say exactly which collective its forward issues.
+Every rank holds one shard of every layer of its pipeline stage; the ranks of one stage form one
+tensor-parallel group. With one stage (no pipeline parallelism) that group is the default group
+that torchrun's environment sets up (`TPInfo.group` None); with several, each stage's ranks get a
+group of their own (`new_group`, made by `rank_worker.pp`), and the world group still carries
+what every rank takes part in (the bootstrap, the KV-block agreement, control calls, the
+sampled tokens). This module is the only place that talks to `torch.distributed`: layers
+receive a `TPInfo` in their constructor and call the functions below, so a layer's docstring can
+say exactly which collective its forward issues; `send_tensor` / `recv_tensor` carry a stage's
+activations to the next one, between world ranks.
 
 Backends: NCCL when CUDA is available, gloo otherwise (the CPU test path). A tensor on CUDA under
 gloo is staged through host memory, since gloo reduces host buffers. A size-1 group never calls
@@ -16,6 +21,7 @@ import dataclasses
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +37,9 @@ __all__ = [
     "destroy_process_group",
     "gather_to_first",
     "init_process_group",
+    "new_group",
+    "recv_tensor",
+    "send_tensor",
 ]
 
 
@@ -43,6 +52,11 @@ class TPInfo:
     also over gloo, where ranks may outnumber GPUs and share them. `nodes`: the node of every
     rank, by rank, as the launcher numbers them (torchrun's GROUP_RANK; empty: one node).
     `init_process_group` decides all of it once; everything downstream reads it from here.
+
+    `group`: the process group `rank` and `size` are counted in; None is the default (world)
+    group. A pipeline stage's `TPInfo` (`rank_worker.pp`) names its stage's group, so its
+    collectives stay inside the stage and `rank` is the rank within the stage (its `nodes` are
+    left empty: the plan channel reads the world's).
     """
 
     rank: int
@@ -51,6 +65,7 @@ class TPInfo:
     local_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     nodes: tuple[int, ...] = ()
+    group: Any = field(default=None, compare=False)  # a torch ProcessGroup, or None: the world
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -58,7 +73,8 @@ class TPInfo:
 
     @property
     def is_first(self) -> bool:
-        """Rank 0 schedules, gathers the logits and samples."""
+        """Rank 0 of the group: of the world, rank 0 schedules and samples; of a stage, it is
+        where the stage's logits are gathered."""
         return self.rank == 0
 
     def node_of(self, rank: int) -> int:
@@ -168,13 +184,13 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _needs_host_staging(x: torch.Tensor) -> bool:
-    return x.is_cuda and dist.get_backend() == "gloo"
+def _needs_host_staging(x: torch.Tensor, group: Any = None) -> bool:
+    return x.is_cuda and dist.get_backend(group) == "gloo"
 
 
-def _comm_device() -> torch.device:
+def _comm_device(group: Any = None) -> torch.device:
     """Where a freshly made buffer must live for the group's backend."""
-    if dist.get_backend() == "nccl":
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -183,12 +199,12 @@ def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """Sum `x` over all ranks, in place; returns `x`."""
     if tp.is_single:
         return x
-    if _needs_host_staging(x):
+    if _needs_host_staging(x, tp.group):
         host = x.cpu()
-        dist.all_reduce(host)
+        dist.all_reduce(host, group=tp.group)
         x.copy_(host)
     else:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=tp.group)
     return x
 
 
@@ -196,10 +212,10 @@ def all_gather(x: torch.Tensor, tp: TPInfo, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's `x` (same shape on all ranks) along `dim`, rank order."""
     if tp.is_single:
         return x
-    staged = x.cpu() if _needs_host_staging(x) else x
+    staged = x.cpu() if _needs_host_staging(x, tp.group) else x
     staged = staged.contiguous()
     parts = [torch.empty_like(staged) for _ in range(tp.size)]
-    dist.all_gather(parts, staged)
+    dist.all_gather(parts, staged, group=tp.group)
     return torch.cat(parts, dim=dim).to(x.device)
 
 
@@ -211,10 +227,10 @@ def gather_to_first(x: torch.Tensor, tp: TPInfo, dim: int = -1) -> torch.Tensor 
     """
     if tp.is_single:
         return x
-    staged = x.cpu() if _needs_host_staging(x) else x
+    staged = x.cpu() if _needs_host_staging(x, tp.group) else x
     staged = staged.contiguous()
     parts = [torch.empty_like(staged) for _ in range(tp.size)] if tp.is_first else None
-    dist.gather(staged, gather_list=parts, dst=0)
+    dist.gather(staged, gather_list=parts, group=tp.group, group_dst=0)
     if parts is None:
         return None
     return torch.cat(parts, dim=dim).to(x.device)
@@ -224,13 +240,13 @@ def broadcast_tensor(x: torch.Tensor, tp: TPInfo, src: int = 0) -> torch.Tensor:
     """Send rank `src`'s `x` to every rank, in place (same shape and dtype everywhere)."""
     if tp.is_single:
         return x
-    if _needs_host_staging(x):
+    if _needs_host_staging(x, tp.group):
         host = x.cpu()
-        dist.broadcast(host, src=src)
+        dist.broadcast(host, group=tp.group, group_src=src)
         if tp.rank != src:
             x.copy_(host)
     else:
-        dist.broadcast(x, src=src)
+        dist.broadcast(x, group=tp.group, group_src=src)
     return x
 
 
@@ -245,9 +261,9 @@ def broadcast_bytes(data: bytes | None, tp: TPInfo, src: int = 0) -> bytes:
         raise ValueError(f"broadcast_bytes: source rank {src} must pass bytes, got None")
     if tp.is_single and data is not None:
         return bytes(data)
-    device = _comm_device()
+    device = _comm_device(tp.group)
     length = torch.tensor([len(data) if tp.rank == src else 0], dtype=torch.int64, device=device)
-    dist.broadcast(length, src=src)
+    dist.broadcast(length, group=tp.group, group_src=src)
     n = int(length.item())
     if n == 0:
         return b""
@@ -255,7 +271,7 @@ def broadcast_bytes(data: bytes | None, tp: TPInfo, src: int = 0) -> bytes:
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
         payload = torch.empty(n, dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=src)
+    dist.broadcast(payload, group=tp.group, group_src=src)
     if tp.rank == src:
         return bytes(data)
     return payload.cpu().numpy().tobytes()
@@ -271,10 +287,10 @@ def all_gather_bytes(data: bytes, tp: TPInfo) -> list[bytes]:
     """
     if tp.is_single:
         return [bytes(data)]
-    device = _comm_device()
+    device = _comm_device(tp.group)
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(tp.size)]
-    dist.all_gather(lengths, length)
+    dist.all_gather(lengths, length, group=tp.group)
     sizes = [int(n.item()) for n in lengths]
     longest = max(sizes)
     if longest == 0:
@@ -283,7 +299,7 @@ def all_gather_bytes(data: bytes, tp: TPInfo) -> list[bytes]:
     padded[: len(data)] = data
     payload = torch.frombuffer(padded, dtype=torch.uint8).to(device)
     parts = [torch.empty_like(payload) for _ in range(tp.size)]
-    dist.all_gather(parts, payload)
+    dist.all_gather(parts, payload, group=tp.group)
     return [part.cpu().numpy().tobytes()[:n] for part, n in zip(parts, sizes, strict=True)]
 
 
@@ -291,12 +307,37 @@ def all_reduce_min_int(value: int, tp: TPInfo) -> int:
     """The smallest `value` over all ranks (e.g. the number of KV blocks every rank can hold)."""
     if tp.is_single:
         return int(value)
-    t = torch.tensor([value], dtype=torch.int64, device=_comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    t = torch.tensor([value], dtype=torch.int64, device=_comm_device(tp.group))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
     return int(t.item())
 
 
 def barrier(tp: TPInfo) -> None:
     """Wait until every rank arrives."""
     if not tp.is_single:
-        dist.barrier()
+        dist.barrier(group=tp.group)
+
+
+def new_group(ranks: list[int]) -> Any:
+    """A process group of the world ranks `ranks` (a collective over the whole world: every
+    rank must make every group, in the same order, members or not), on the world's backend."""
+    return dist.new_group(ranks)
+
+
+def send_tensor(x: torch.Tensor, dst: int) -> None:
+    """Send `x` to world rank `dst`, which must `recv_tensor` a buffer of the same shape and
+    dtype. Blocking: returns once the transfer is done, so `x` may be reused at once."""
+    if _needs_host_staging(x):
+        x = x.cpu()
+    dist.send(x.contiguous(), dst=dst)
+
+
+def recv_tensor(x: torch.Tensor, src: int) -> torch.Tensor:
+    """Fill `x` (its shape and dtype agreed with the sender) from world rank `src`; returns it."""
+    if _needs_host_staging(x):
+        host = torch.empty(x.shape, dtype=x.dtype)
+        dist.recv(host, src=src)
+        x.copy_(host)
+    else:
+        dist.recv(x, src=src)
+    return x

@@ -167,7 +167,7 @@ def test_the_layer_fuses_the_store_only_where_the_backend_stores_with_store_kv()
     from rank_worker.attention.flash_attn_backend import FlashAttnBackend
     from rank_worker.attention.selection import get_backend
     from rank_worker.attention.triton_backend import TritonAttentionBackend
-    from rank_worker.models.qwen3 import _stores_with_the_kernel
+    from rank_worker.models.qwen3_attention import _stores_with_the_kernel
 
     class Wrapping(TritonAttentionBackend):
         def forward(self, *args, **kwargs):  # e.g. records what it stores

@@ -24,8 +24,10 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from rank_worker.control.protocol import ControlOp
 from rank_worker.fault_injection import Fault
 from rank_worker.models.model_spec import ModelSpec, load_hf_config
+from rank_worker.pp import layer_partition
 from rank_worker.spec.eagle3_format import read_eagle3_config
 from rank_worker.tp import TPInfo
 from tp_engine.common.failures import EngineDeadError
@@ -42,7 +44,12 @@ from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.core.sequence import Sequence, SequenceStatus
 from tp_engine.core.spec_metrics import SpecDecodeStats
 from tp_engine.executor.control import EngineControl, EngineInconsistentError
-from tp_engine.executor.rank_config import draft_model_dir, eagle3_head_dir, runner_config_for
+from tp_engine.executor.rank_config import (
+    draft_model_dir,
+    eagle3_head_dir,
+    pp_layer_partition,
+    runner_config_for,
+)
 from tp_engine.executor.tp import TPExecutor
 from tp_engine.features import speculative
 from tp_engine.features.lora import control as lora_control
@@ -66,13 +73,18 @@ class LLMEngine:
 
         if not tp.is_first:
             raise ValueError("LLMEngine runs on rank 0; other ranks run rank_worker.dist.worker")
-        if config.tensor_parallel_size != tp.size:
+        if config.world_size != tp.size:
             raise ValueError(
-                f"tensor_parallel_size ({config.tensor_parallel_size}) does not match the "
-                f"process group's size ({tp.size})"
+                f"tensor_parallel_size ({config.tensor_parallel_size}) x pipeline_parallel_size "
+                f"({config.pipeline_parallel_size}) does not match the process group's size "
+                f"({tp.size})"
             )
         model_dir = Path(config.model) if config.model else _demo_model_dir()
         hf_config = load_hf_config(model_dir, config.hf_overrides)
+        # The stages' layers, refused here (before any rank builds a model) when they do not fit.
+        layer_partition(
+            hf_config.num_hidden_layers, config.pipeline_parallel_size, pp_layer_partition(config)
+        )
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or str(model_dir))
         # Task, head and context length, decided once here and shipped to every rank.
         model_spec = ModelSpec.resolve(
@@ -125,7 +137,7 @@ class LLMEngine:
         # The other features, each given the core's `CoreAccess` and plugged in by its hooks
         # (`tp_engine.core.hooks`). Control calls to every rank (`tp_engine.executor.control`),
         # run between steps:
-        self.control = EngineControl(core, executor)
+        self.control = EngineControl(core, executor, _pp_refused_ops(config))
         # Sleep mode (`tp_engine.features.weights_and_sleep.sleep`): what sleeps on every rank;
         # it closes the gate too.
         self.sleep_state = EngineSleep(core, self.control)
@@ -379,8 +391,38 @@ def _token_id_of(tokenizer: Any) -> Callable[[str], int | None]:
     return token_id
 
 
+def _pp_refused_ops(config: EngineConfig) -> dict[ControlOp, str]:
+    """The control calls pipeline parallelism does not run yet, each with its refusal: weight
+    updates and sleep mode (their ops assume every rank holds every layer's shard)."""
+    pp = config.pipeline_parallel_size
+    if pp == 1:
+        return {}
+    features = {
+        "weight updates": _WEIGHT_UPDATE_OPS,
+        "sleep mode": (ControlOp.SLEEP, ControlOp.WAKE),
+    }
+    return {
+        op: f"{feature} ({op.name}) is not supported with pipeline_parallel_size={pp} yet"
+        for feature, ops in features.items()
+        for op in ops
+    }
+
+
+_WEIGHT_UPDATE_OPS = (
+    ControlOp.LOAD_WEIGHTS, ControlOp.LOAD_WEIGHTS_FROM_DISK, ControlOp.INIT_WEIGHTS_UPDATE_GROUP,
+    ControlOp.LOAD_WEIGHTS_FROM_GROUP, ControlOp.DESTROY_WEIGHTS_UPDATE_GROUP,
+    ControlOp.GET_WEIGHTS_BY_NAME, ControlOp.WEIGHTS_UPDATE_GROUP_STATUS,
+)  # fmt: skip
+
+
 def _check_pooling_config(spec: ModelSpec, config: EngineConfig) -> None:
-    """A pooling model computes prompts only: nothing to draft or verify."""
+    """A pooling model computes prompts only: nothing to draft or verify. Pipeline parallelism
+    serves generation only (the pooling heads' rows would need their own way to rank 0)."""
+    if spec.is_pooling and config.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"pooling models ({spec.task!r}) are not supported with pipeline_parallel_size="
+            f"{config.pipeline_parallel_size} yet"
+        )
     if spec.is_pooling and config.speculative_config is not None:
         raise ValueError(
             f"speculative decoding cannot run with a pooling model (it serves {spec.task!r} "

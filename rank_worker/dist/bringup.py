@@ -47,18 +47,21 @@ def torchrun_launcher() -> ParentWatch | None:
     return ParentWatch() if under_torchrun() else None
 
 
-def tensor_parallel_size(requested: int | None) -> int:
-    """The group's size: torchrun's WORLD_SIZE, else `requested` (default 1). ValueError when
-    both are given and differ."""
+def tensor_parallel_size(requested: int | None, pipeline_parallel_size: int = 1) -> int:
+    """The tensor-parallel size: under torchrun WORLD_SIZE / pipeline_parallel_size (the world
+    is TP x PP ranks), else `requested` (default 1). ValueError when torchrun's WORLD_SIZE is
+    not `requested` x pipeline_parallel_size, or not a multiple of pipeline_parallel_size."""
     if not under_torchrun():
         return requested or 1
     world_size = int(os.environ["WORLD_SIZE"])
-    if requested not in (None, world_size):
+    pp = pipeline_parallel_size
+    tp = requested if requested is not None else world_size // max(pp, 1)
+    if tp * pp != world_size:
         raise ValueError(
-            f"tensor_parallel_size={requested} but torchrun started {world_size} ranks; "
-            "they must match"
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} but torchrun started "
+            f"{world_size} ranks; they must match"
         )
-    return world_size
+    return tp
 
 
 @dataclass
@@ -97,7 +100,8 @@ def start(
 ) -> Ranks:
     """Join torchrun's group, or spawn ranks 1..tp_size-1 and be rank 0, or (`node`) spawn this
     node's ranks and be its first, or be a group of one (see the module docstring). Raises
-    naming a spawned rank that failed to start or a node that did not join."""
+    naming a spawned rank that failed to start or a node that did not join. `tp_size`: the
+    world's size, TP x PP ranks under pipeline parallelism."""
     fault = Fault.from_env()
     if node is not None and node.nnodes > 1:
         tp, group = spawn_local_group(tp_size, backend, node)

@@ -10,7 +10,9 @@ of one token are contiguous and the head_dim is innermost, which is the paged la
 allocation `[num_layers, 2, num_blocks, ...]`; each layer gets contiguous K and V views of it.
 
 Sizing. Rank 0's block manager needs one block count that holds on every rank, so each rank
-computes what fits and the minimum over ranks wins (`all_reduce_min_int`, in the model runner):
+computes what fits and the minimum over ranks wins (`all_reduce_min_int` over the world, in the
+model runner; under pipeline parallelism a rank's cache holds its stage's layers only, so its
+blocks are smaller and the stages' budgets differ before the minimum):
 - a fixed `RunnerConfig.num_kv_blocks` wins everywhere (tests that force preemption use it);
 - on CPU, `kv_cache_memory_bytes` (default 1 GiB) divided by the bytes per block;
 - on GPU, measured: `total * gpu_memory_utilization - the engine's own peak in a warm-up
@@ -29,7 +31,7 @@ import torch
 
 from rank_worker.kv.device_memory import DeviceMemory, MemoryReading
 from rank_worker.models.layers.linear import local_kv_heads
-from rank_worker.models.qwen3 import KVCachePair, head_dim_of
+from rank_worker.models.qwen3_attention import KVCachePair, head_dim_of
 from rank_worker.tp import TPInfo
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -53,10 +55,16 @@ class KVCacheSpec:
 
     @classmethod
     def for_model(
-        cls, hf_config: Any, tp: TPInfo, block_size: int, dtype: torch.dtype
+        cls,
+        hf_config: Any,
+        tp: TPInfo,
+        block_size: int,
+        dtype: torch.dtype,
+        num_layers: int | None = None,
     ) -> KVCacheSpec:
+        """`num_layers`: the layers this rank holds (its pipeline stage's); None: all."""
         return cls(
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=hf_config.num_hidden_layers if num_layers is None else num_layers,
             num_kv_heads=local_kv_heads(hf_config.num_key_value_heads, tp),
             head_dim=head_dim_of(hf_config),
             block_size=block_size,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -170,3 +171,19 @@ class LoraManager:
         if unknown:
             raise unsupported_modules_error(path, sorted(unknown))
         return HostAdapter(config, weights)
+
+
+def plan_runs_adapters(plan: Any, lora: LoraManager | None) -> bool:
+    """Whether a sequence of `plan` (a `StepPlan`) runs an adapter on a rank with `lora`'s
+    slots (None: enable_lora is off). A slot the rank does not have is a ValueError: the plan's
+    decoder checks only the lower bound (-1), and the kernels would read past the slot stacks
+    (the masked torch path would silently run the base)."""
+    slots = plan.section("adapter_slots")
+    top = int(slots.max()) if slots.size else -1
+    num_slots = 0 if lora is None else lora.max_loras
+    if top >= num_slots:
+        raise ValueError(
+            f"step {plan.step_id}: adapter slot {top}, but this rank has {num_slots} LoRA "
+            "slots (max_loras; 0: enable_lora is off)"
+        )
+    return top >= 0

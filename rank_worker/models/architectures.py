@@ -17,6 +17,7 @@ from rank_worker.attention.backend import AttentionBackend
 from rank_worker.models.model_spec import HeadSpec
 from rank_worker.models.qwen3 import Qwen3ForCausalLM
 from rank_worker.models.qwen3_moe import Qwen3MoeForCausalLM
+from rank_worker.pp import PipelineStage
 from rank_worker.tp import TPInfo
 
 logger = logging.getLogger(__name__)
@@ -64,15 +65,18 @@ def build_model(
     fused_kernels: bool = False,
     enable_expert_parallel: bool = False,
     head: HeadSpec | None = None,
+    stage: PipelineStage | None = None,
 ) -> nn.Module:
     """This rank's shard of the checkpoint's model, weights not loaded yet; `head`: its output
-    head (None: the LM head)."""
+    head (None: the LM head); `stage`: its pipeline stage's layers (None: all of them)."""
     cls = model_class_for(hf_config)
     if cls is Qwen3MoeForCausalLM:
         return Qwen3MoeForCausalLM(
             hf_config, tp, dtype, device, attention_backend, fused_kernels,
-            enable_expert_parallel=enable_expert_parallel, head=head,
+            enable_expert_parallel=enable_expert_parallel, head=head, stage=stage,
         )  # fmt: skip
     if enable_expert_parallel and tp.is_first:
         logger.warning("enable_expert_parallel has no effect: the model has no experts")
-    return cls(hf_config, tp, dtype, device, attention_backend, fused_kernels, head=head)
+    return cls(
+        hf_config, tp, dtype, device, attention_backend, fused_kernels, head=head, stage=stage
+    )

@@ -21,6 +21,14 @@ Two implementations of the non-matmul ops, chosen per model (`fused`):
 Parameter names mirror the Hugging Face checkpoint names, except where several checkpoint
 tensors are packed into one parameter (`packed_modules_mapping`), so the loader can map names
 without a table per model.
+
+Pipeline parallelism (`rank_worker.pp`): a model built for one stage holds that stage's decoder
+layers only (the others are `MissingLayer`s without parameters, so every layer keeps its
+checkpoint name `model.layers.{i}`), the embedding on the first stage only, the final norm and
+the head on the last only. A stage after the first starts from the previous stage's
+`StageHandoff`; a stage before the last returns its own instead of hidden states. On a last
+stage that is not the first, a tied LM head has no embedding to share: it holds its own copy,
+loaded from `model.embed_tokens.weight` (`checkpoint_aliases`).
 """
 
 from __future__ import annotations
@@ -45,7 +53,6 @@ from rank_worker.models.heads import (
 from rank_worker.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
-    QKVParallelLinear,
     RMSNorm,
     RopeSpec,
     RotaryEmbedding,
@@ -53,185 +60,17 @@ from rank_worker.models.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
-from rank_worker.models.layers.params import CheckpointPart
 from rank_worker.models.model_spec import HeadSpec
 from rank_worker.models.quantization import fp8_quant_of
+from rank_worker.models.qwen3_attention import KVCachePair, Qwen3Attention, head_dim_of
+from rank_worker.pp import PipelineStage, StageHandoff
 from rank_worker.tp import TPInfo
 
-# One layer's K and V caches, each [num_blocks, block_size, num_local_kv_heads, head_dim].
-KVCachePair = tuple[torch.Tensor, torch.Tensor]
+__all__ = ["KVCachePair", "Qwen3ForCausalLM", "Qwen3MLP", "Qwen3Model", "head_dim_of"]
+
 # layer index -> that layer's MLP (`[T, hidden] -> [T, hidden]`, all-reduced), for models whose
 # layers differ there (Qwen3-MoE's sparse and dense layers); None: Qwen3's dense MLP everywhere.
 MLPFactory = Callable[[int], nn.Module]
-
-
-def head_dim_of(hf_config: Any) -> int:
-    """Qwen3 configs state head_dim (it is not hidden / heads for every size)."""
-    return (
-        getattr(hf_config, "head_dim", None)
-        or hf_config.hidden_size // hf_config.num_attention_heads
-    )
-
-
-class Qwen3Attention(nn.Module):
-    """Self-attention of one layer on this rank's heads; one all-reduce (in o_proj).
-
-    `kv_scales [2]` fp32 `(k_scale, v_scale)`: how an fp8 KV cache stores this layer's K and V
-    (`K / k_scale`, e4m3). 1.0 unless the checkpoint gives `self_attn.k_scale` /
-    `self_attn.v_scale` (optional tensors); unused by a cache in the model dtype.
-    """
-
-    def __init__(
-        self,
-        hf_config: Any,
-        tp: TPInfo,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        fused: bool = False,
-    ) -> None:
-        super().__init__()
-        head_dim = head_dim_of(hf_config)
-        bias = bool(getattr(hf_config, "attention_bias", False))
-        quant = fp8_quant_of(hf_config, fused)
-        eps = hf_config.rms_norm_eps
-        self.eps = eps
-        self.fused = fused
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
-        self.qkv_proj = QKVParallelLinear(
-            hf_config.hidden_size,
-            head_dim,
-            hf_config.num_attention_heads,
-            hf_config.num_key_value_heads,
-            tp,
-            bias=bias,
-            dtype=dtype,
-            device=device,
-            quant=quant,
-        )
-        self.num_local_heads = self.qkv_proj.num_local_heads
-        self.num_local_kv_heads = self.qkv_proj.num_local_kv_heads
-        self.o_proj = RowParallelLinear(
-            hf_config.num_attention_heads * head_dim,
-            hf_config.hidden_size,
-            tp,
-            bias=bias,
-            dtype=dtype,
-            device=device,
-            quant=quant,
-        )
-        self.q_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
-        self.k_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
-        self.rotary = rotary  # shared by all layers: one cos/sin table per model
-        self.backend = backend
-        self.kv_scales = nn.Parameter(
-            torch.ones(2, dtype=torch.float32, device=device), requires_grad=False
-        )
-        self.kv_scales.weight_loader = _load_kv_scale  # type: ignore[attr-defined]
-        # Whether the q/k kernel also stores the step's K/V (one launch fewer per layer).
-        self.fused_kv_store = fused and _stores_with_the_kernel(backend)
-        if fused:
-            from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_store_kv
-
-            self._qk_norm_rope = qk_norm_rope
-            self._qk_norm_rope_store_kv = qk_norm_rope_store_kv
-
-    def checkpoint_parts(self) -> dict[str, CheckpointPart]:
-        """The optional KV-cache scales; the projections and norms load by their names."""
-        return {
-            "k_scale": CheckpointPart("kv_scales", 0, optional=True),
-            "v_scale": CheckpointPart("kv_scales", 1, optional=True),
-        }
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVCachePair,
-    ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim], local heads
-        if self.fused_kv_store and not self._attends_fresh_kv(qkv, kv_cache, meta):
-            # q and k normalised and rotated in place, K and V stored in the cache, one launch;
-            # then attention over the cache alone (the store is done).
-            k_cache, v_cache = kv_cache
-            self._qk_norm_rope_store_kv(
-                qkv, positions, self.q_norm.weight, self.k_norm.weight,
-                self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
-                self.num_local_heads, self.num_local_kv_heads, self.head_dim, self.eps,
-                self.kv_scales,
-            )  # fmt: skip
-            q = qkv[:, : self.qkv_proj.q_size].view(num_tokens, self.num_local_heads, self.head_dim)
-            o = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.kv_scales)
-            return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
-        if self.fused:
-            # q and k normalised and rotated in place; attention reads them as strided views.
-            self._qk_norm_rope(
-                qkv, positions, self.q_norm.weight, self.k_norm.weight,
-                self.rotary.cos_sin_cache, self.num_local_heads, self.num_local_kv_heads,
-                self.head_dim, self.eps,
-            )  # fmt: skip
-        q, k, v = self._qkv_views(qkv)
-        if not self.fused:
-            q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
-        # [T, heads, head_dim]
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
-        return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
-
-    def _qkv_views(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, heads, d], k and v [T, kv_heads, d]: views of the QKV projection's rows."""
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split(
-            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1
-        )
-        return (
-            q.view(num_tokens, self.num_local_heads, self.head_dim),
-            k.view(num_tokens, self.num_local_kv_heads, self.head_dim),
-            v.view(num_tokens, self.num_local_kv_heads, self.head_dim),
-        )
-
-    def _attends_fresh_kv(
-        self, qkv: torch.Tensor, kv_cache: KVCachePair, meta: AttentionMetadata
-    ) -> bool:
-        """Whether the backend attends this step from its own K/V (`reads_fresh_kv`): asked
-        only on steps with fresh prompts, so a decode step pays two attribute reads."""
-        if not (meta.fresh_prefill and self.backend.reads_fresh_kv):
-            return False
-        q, k, v = self._qkv_views(qkv)
-        return self.backend.attends_fresh_kv(q, k, v, kv_cache[0], meta)
-
-
-def _stores_with_the_kernel(backend: AttentionBackend) -> bool:
-    """Whether `backend` stores K/V with `kernels.store_kv` and attends after it, nothing more:
-    then `qk_norm_rope_store_kv` may do its store (the cache ends up bit for bit the same) and
-    the layer calls `attend` alone. A backend that stores otherwise (the torch backend's
-    indexing) or wraps `forward` keeps its own store; one whose `forward` differs only on
-    fresh prompts (`reads_fresh_kv`) gets `forward` on the steps it says it attends from the
-    step's own K/V (`attends_fresh_kv`)."""
-    from rank_worker.attention.backend import AttentionBackend as Base
-    from rank_worker.attention.kernel_store import KernelStoreBackend
-
-    cls = type(backend)
-    # The class whose `forward` runs: the base's, or one that says it differs only there.
-    owner = next(c for c in cls.__mro__ if "forward" in vars(c))
-    plain_forward = owner is Base or vars(owner).get("reads_fresh_kv", False)
-    return cls.store_kv is KernelStoreBackend.store_kv and plain_forward
-
-
-def _load_kv_scale(param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:
-    """A checkpoint's `k_scale` (shard 0) or `v_scale` (1): one positive number."""
-    if full.numel() != 1:
-        raise ValueError(f"a KV-cache scale must hold one number, got shape {tuple(full.shape)}")
-    if full.is_meta:  # a check without values (`WeightMap.check`): the shape is all there is
-        return
-    value = float(full.reshape(()).float())
-    if not (value > 0.0 and value < float("inf")):
-        raise ValueError(f"a KV-cache scale must be positive and finite, got {value}")
-    param.data[shard_id] = value
 
 
 class Qwen3MLP(nn.Module):
@@ -303,7 +142,16 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage holds: no parameters, never run."""
+
+    def forward(self, *args: Any) -> None:
+        raise RuntimeError("a decoder layer of another pipeline stage was called")
+
+
 class Qwen3Model(nn.Module):
+    """The decoder body; `stage`: the pipeline stage it is built for (None: the whole model)."""
+
     def __init__(
         self,
         hf_config: Any,
@@ -314,10 +162,17 @@ class Qwen3Model(nn.Module):
         device: torch.device | str,
         fused: bool = False,
         mlp_factory: MLPFactory | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            hf_config.vocab_size, hf_config.hidden_size, tp, dtype=dtype, device=device
+        stage = stage or PipelineStage.whole(hf_config.num_hidden_layers)
+        self.stage = stage
+        self.embed_tokens = (
+            VocabParallelEmbedding(
+                hf_config.vocab_size, hf_config.hidden_size, tp, dtype=dtype, device=device
+            )
+            if stage.is_first
+            else None
         )
         rotary = RotaryEmbedding(RopeSpec.from_config(hf_config), device=device)
         self.layers = nn.ModuleList(
@@ -331,10 +186,20 @@ class Qwen3Model(nn.Module):
                 fused=fused,
                 mlp=None if mlp_factory is None else mlp_factory(i),
             )
+            if i in stage.layers
+            else MissingLayer()
             for i in range(hf_config.num_hidden_layers)
         )
-        self.norm = RMSNorm(
-            hf_config.hidden_size, hf_config.rms_norm_eps, dtype=dtype, device=device, fused=fused
+        self.norm = (
+            RMSNorm(
+                hf_config.hidden_size,
+                hf_config.rms_norm_eps,
+                dtype=dtype,
+                device=device,
+                fused=fused,
+            )
+            if stage.is_last
+            else None
         )
         # EAGLE-3 (`rank_worker.spec.eagle3_runner`): the residual streams a forward keeps, as
         # indices of Hugging Face's `output_hidden_states` (i: the input of layer i); empty:
@@ -348,16 +213,27 @@ class Qwen3Model(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[KVCachePair],
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        handoff: StageHandoff | None = None,
+    ) -> torch.Tensor | StageHandoff:
+        """`kv_caches`: one pair per layer of this stage. `handoff`: the previous stage's
+        output (every stage but the first). Returns the normed hidden states `[T, hidden]` on
+        the last stage, this stage's `StageHandoff` on the others."""
+        stage = self.stage
+        residual: torch.Tensor | None = None
+        if handoff is None:
+            hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        else:
+            hidden, residual = handoff
         wanted = self.capture_layers
         # A clone: the fused add+norm of layer 1 updates the residual (this tensor) in place.
         states = {0: hidden.clone()} if wanted else {}
-        residual: torch.Tensor | None = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        layers = self.layers[stage.start : stage.end]
+        for i, layer, kv_cache in zip(stage.layers, layers, kv_caches, strict=True):
             if i in wanted and i > 0:
                 states[i] = hidden + residual  # the input of layer i, before its norm
             hidden, residual = layer(positions, hidden, residual, meta, kv_cache)
+        if not stage.is_last:
+            return StageHandoff(hidden, residual)
         if len(self.layers) in wanted:
             states[len(self.layers)] = hidden + residual
         if wanted:
@@ -376,10 +252,18 @@ class Qwen3ForCausalLM(nn.Module):
     non-matmul ops (see the module docstring); the caller checks that they can run here.
     `mlp_factory`: each layer's MLP, for models built on this one (`rank_worker.models.qwen3_moe`).
     `head`: what `compute_logits` computes (`rank_worker.models.heads`); None: the LM head.
+    `stage`: the pipeline stage this shard is of (None: the whole model); `forward` then returns
+    a `StageHandoff` on every stage but the last, and only the last has a head (`head` None
+    elsewhere).
     """
 
     # Checkpoint tensors the loader skips: those of a head this model does not build.
     ignored_checkpoint_names: frozenset[str] = frozenset()
+    # Checkpoint name prefixes the loader skips: the tensors other pipeline stages hold.
+    ignored_checkpoint_prefixes: tuple[str, ...] = ()
+    # Checkpoint name -> the parameter name it loads into, where they differ: a tied LM head on
+    # a last stage without the embedding loads the embedding's table.
+    checkpoint_aliases: dict[str, str] = {}  # noqa: RUF012
 
     # Checkpoint module name -> (parameter module name, shard id) for packed parameters.
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {  # noqa: RUF012
@@ -401,6 +285,7 @@ class Qwen3ForCausalLM(nn.Module):
         *,
         mlp_factory: MLPFactory | None = None,
         head: HeadSpec | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         backend = attention_backend or get_backend("torch")
@@ -409,10 +294,16 @@ class Qwen3ForCausalLM(nn.Module):
         self.fused_kernels = fused_kernels
         self.model = Qwen3Model(
             hf_config, tp, backend, dtype=dtype, device=device, fused=fused_kernels,
-            mlp_factory=mlp_factory,
+            mlp_factory=mlp_factory, stage=stage,
         )  # fmt: skip
+        stage = self.model.stage
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.head = self._build_head(head or HeadSpec(), dtype=dtype, device=device)
+        self.ignored_checkpoint_prefixes = _elsewhere(stage, self.tie_word_embeddings)
+        self.head: Head | None = None
+        if stage.is_last:
+            self.head = self._build_head(head or HeadSpec(), dtype=dtype, device=device)
+        if self.tie_word_embeddings and stage.is_last and not stage.is_first:
+            self.checkpoint_aliases = {"model.embed_tokens.weight": "lm_head.weight"}
 
     def _build_head(
         self, spec: HeadSpec, *, dtype: torch.dtype, device: torch.device | str
@@ -436,6 +327,7 @@ class Qwen3ForCausalLM(nn.Module):
             tp,
             dtype=dtype,
             device=device,
+            # None on a last stage without the embedding: a copy of its own (the docstring).
             tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
         )
         if spec.kind == "token_score":
@@ -449,9 +341,25 @@ class Qwen3ForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[KVCachePair],
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata, kv_caches)  # [T, hidden]
+        handoff: StageHandoff | None = None,
+    ) -> torch.Tensor | StageHandoff:
+        # [T, hidden] (the last stage), or this stage's hand-off (`Qwen3Model.forward`)
+        return self.model(input_ids, positions, attn_metadata, kv_caches, handoff)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The head's rows: `[B', head.width]` fp32 on rank 0 (logits for an LM head)."""
+        """The head's rows: `[B', head.width]` fp32 on rank 0 of the (last) stage's TP group
+        (logits for an LM head)."""
+        assert self.head is not None, "compute_logits on a pipeline stage without the head"
         return self.head(hidden)
+
+
+def _elsewhere(stage: PipelineStage, tied: bool) -> tuple[str, ...]:
+    """Checkpoint name prefixes of what other pipeline stages hold (nothing for the whole
+    model): their layers, the embedding off the first stage (unless a tied head on this last
+    stage loads it), the final norm and the LM head off the last."""
+    prefixes = [f"model.layers.{i}." for i in range(stage.num_layers) if i not in stage.layers]
+    if not stage.is_first and not (tied and stage.is_last):
+        prefixes.append("model.embed_tokens.")
+    if not stage.is_last:
+        prefixes += ["model.norm.", "lm_head."]
+    return tuple(prefixes)

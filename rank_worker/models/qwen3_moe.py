@@ -29,6 +29,7 @@ from rank_worker.attention.backend import AttentionBackend
 from rank_worker.models.layers.moe import Qwen3MoeSparseBlock
 from rank_worker.models.model_spec import HeadSpec
 from rank_worker.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
+from rank_worker.pp import PipelineStage
 from rank_worker.tp import TPInfo
 
 
@@ -43,7 +44,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """This rank's shard of a Qwen3-MoE causal LM; the same interface as `Qwen3ForCausalLM`
     (`forward`, `compute_logits`, `packed_modules_mapping` for the dense layers and attention).
 
-    `enable_expert_parallel`: whole experts per rank instead of a slice of every expert.
+    `enable_expert_parallel`: whole experts per rank instead of a slice of every expert (of
+    the rank's pipeline stage's TP group, under pipeline parallelism). `stage`: as for Qwen3.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         *,
         enable_expert_parallel: bool = False,
         head: HeadSpec | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         def mlp(layer: int) -> nn.Module:
             kw = dict(dtype=dtype, device=device, fused=fused_kernels)
@@ -68,6 +71,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
         super().__init__(
             hf_config, tp, dtype, device, attention_backend, fused_kernels, mlp_factory=mlp,
-            head=head,
+            head=head, stage=stage,
         )  # fmt: skip
         self.enable_expert_parallel = enable_expert_parallel

@@ -17,6 +17,10 @@ The name rules, all here and nowhere else:
   model (the embedding is the head; `state_dict()` lists the tie twice), and the tensors of a
   head the model does not build (`model.ignored_checkpoint_names`: an LM head served as an
   embedder);
+- pipeline parallelism: the tensors other stages hold (`model.ignored_checkpoint_prefixes`:
+  their layers, the embedding, the final norm, the LM head), skipped unread; and a tied LM head
+  on a last stage without the embedding, loaded from `model.embed_tokens.weight`
+  (`model.checkpoint_aliases`);
 - the flat layout of headless checkpoints (Qwen3-Embedding as published: `embed_tokens.weight`,
   `layers.N...`, `norm.weight`, without the `model.` prefix) names the same parameters;
 - run-time only: transformers 5's in-memory expert layout, `mlp.experts.gate_up_proj`
@@ -123,6 +127,9 @@ class WeightMap:
         self._ignored = frozenset(getattr(model, "ignored_checkpoint_names", ()))
         if getattr(model, "tie_word_embeddings", False):
             self._ignored |= {"lm_head.weight"}
+        # Pipeline parallelism (module docstring): other stages' tensors, and name aliases.
+        self._elsewhere = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
+        self._aliases: dict[str, str] = dict(getattr(model, "checkpoint_aliases", {}))
         self._fused: dict[str, _Fused] = {}
         for prefix, module in model.named_modules():
             if isinstance(module, FusedMoE):
@@ -153,12 +160,18 @@ class WeightMap:
         checkpoint on disk)."""
         if name.endswith(IGNORED_SUFFIXES) or name in self._ignored:
             return []
+        name = self._aliases.get(name, name)
         part = self.parts.get(name)
         if part is None and not name.startswith(_BODY_PREFIX):
+            if name.startswith(self._elsewhere):
+                return []
             name = _BODY_PREFIX + name  # the flat layout (module docstring)
+            name = self._aliases.get(name, name)
             part = self.parts.get(name)
         if part is not None:
             return [Target(name, part)]
+        if name.startswith(self._elsewhere):
+            return []
         if fused and name in self._fused:
             return self._fused[name].targets
         return None

@@ -75,6 +75,7 @@ from rank_worker.attention.backend import AttentionBackend
 from rank_worker.attention.metadata import AttentionMetadata
 from rank_worker.inputs.graph_sizes import capture_sizes, graph_size_for
 from rank_worker.inputs.input_prep import StepInputs
+from rank_worker.pp import PipelineInfo
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 from shm_ipc.step_plan import StepPlan
@@ -130,13 +131,24 @@ def is_decode_only(plan: StepPlan) -> bool:
 
 
 def disabled_reason(
-    device: torch.device, enforce_eager: bool, backend: AttentionBackend, tp: TPInfo
+    device: torch.device,
+    enforce_eager: bool,
+    backend: AttentionBackend,
+    tp: TPInfo,
+    pipe: PipelineInfo | None = None,
 ) -> str | None:
-    """Why this rank runs every step eagerly, or None when it captures graphs."""
+    """Why this rank runs every step eagerly, or None when it captures graphs. `pipe`: its
+    pipeline stage; with more than one stage every step runs eagerly (not yet captured: a
+    graph would hold the stage's sends and receives)."""
     if device.type != "cuda":
         return f"the model runs on {device}"
     if enforce_eager:
         return "enforce_eager is set"
+    if pipe is not None and not pipe.is_single:
+        return (
+            f"pipeline_parallel_size={pipe.stage.num_stages}: CUDA graphs are not supported "
+            "with pipeline parallelism yet"
+        )
     if not backend.supports_cuda_graphs:
         return f"the {backend.name!r} attention backend syncs with the host"
     if not tp.is_single:
@@ -153,12 +165,14 @@ def disabled_reason(
 def padded_without_capture(reason: str | None, device: torch.device, config: RunnerConfig) -> bool:
     """Whether a runner that captures nothing is wanted anyway: `TP_ENGINE_DECODE_GRAPHS=padded`
     where graphs are off (`reason`, from `disabled_reason`) only because the device is a CPU,
-    not with enforce_eager."""
+    not with enforce_eager, nor under pipeline parallelism (the graphs' path has no hand-offs)."""
     value = os.environ.get(ENV_VAR)
     if value is None:
         return False
     if value != PADDED:
         raise ValueError(f"${ENV_VAR} must be {PADDED!r} or unset, got {value!r}")
+    if config.pipeline_parallel_size > 1:
+        return False
     return reason is not None and device.type != "cuda" and not config.enforce_eager
 
 

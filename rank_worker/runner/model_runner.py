@@ -2,7 +2,8 @@
 
 Every rank (rank 0 included) owns a ModelRunner and calls `execute` with the same plan for
 every step; the forward's collectives keep the ranks in lock-step, and the logits arrive on
-rank 0 only. The runner holds no request state: what a step needs is in the plan, and what it
+rank 0 only. Under pipeline parallelism a runner holds its stage's layers and cache only, and
+its forward pass receives from and sends to the neighbouring stages (`rank_worker.pp`). The runner holds no request state: what a step needs is in the plan, and what it
 leaves behind is K/V in cache slots that rank 0's block manager accounts for.
 
 Life cycle: construct (load weights) → `determine_num_kv_blocks()` (every rank, collective) →
@@ -39,13 +40,13 @@ from rank_worker.kv.cache import (
 )
 from rank_worker.kv.copies import HostBlockCopier, queue_plan_copies
 from rank_worker.kv.device_memory import CudaMemory, DeviceMemory, add_cuda_user, drop_cuda_user
-from rank_worker.lora.manager import LoraManager
+from rank_worker.lora.manager import LoraManager, plan_runs_adapters
 from rank_worker.models.architectures import build_model
-from rank_worker.models.layers.rope_spec import RopeSpec
 from rank_worker.models.loader import load_checkpoint
 from rank_worker.models.model_spec import HeadSpec, load_hf_config
 from rank_worker.models.qwen3 import KVCachePair
 from rank_worker.models.weight_map import WeightMap
+from rank_worker.pp import PipelineInfo, StageHandoff
 from rank_worker.runner.cuda_graphs import (
     PADDED_NOTE,
     DecodeGraphRunner,
@@ -56,6 +57,7 @@ from rank_worker.runner.cuda_graphs import (
 from rank_worker.runner.device_sleep import DeviceSleep
 from rank_worker.runner.startup import (
     ProfileSampling,
+    check_max_model_len,
     draft_config,
     kernel_warmup_plans,
     largest_step_plan,
@@ -87,10 +89,11 @@ class ModelRunner:
     ) -> None:
         """`memory`: what the KV-cache sizing reads of the device; None = `CudaMemory` on a
         GPU, and on CPU no measurement (the cache takes `kv_cache_memory_bytes`). Tests pass a
-        stand-in to run the GPU's sizing on CPU."""
+        stand-in to run the GPU's sizing on CPU. `tp`: this rank among all ranks (the world);
+        with pipeline parallelism `self.tp` becomes its stage's group (`self.pipe`)."""
         start = time.perf_counter()
         self.config = config
-        self.tp = tp
+        self.world = tp
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if self.device.index is None:
@@ -105,15 +108,13 @@ class ModelRunner:
         self.baseline_allocated = memory.read().allocated if memory is not None else 0
         torch.manual_seed(config.seed)
         self.hf_config = load_hf_config(model_dir, config.hf_overrides)
-        # Rank 0 checked max_model_len against the same spec (`EngineConfig.with_model_defaults`);
-        # a runner given more (a draft model with a shorter context) would read positions past
-        # its cos/sin table: garbage in the Triton kernels, not an error.
-        rope = RopeSpec.from_config(self.hf_config)
-        if config.max_model_len is not None and config.max_model_len > rope.max_positions:
-            raise ValueError(
-                f"max_model_len ({config.max_model_len}) exceeds {model_dir}'s maximum length "
-                f"{rope.max_positions} ({rope.max_positions_source})"
-            )
+        # This rank's stage (its groups made here, a world collective) and its TP group.
+        self.pipe = PipelineInfo.build(
+            tp, config.pipeline_parallel_size, self.hf_config.num_hidden_layers,
+            config.pp_layer_partition,
+        )  # fmt: skip
+        self.tp = tp = self.pipe.tp
+        check_max_model_len(config, self.hf_config, model_dir)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # Checked before the weights load: a backend that cannot run fails in a second.
@@ -138,6 +139,7 @@ class ModelRunner:
             fused_kernels=self.layer_kernels == "triton",
             enable_expert_parallel=config.enable_expert_parallel,
             head=HeadSpec.from_dict(config.head),
+            stage=self.pipe.stage,
         )
         # The name -> shard rules of this model: for the checkpoint now, for updates later.
         self.weight_map = WeightMap(self.model)
@@ -147,11 +149,12 @@ class ModelRunner:
         self.lora: LoraManager | None = None
         if config.enable_lora:
             self.lora = LoraManager(self.model, config, self.dtype, self.uses_triton)
-            logger.info("rank %d: LoRA slots take %d bytes", tp.rank, self.lora.nbytes)
+            logger.info("rank %d: LoRA slots take %d bytes", self.world.rank, self.lora.nbytes)
         # An fp8 cache halves bytes_per_block (vs bf16), so the same budget holds twice the blocks.
         self.kv_spec = KVCacheSpec.for_model(
-            self.hf_config, tp, config.block_size, self.kv_cache_dtype
-        )
+            self.hf_config, tp, config.block_size, self.kv_cache_dtype,
+            len(self.pipe.stage.layers),
+        )  # fmt: skip
         # Staging for every step's inputs, sized for the largest step (`input_prep`), and this
         # rank's mirror of rank 0's block tables, which the plans' edits keep up to date.
         # `gpu_data_paths` takes the GPU's layout on a CPU device too (tests); None = the
@@ -182,7 +185,7 @@ class ModelRunner:
             self.draft = ModelRunner(
                 config.draft_model,
                 draft_config(config),
-                tp,
+                self.world,
                 self.device,
             )
             self.draft.block_tables = self.block_tables
@@ -204,8 +207,10 @@ class ModelRunner:
 
     @property
     def head_width(self) -> int:
-        """Columns of the head's rows: the vocabulary for an LM head (`rank_worker.models.heads`)."""
-        return int(self.model.head.width)
+        """Columns of the head's rows: the vocabulary for an LM head (`rank_worker.models.heads`).
+        A stage without the head is under pipeline parallelism, which serves the LM head only."""
+        head = self.model.head
+        return self.vocab_size if head is None else int(head.width)
 
     @property
     def pool_spec(self) -> KVCacheSpec | CacheGroup:
@@ -215,7 +220,8 @@ class ModelRunner:
         return CacheGroup((self.kv_spec, *extra)) if extra else self.kv_spec
 
     def determine_num_kv_blocks(self, profile_sampling: ProfileSampling | None = None) -> int:
-        """Blocks every rank can hold (collective: every rank must call it).
+        """Blocks every rank can hold (collective over the world: every rank must call it; each
+        stage's ranks size their own layers' cache, and the least of all wins).
 
         `profile_sampling(logits, num_sampled)`: rank 0's sampler at its most memory-hungry,
         run on the warm-up's logits so that the measurement leaves room for it (the sampler is
@@ -231,7 +237,7 @@ class ModelRunner:
                 self.tp.ranks_on_device,
                 lambda: self._warmup(profile_sampling),
             )
-            return all_reduce_min_int(local, self.tp)
+            return all_reduce_min_int(local, self.world)
         finally:
             self.startup_s["profile"] = time.perf_counter() - start
 
@@ -253,7 +259,7 @@ class ModelRunner:
                 self.config.kv_offloading_size,
                 self.kv_caches,
                 self.config.kv_offloading_dir,
-                self.tp,
+                self.world,
             )
         self.startup_s["kv_cache"] = time.perf_counter() - start
         if self.uses_triton or (draft is not None and draft.uses_triton):
@@ -270,13 +276,13 @@ class ModelRunner:
         captures the same graphs in the same order). At start-up, and again after a wake from
         sleep, since a graph holds the addresses of the weights and the cache (`device_sleep`)."""
         reason = disabled_reason(
-            self.device, self.config.enforce_eager, self.attention_backend, self.tp
+            self.device, self.config.enforce_eager, self.attention_backend, self.tp, self.pipe
         )
         # Tests: the graphs' padded path, uncaptured, where only the CPU device says no.
         padded = padded_without_capture(reason, self.device, self.config)
         if reason is not None:
             note = PADDED_NOTE if padded else ""
-            logger.info("rank %d: no CUDA graphs: %s%s", self.tp.rank, reason, note)
+            logger.info("rank %d: no CUDA graphs: %s%s", self.world.rank, reason, note)
             if not padded:
                 return
         set_lora = None if self.lora is None else self.lora.batch.capture_mode
@@ -397,30 +403,16 @@ class ModelRunner:
         if asleep:
             tags = ", ".join(sorted(tag.value for tag in asleep))
             raise RuntimeError(
-                f"step {plan.step_id}: rank {self.tp.rank} is asleep ({tags} released): "
+                f"step {plan.step_id}: rank {self.world.rank} is asleep ({tags} released): "
                 "wake_up before running a step"
             )
 
     def _prepare(self, plan: StepPlan, last_sampled: torch.Tensor | None = None) -> StepInputs:
-        any_adapter = self._check_adapter_slots(plan)
+        any_adapter = plan_runs_adapters(plan, self.lora)
         inputs = prepare_inputs(
             plan, self.block_tables, buffers=self.input_buffers, last_sampled=last_sampled
         )
         return self._bind_adapters(inputs, any_adapter)
-
-    def _check_adapter_slots(self, plan: StepPlan) -> bool:
-        """Whether a sequence of `plan` runs an adapter. A slot this rank does not have is a
-        ValueError: the plan's decoder checks only the lower bound (-1), and the kernels would
-        read past the slot stacks (the masked torch path would silently run the base)."""
-        slots = plan.section("adapter_slots")
-        top = int(slots.max()) if slots.size else -1
-        num_slots = 0 if self.lora is None else self.lora.max_loras
-        if top >= num_slots:
-            raise ValueError(
-                f"step {plan.step_id}: adapter slot {top}, but this rank has {num_slots} LoRA "
-                "slots (max_loras; 0: enable_lora is off)"
-            )
-        return top >= 0
 
     def _bind_adapters(self, inputs: StepInputs, any_adapter: bool) -> StepInputs:
         """Hand the step's per-token adapter slots to the LoRA layers (their fixed buffer);
@@ -430,8 +422,17 @@ class ModelRunner:
         return inputs
 
     def _forward(self, inputs: StepInputs, kv_caches: list[KVCachePair]) -> torch.Tensor | None:
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches)
-        return self._logits(hidden, inputs.logits_indices)  # hidden: [T, hidden]
+        """This rank's stage of one forward pass; the logits on world rank 0, None elsewhere.
+        Every stage but the first starts from the previous one's hand-off, every stage but the
+        last passes its own on, and the last stage's logits travel to rank 0 (`rank_worker.pp`)."""
+        pipe, size = self.pipe, (inputs.input_ids.shape[0], self.hf_config.hidden_size)
+        handoff = pipe.receive(*size, self.dtype, self.device)  # None on the first stage
+        out = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches, handoff)
+        if isinstance(out, StageHandoff):
+            pipe.send(out)  # [T, hidden] twice
+        logits = None if isinstance(out, StageHandoff) else self._logits(out, inputs.logits_indices)
+        rows = inputs.logits_indices.numel()
+        return pipe.deliver_logits(logits, rows, self.head_width, self.device)
 
     def _logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:
         if logits_indices.numel() == 0:

@@ -20,6 +20,7 @@ from rank_worker.inputs.synthetic_plans import synthetic_plan
 from rank_worker.kv.cache import CacheGroup, KVCacheSpec, cpu_num_blocks, measure_gpu_num_blocks
 from rank_worker.kv.device_memory import DeviceMemory
 from rank_worker.lora import layers as lora_layers
+from rank_worker.models.layers.rope_spec import RopeSpec
 from rank_worker.runner_config import RunnerConfig
 from shm_ipc.step_plan import StepPlan
 
@@ -42,6 +43,18 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
         ckpt = getattr(torch, ckpt, None)
     # A config without a dtype says nothing about precision; fp32 cannot lose any.
     return ckpt if ckpt in _SUPPORTED_DTYPES else torch.float32
+
+
+def check_max_model_len(config: RunnerConfig, hf_config: Any, model_dir: object) -> None:
+    """Rank 0 checked max_model_len against the same spec (`EngineConfig.with_model_defaults`);
+    a runner given more (a draft model with a shorter context) would read positions past its
+    cos/sin table: garbage in the Triton kernels, not an error. ValueError then."""
+    rope = RopeSpec.from_config(hf_config)
+    if config.max_model_len is not None and config.max_model_len > rope.max_positions:
+        raise ValueError(
+            f"max_model_len ({config.max_model_len}) exceeds {model_dir}'s maximum length "
+            f"{rope.max_positions} ({rope.max_positions_source})"
+        )
 
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

@@ -45,8 +45,15 @@ class EngineConfig:
     model: str | None = None
     # Directory of the tokenizer files (vLLM's --tokenizer); None = the checkpoint's own.
     tokenizer: str | None = None
-    # Number of ranks that each hold a shard of every layer.
+    # Number of ranks that each hold a shard of every layer (of their pipeline stage).
     tensor_parallel_size: int = 1
+    # Pipeline stages (vLLM's --pipeline-parallel-size): the layers split over this many groups
+    # of tensor_parallel_size ranks each, world = TP x PP ranks (`rank_worker.pp`); one batch in
+    # flight. Not yet with the features `_PP_REFUSED` names.
+    pipeline_parallel_size: int = 1
+    # Layers per pipeline stage, e.g. (3, 1); None = $TP_ENGINE_PP_LAYER_PARTITION ("3,1", like
+    # vLLM's VLLM_PP_LAYER_PARTITION) when set, else vLLM's even split.
+    pp_layer_partition: tuple[int, ...] | None = None
     # Longest sequence (prompt + output) served; None = the checkpoint's max_position_embeddings.
     max_model_len: int | None = None
     # Most sequences in one step.
@@ -141,6 +148,17 @@ class EngineConfig:
                 "depend on the tokens this step accepts; leave it unset or set it False",
             )
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
+        if self.pp_layer_partition is not None:
+            object.__setattr__(self, "pp_layer_partition", parse_partition(self.pp_layer_partition))
+        if self.pipeline_parallel_size > 1:
+            for what, field, is_on in _PP_REFUSED:
+                _check(
+                    not is_on(self),
+                    field,
+                    f"({what}) is not supported with pipeline_parallel_size="
+                    f"{self.pipeline_parallel_size} yet",
+                )
         # (The ranks check max_lora_rank against vLLM's choices: `RunnerConfig`.)
         _check(self.max_loras >= 1, "max_loras", "must be >= 1")
         if self.kv_offloading_size is not None:
@@ -218,6 +236,11 @@ class EngineConfig:
                 )
 
     @property
+    def world_size(self) -> int:
+        """Every rank of the engine: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def resolved_max_num_batched_tokens(self) -> int:
         """The step's token budget once max_model_len is known."""
         if self.max_num_batched_tokens is not None:
@@ -265,6 +288,26 @@ def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any] | N
     if not isinstance(parsed, dict):
         raise ValueError(f"hf_overrides must be a JSON object, got {value!r}")
     return parsed or None
+
+
+def parse_partition(value: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """Layers per pipeline stage, given as a tuple or list of ints or as "a,b" (the command
+    line's and the environment's form)."""
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        return tuple(int(part) for part in parts)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"pp_layer_partition must list layer counts per stage, e.g. '3,1', got {value!r}"
+        ) from None
+
+
+# What pipeline parallelism refuses (at start-up, by name): (feature, field, whether it is on).
+_PP_REFUSED: tuple[tuple[str, str, Any], ...] = (
+    ("speculative decoding", "speculative_config", lambda c: c.speculative_config is not None),
+    ("LoRA adapters", "enable_lora", lambda c: c.enable_lora),
+    ("the host-memory KV tier", "kv_offloading_size", lambda c: c.kv_offloading_size is not None),
+)
 
 
 def _check(ok: bool, field: str, message: str) -> None:

@@ -138,6 +138,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
 FIELDS_WITHOUT_FLAGS = {
     "model": "each script spells it (bench.py also takes Qwen3 size presets)",
     "tensor_parallel_size": "from torchrun's WORLD_SIZE when not given: each script resolves it",
+    "pipeline_parallel_size": "part of the world's size (TP x PP), spelt beside "
+    "--tensor-parallel-size by the scripts that take it (serve.py: --pipeline-parallel-size/-pp)",
+    "pp_layer_partition": "$TP_ENGINE_PP_LAYER_PARTITION (vLLM's VLLM_PP_LAYER_PARTITION), or "
+    "LLM(pp_layer_partition=...)",
     "gpu_data_paths": "tests only: the GPU's data paths on CPU",
 }
 

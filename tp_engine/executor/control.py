@@ -95,9 +95,15 @@ class EngineControl:
     """Control calls to every rank (see the module docstring). Not thread-safe: called on the
     engine's thread, between steps."""
 
-    def __init__(self, host: ControlHost, executor: Executor) -> None:
+    def __init__(
+        self, host: ControlHost, executor: Executor, refused: Mapping[ControlOp, str] | None = None
+    ) -> None:
+        """`refused`: ops this engine does not run, and why (pipeline parallelism refuses
+        weight updates and sleep: `tp_engine.engine`); `call` raises ValueError with the reason
+        before anything is sent."""
         self.host = host
         self.executor = executor
+        self.refused = dict(refused or {})
 
     def call(self, op: ControlOp, args: Mapping[str, Any] | None = None) -> ControlResult:
         """Run `op` with `args` (msgpack data) on every rank; see the module docstring.
@@ -108,6 +114,8 @@ class EngineControl:
         """
         host = self.host
         op = ControlOp(op)  # ValueError for an unknown number, before anything is sent
+        if op in self.refused:
+            raise ValueError(self.refused[op])
         args = {} if args is None else dict(args)
         ControlCall(0, int(op), args)  # refuse args that do not encode before quiescing
         host.check_usable(repairing=op in REPAIRING_OPS)

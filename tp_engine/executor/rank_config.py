@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from rank_worker.models.model_spec import HeadSpec
+from rank_worker.pp import partition_from_env
 from rank_worker.runner_config import RunnerConfig
 from tp_engine.config import EngineConfig
 
@@ -40,7 +41,9 @@ def runner_config_for(config: EngineConfig, head: HeadSpec | None = None) -> Run
 
     Every field the two configs share by name is copied as it is; the rest is derived here,
     in one place: the resolved token budget, the logits and sampled rows one step can need, the
-    draft model's (or EAGLE-3 head's) directory, the drafts per step and the head."""
+    draft model's (or EAGLE-3 head's) directory, the drafts per step, the head and the layers
+    per pipeline stage (`pp_layer_partition`: the config's, else $TP_ENGINE_PP_LAYER_PARTITION's,
+    read here on rank 0 only so that every rank splits the model alike)."""
     if config.max_model_len is None:
         raise ValueError("max_model_len is not resolved yet; call with_model_defaults first")
     shared = {
@@ -57,14 +60,23 @@ def runner_config_for(config: EngineConfig, head: HeadSpec | None = None) -> Run
         eagle3_head=eagle3_head_dir(config),
         num_speculative_tokens=_num_drafts(config),
         head=None if head is None else head.to_dict(),
+        pp_layer_partition=pp_layer_partition(config),
     )
+
+
+def pp_layer_partition(config: EngineConfig) -> tuple[int, ...] | None:
+    """Layers per pipeline stage as asked: the config's, else the environment's (None: vLLM's
+    even split, `rank_worker.pp.layer_partition`)."""
+    if config.pp_layer_partition is not None:
+        return config.pp_layer_partition
+    return partition_from_env()
 
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 # RunnerConfig fields that `runner_config_for` derives rather than copies.
 _DERIVED = frozenset(
     {"max_num_batched_tokens", "max_num_logits_rows", "max_num_sampled_rows", "draft_model",
-     "eagle3_head", "num_speculative_tokens", "head"}
+     "eagle3_head", "num_speculative_tokens", "head", "pp_layer_partition"}
 )  # fmt: skip
 
 

@@ -1,5 +1,8 @@
 """The offline API: `LLM(model, tensor_parallel_size=N).generate(prompts, params)`.
 
+With `pipeline_parallel_size=P` the engine runs on N x P ranks (`rank_worker.pp`): everything
+below holds with N x P in place of N.
+
 Three ways to run, one engine:
 
 - plain Python, N = 1: everything happens in this process;
@@ -65,13 +68,19 @@ class LLM(PoolingMethods):
         model: str | None = None,
         *,
         tensor_parallel_size: int | None = None,
+        pipeline_parallel_size: int = 1,
         dist_backend: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         launcher = bringup.torchrun_launcher()  # first: see rank_worker.dist.bringup
-        tp_size = bringup.tensor_parallel_size(tensor_parallel_size)
+        tp_size = bringup.tensor_parallel_size(tensor_parallel_size, pipeline_parallel_size)
         # Validate every argument before any process is started.
-        config = EngineConfig(model=model, tensor_parallel_size=tp_size, **engine_kwargs)
+        config = EngineConfig(
+            model=model,
+            tensor_parallel_size=tp_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            **engine_kwargs,
+        )
         self._ranks: bringup.Ranks | None = None
         self._launcher_watch: LauncherWatch | None = None
         # Set (from the launcher watch's thread) once torchrun's agent is gone.
@@ -80,7 +89,7 @@ class LLM(PoolingMethods):
             self._launcher_watch = LauncherWatch(
                 launcher, "the launcher", self._on_launcher_gone, grace_s=RANK0_GRACE_S
             ).start()
-        self._ranks = ranks = bringup.start(tp_size, dist_backend, launcher)
+        self._ranks = ranks = bringup.start(config.world_size, dist_backend, launcher)
         if not ranks.tp.is_first:
             raise SystemExit(bringup.serve_as_worker(ranks))
 

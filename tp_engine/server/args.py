@@ -164,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
         "worker processes)",
     )
     p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="pipeline stages, each a group of --tensor-parallel-size ranks holding its share of "
+        "the layers (world = TP x PP ranks; $TP_ENGINE_PP_LAYER_PARTITION='a,b' sets the "
+        "layers per stage, default an even split)",
+    )
+    p.add_argument(
         "--dist-backend",
         choices=["nccl", "gloo"],
         default=None,
@@ -344,7 +353,18 @@ def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
         if args.speculative_config is not None:
             raise ValueError("give --speculative-config or --speculative-algorithm, not both")
         kwargs["speculative_config"] = sglang_spec
-    return EngineConfig(model=args.model, tensor_parallel_size=tp_size, **kwargs)
+    pp = args.pipeline_parallel_size
+    if pp > 1:  # what the server offers beyond the engine's config, refused by name
+        for flag, on in (
+            ("--data-parallel-size", args.data_parallel_size is not None),
+            ("--enable-weight-updates", args.enable_weight_updates),
+            ("--enable-sleep-mode", args.enable_sleep_mode),
+        ):
+            if on:
+                raise ValueError(f"{flag} is not supported with pipeline_parallel_size={pp} yet")
+    return EngineConfig(
+        model=args.model, tensor_parallel_size=tp_size, pipeline_parallel_size=pp, **kwargs
+    )
 
 
 def hierarchical_cache_size(args: argparse.Namespace) -> float:

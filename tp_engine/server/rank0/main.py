@@ -80,10 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:  # every argument is checked before any process starts
-        tp_size = bringup.tensor_parallel_size(args.tensor_parallel_size)
+        tp_size = bringup.tensor_parallel_size(
+            args.tensor_parallel_size, args.pipeline_parallel_size
+        )
         config = engine_config(args, tp_size)
         sargs = server_args(args)
-        node = node_spec(args, tp_size, under_torchrun=launcher is not None)
+        node = node_spec(args, config.world_size, under_torchrun=launcher is not None)
     except ValueError as exc:
         parser.error(str(exc))
     warning = exposure_warning(sargs.host, sargs.api_key)
@@ -104,13 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     if launcher is not None and bringup.torchrun_rank() != 0:
         for sig in _STOP_SIGNALS:  # see the module docstring
             signal.signal(sig, signal.SIG_IGN)
-        return bringup.serve_as_worker(bringup.start(tp_size, sargs.dist_backend, launcher))
+        return bringup.serve_as_worker(
+            bringup.start(config.world_size, sargs.dist_backend, launcher)
+        )
     if node is not None and node.node_rank > 0:  # headless: this node's ranks serve rank 0
         with _signals_ignored():
-            ranks = bringup.start(tp_size, sargs.dist_backend, None, node)
+            ranks = bringup.start(config.world_size, sargs.dist_backend, None, node)
         return bringup.serve_as_worker(ranks)
     with _signals_ignored():  # spawned children inherit SIG_IGN across exec; see the docstring
-        ranks = bringup.start(tp_size, sargs.dist_backend, launcher, node)
+        ranks = bringup.start(config.world_size, sargs.dist_backend, launcher, node)
     replica_launcher = parent if args.replica_index is not None else None
     return Rank0Server(config, sargs, ranks, replica_launcher).run()
 

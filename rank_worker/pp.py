@@ -36,6 +36,7 @@ or the engine's `pp_layer_partition`), read once on rank 0 and shipped to every 
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -54,6 +55,8 @@ __all__ = [
 ]
 
 ENV_LAYER_PARTITION = "TP_ENGINE_PP_LAYER_PARTITION"
+
+logger = logging.getLogger(__name__)
 
 
 def partition_from_env() -> tuple[int, ...] | None:
@@ -180,6 +183,10 @@ class PipelineInfo:
                     group = made
         tp = TPInfo(tp_rank, tp_size, world.local_rank, world.local_size, world.device, group=group)
         start, end = layer_partition(num_layers, pp_size, partition)[pp_rank]
+        logger.info(
+            "rank %d: pipeline stage %d of %d (TP rank %d of %d), layers [%d, %d) of %d",
+            world.rank, pp_rank, pp_size, tp_rank, tp_size, start, end, num_layers,
+        )  # fmt: skip
         return cls(world, tp, PipelineStage(pp_rank, pp_size, start, end, num_layers))
 
     @property

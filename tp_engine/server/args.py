@@ -38,6 +38,9 @@ environment variables:
                              /v1/unload_lora_adapter (with --enable-lora); 404 otherwise
   TP_ENGINE_ROUTER_ADMIN_KEY the sglang-router admin key with --data-parallel-size (default: a
                              random key per run)
+  TP_ENGINE_PP_LAYER_PARTITION
+                             layers per pipeline stage with --pipeline-parallel-size, e.g.
+                             "30,18" (vLLM's VLLM_PP_LAYER_PARTITION); default an even split
 """
 # A --chat-template value holding one of these is the template itself, else a file's path
 # (vLLM's rule).

@@ -166,8 +166,10 @@ def test_stages_chained_equal_the_whole_model(tmp_path: Path, tied: Path, moe: b
 @pytest.mark.parametrize(
     ("fields", "feature"),
     [
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-         "speculative decoding"),
+        ({"speculative_config": {"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}},
+         "speculative decoding with a draft model"),
+        ({"speculative_config": {"method": "eagle3", "model": "/h", "num_speculative_tokens": 2}},
+         "or an EAGLE-3 head"),
         ({"enable_lora": True}, "LoRA adapters"),
         ({"kv_offloading_size": 0.5}, "host-memory KV tier"),
     ],
@@ -176,6 +178,22 @@ def test_config_refuses_what_pp_does_not_support(fields: dict, feature: str) -> 
     EngineConfig(**fields)  # fine without pipeline parallelism
     with pytest.raises(ValueError, match=rf"{feature}.*pipeline_parallel_size=2"):
         EngineConfig(pipeline_parallel_size=2, **fields)
+    # n-gram drafts work under pipeline parallelism (tests/test_pp_e2e.py runs them).
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    EngineConfig(pipeline_parallel_size=2, speculative_config=ngram)
+
+
+def test_pooling_models_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from tp_engine.engine import _check_pooling_config
+
+    embedder = SimpleNamespace(is_pooling=True, task="embed")
+    _check_pooling_config(embedder, EngineConfig())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"pooling models \('embed'\).*pipeline_parallel_size=2"):
+        _check_pooling_config(embedder, EngineConfig(pipeline_parallel_size=2))  # type: ignore[arg-type]
+    generator = SimpleNamespace(is_pooling=False, task="generate")
+    _check_pooling_config(generator, EngineConfig(pipeline_parallel_size=2))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -304,7 +304,12 @@ def parse_partition(value: str | tuple[int, ...] | list[int]) -> tuple[int, ...]
 
 # What pipeline parallelism refuses (at start-up, by name): (feature, field, whether it is on).
 _PP_REFUSED: tuple[tuple[str, str, Any], ...] = (
-    ("speculative decoding", "speculative_config", lambda c: c.speculative_config is not None),
+    # n-gram drafts are rank 0's alone and verify rows are logits rows: that works as it is.
+    (
+        "speculative decoding with a draft model or an EAGLE-3 head",
+        "speculative_config",
+        lambda c: c.speculative_config is not None and c.speculative_config.method != "ngram",
+    ),
     ("LoRA adapters", "enable_lora", lambda c: c.enable_lora),
     ("the host-memory KV tier", "kv_offloading_size", lambda c: c.kv_offloading_size is not None),
 )

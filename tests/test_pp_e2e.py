@@ -143,22 +143,6 @@ def test_async_scheduling(llm, references) -> None:
     assert llm.engine.async_scheduling
 
 
-def test_ngram_speculative_decoding(references) -> None:
-    """n-gram drafts (rank 0's alone) verified under TP 1 x PP 2: the verify rows are logits
-    rows like any other, so the outputs stay transformers' greedy ones."""
-    model_dir, prompts, expected = references["dense"]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
-    llm = LLM(str(model_dir), pipeline_parallel_size=2, speculative_config=spec, block_size=4,
-              num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=MAX_MODEL_LEN)  # fmt: skip
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == expected
-        assert llm.engine.spec_stats.num_accepted_tokens > 0  # drafts were verified and kept
-    finally:
-        llm.shutdown()
-
-
 def test_sleep_and_weight_updates_are_refused(llm, references) -> None:
     pp = CASES[llm.case][2]
     with pytest.raises(ValueError, match=rf"sleep mode .* pipeline_parallel_size={pp}"):

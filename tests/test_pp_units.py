@@ -178,7 +178,7 @@ def test_config_refuses_what_pp_does_not_support(fields: dict, feature: str) -> 
     EngineConfig(**fields)  # fine without pipeline parallelism
     with pytest.raises(ValueError, match=rf"{feature}.*pipeline_parallel_size=2"):
         EngineConfig(pipeline_parallel_size=2, **fields)
-    # n-gram drafts work under pipeline parallelism (tests/test_pp_e2e.py runs them).
+    # n-gram drafts work under pipeline parallelism (tests/test_pp_engines.py runs them).
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     EngineConfig(pipeline_parallel_size=2, speculative_config=ngram)
 

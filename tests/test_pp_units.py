@@ -116,6 +116,31 @@ def test_each_stage_holds_and_loads_only_its_share(tied: Path) -> None:
     assert first_names | last_names == whole | {"lm_head.weight"}
 
 
+@pytest.mark.parametrize(("world_rank", "layers"), [(0, range(0, 2)), (1, range(2, 3))])
+def test_each_stage_runner_sizes_its_own_cache(tied: Path, world_rank: int, layers: range) -> None:
+    """A runner of each stage of TP 1 x PP 2 (no process group needed: TP 1 per stage makes no
+    group, and nothing here is a collective): its cache holds its stage's layers only, so its
+    blocks are smaller where it holds fewer layers (the world's minimum then decides)."""
+    from rank_worker.runner.model_runner import ModelRunner
+    from rank_worker.runner_config import RunnerConfig
+
+    config = RunnerConfig(max_model_len=64, block_size=4, pipeline_parallel_size=2)
+    runner = ModelRunner(tied, config, TPInfo(world_rank, 2), "cpu")
+    assert runner.pipe.stage.layers == layers and runner.world.rank == world_rank
+    assert (runner.tp.rank, runner.tp.size) == (0, 1)
+    assert runner.kv_spec.num_layers == len(layers)
+    whole = ModelRunner(tied, RunnerConfig(max_model_len=64, block_size=4), SINGLE, "cpu")
+    per_layer = whole.kv_spec.bytes_per_block // 3
+    assert runner.kv_spec.bytes_per_block == per_layer * len(layers)
+    runner.init_kv_cache(5)
+    assert len(runner.kv_caches) == len(layers)
+    assert all(k.shape[0] == 5 and v.shape[0] == 5 for k, v in runner.kv_caches)
+    held = {int(n.split(".")[2]) for n, _ in runner.model.named_parameters() if ".layers." in n}
+    assert held == set(layers)
+    runner.release()
+    whole.release()
+
+
 def _forward_through_stages(model_dir: Path, partition: list[tuple[int, int]]) -> torch.Tensor:
     """Every position's logits of one prompt, each stage's model run on the previous one's hand-off
     (what the ranks' send and receive carry), with its own KV cache."""

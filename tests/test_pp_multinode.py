@@ -14,8 +14,10 @@ import random
 import pytest
 
 from tests.multinode_harness import (
+    documented_commands,
     free_port,
     node_env,
+    runnable,
     start_node0,
     start_node1,
     unshare_available,
@@ -33,7 +35,10 @@ SERVE_ARGS = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "-
               "--enable-prefix-caching", "--served-model-name", "pp"]  # fmt: skip
 
 
-def test_tp2_pp2_across_two_nodes_equals_transformers(tmp_path) -> None:
+@pytest.mark.parametrize("form", ["torchrun", "tp-engine"])
+def test_tp2_pp2_across_two_nodes_equals_transformers(tmp_path, form: str) -> None:
+    """docs/multi-node.md's two commands of `form` (torchrun's, or `tp-engine serve --nnodes`,
+    whose node processes spawn their ranks), with TP 2 x PP 2 in place of the page's TP 4."""
     why_not = unshare_available()
     if why_not is not None:
         pytest.fail(f"the multi-node tests need namespaces (run as root): {why_not}")
@@ -48,9 +53,10 @@ def test_tp2_pp2_across_two_nodes_equals_transformers(tmp_path) -> None:
     port = free_port()
     env = node_env(TP_ENGINE_NODE_TIMEOUT_S="5")
     env.pop("TP_ENGINE_PP_LAYER_PARTITION", None)
-    args = ["--model", str(checkpoint), *SERVE_ARGS]
-    node1 = start_node1(args, port, checkpoint, tmp_path / "node1.log", env)
-    node0 = start_node0(args, port, tmp_path / "node0.log", env)
+    extra = ["--model", str(checkpoint), "--port", "0", *SERVE_ARGS]  # the last -tp wins
+    doc0, doc1 = documented_commands()[form]
+    node1 = start_node1(runnable(doc1, port, extra), checkpoint, tmp_path / "node1.log", env)
+    node0 = start_node0(runnable(doc0, port, extra), tmp_path / "node0.log", env)
     try:
         node0.wait_ready()
         body = {"model": "pp", "prompt": batch, "max_tokens": MAX_TOKENS, "temperature": 0,

@@ -201,7 +201,7 @@ class Rank0Server:
                 vocab_size=int(engine.vocab_size),
                 generation_defaults=dict(engine.generation_defaults),
                 api_key=self.args.api_key,
-                tensor_parallel_size=self.tp.size,
+                tensor_parallel_size=self.config.tensor_parallel_size,
                 reasoning_parser=self.args.reasoning_parser,
                 tool_call_parser=self.args.tool_call_parser,
                 enable_auto_tool_choice=self.args.enable_auto_tool_choice,
@@ -238,9 +238,12 @@ class Rank0Server:
             return 0 if stopped else EXIT_FAILED
         self.run_dir.remove()  # both sides are connected; the names are no longer needed
         logger.info(
-            "serving %s (tensor parallel %d) on http://%s:%d",
+            "serving %s (tensor parallel %d%s) on http://%s:%d",
             names[0],
-            self.tp.size,
+            self.config.tensor_parallel_size,
+            ""
+            if self.config.pipeline_parallel_size == 1
+            else f", pipeline parallel {self.config.pipeline_parallel_size}",
             _url_host(self.args.host),
             port,
         )

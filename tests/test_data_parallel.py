@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -231,6 +232,24 @@ def test_openai_client_completions_chat_and_streaming_through_the_router(dp):
     )
     assert streamed[-1].usage.completion_tokens == 4
     assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
+
+
+def test_sglangs_generate_through_the_router(dp):
+    """slime's rollout call through the real router, which re-serializes the body with SGLang's
+    other fields (`"model": null`, `log_metrics`, `bootstrap_*`, ...): served, and equal to the
+    replica's own answer to the same request."""
+    body = {"text": "Hello there", "sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
+            "return_logprob": True}  # fmt: skip
+    status, raw = dp.request("POST", "/generate", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})  # fmt: skip
+    assert status == 200, raw
+    routed = json.loads(raw)
+    _, url = next(iter(replicas(dp).values()))
+    direct = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
+                                    headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(direct, timeout=60) as resp:
+        assert json.loads(resp.read())["output_ids"] == routed["output_ids"]
+    assert routed["meta_info"]["completion_tokens"] == 5
 
 
 def test_bad_requests_get_the_replicas_400_and_take_no_replica_out(dp):

@@ -300,6 +300,28 @@ def test_generate_refusals_are_400s(server):
     assert len(greedy(server, n=2)) == 2
 
 
+def test_generate_takes_sglangs_other_fields_at_their_defaults_and_refuses_the_rest(server):
+    sp = {"max_new_tokens": 4, "temperature": 0.0}
+    plain = call(server, "POST", "/generate", {"text": "Hello", "sampling_params": sp})
+    assert plain[0] == 200, plain
+    # What sglang-router's re-serialized body adds (tests/test_data_parallel.py sends one
+    # through the real router): SGLang's defaults, and fields with no effect here.
+    routed = {"text": "Hello", "sampling_params": sp, "model": None, "log_metrics": True,
+              "return_hidden_states": False, "background": False, "no_logs": False,
+              "return_bytes": False, "return_entropy": False, "return_text_in_logprobs": False,
+              "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None,
+              "lora_path": None, "priority": 3, "routing_key": "k"}  # fmt: skip
+    status, out = call(server, "POST", "/generate", routed)
+    assert status == 200, out
+    assert out["output_ids"] == plain[1]["output_ids"]
+    for field, value, says in (("return_hidden_states", True, "not supported"),
+                               ("image_data", "x.png", "not supported"),
+                               ("warp_drive", 1, "not a field of SGLang's")):  # fmt: skip
+        status, reply = call(server, "POST", "/generate", {**routed, field: value})
+        assert status == 400 and says in reply["error"]["message"], (field, reply)
+        assert reply["error"]["message"].startswith(field)
+
+
 def test_abort_request_by_rid(server):
     body = {"input_ids": PROMPT, "rid": "slow-1",
             "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0.0}}  # fmt: skip

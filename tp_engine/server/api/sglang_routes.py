@@ -25,6 +25,10 @@ request; only the names and the response's shape are SGLang's:
     stream                                   stream (each event carries the text so far,
                                              as SGLang's do, then `data: [DONE]`)
 
+SGLang's other request fields (sglang-router adds them all when it re-serializes a body) are
+accepted as SGLang accepts them, ignored where they change nothing here and refused by name
+where they ask for a feature this server lacks (`sglang_fields`).
+
 Each output: `{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "stop" |
 "length" | "abort", "matched"?: token id or stop string, "length"?}, "prompt_tokens",
 "completion_tokens", "cached_tokens", "weight_version", "output_token_logprobs"?: [[logprob,
@@ -49,6 +53,7 @@ from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.api.protocol import CompletionRequest
 from tp_engine.server.api.responses import ClientGone, until_disconnect
 from tp_engine.server.api.serving import OpenAIServing
+from tp_engine.server.api.sglang_fields import refused_extra
 from tp_engine.server.messages import Delta
 
 # SGLang's sampling_params names -> /v1/completions' (the same meaning).
@@ -68,7 +73,9 @@ _NO_EFFECT = ("custom_params", "spaces_between_special_tokens")
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # SGLang's other fields arrive too (sglang-router re-serializes every body with them):
+    # kept aside and judged by `sglang_fields.refused_extra`.
+    model_config = ConfigDict(extra="allow")
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -235,6 +242,9 @@ def build_sglang_router(
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first.get("loc", ()))
             raise APIError(400, f"{where}: {first.get('msg')}", param=where) from None
+        refused = refused_extra(req.model_extra or {})
+        if refused is not None:
+            raise APIError(400, refused, param=refused.split()[0].rstrip(":"))
         creq, num_prompts = _completion_request(req)
         rids = _request_ids(req, num_prompts)
         busy = [r for r in rids or [] if r in running.by_id]

@@ -67,14 +67,24 @@ def moe_checkpoint(tmp_path_factory) -> Path:
     return build_random_qwen3_moe(tmp_path_factory.mktemp("mn-moe") / "ckpt", **shape)
 
 
-def start_cluster(checkpoint: Path, logs: Path, form: str = "torchrun") -> tuple[Server, Server]:
-    """docs/multi-node.md's two commands of `form`, on `checkpoint`, node 1 namespaced."""
+def start_cluster(
+    checkpoint: Path,
+    logs: Path,
+    form: str = "torchrun",
+    more_args: tuple[str, ...] = (),
+    gpus: tuple[str, str] | None = None,
+) -> tuple[Server, Server]:
+    """docs/multi-node.md's two commands of `form`, on `checkpoint`, node 1 namespaced; `gpus`:
+    each node's CUDA_VISIBLE_DEVICES (None: CPU)."""
     port = free_port()
     env = node_env(TP_ENGINE_NODE_TIMEOUT_S=str(NODE_TIMEOUT_S))
-    extra = ["--model", str(checkpoint), *SERVE_ARGS]
+    env0, env1 = env, env
+    if gpus is not None:
+        env0, env1 = (dict(env, CUDA_VISIBLE_DEVICES=g) for g in gpus)
+    extra = ["--model", str(checkpoint), *SERVE_ARGS, *more_args]
     doc0, doc1 = documented_commands()[form]
-    node1 = start_node1(runnable(doc1, port, extra), checkpoint, logs / "node1.log", env)
-    node0 = start_node0(runnable(doc0, port, extra), logs / "node0.log", env)
+    node1 = start_node1(runnable(doc1, port, extra), checkpoint, logs / "node1.log", env1)
+    node0 = start_node0(runnable(doc0, port, extra), logs / "node0.log", env0)
     try:
         node0.wait_ready()
     except BaseException:
@@ -131,6 +141,25 @@ def test_tp4_across_two_nodes_equals_transformers_with_prefix_hits_chunks_and_pr
     # Only node 0 serves HTTP.
     assert "Uvicorn running" in log0 and "Uvicorn running" not in log1
     assert log1.count("Traceback") == 0
+
+
+@pytest.mark.multigpu
+def test_tp4_across_two_nodes_over_nccl_equals_transformers(checkpoint, tmp_path):
+    """The same across two namespaced nodes of one 4-GPU machine, two GPUs each, over NCCL."""
+    import torch
+
+    if torch.cuda.device_count() < 4:
+        pytest.skip(f"needs 4 GPUs (2 per node), found {torch.cuda.device_count()}")
+    node0, node1 = start_cluster(
+        checkpoint, tmp_path, more_args=("--dist-backend", "nccl"), gpus=("0,1", "2,3")
+    )
+    try:
+        batch = prompts(seed=5)
+        expected = hf_greedy(checkpoint, batch, MAX_TOKENS)
+        assert [c["token_ids"] for c in complete(node0, batch)["choices"]] == expected
+    finally:
+        node0.stop()
+        node1.stop()
 
 
 def test_control_calls_reach_the_other_node_sleep_and_wake(cluster, checkpoint):

@@ -195,7 +195,6 @@ def test_stages_chained_equal_the_whole_model(tmp_path: Path, tied: Path, moe: b
          "speculative decoding with a draft model"),
         ({"speculative_config": {"method": "eagle3", "model": "/h", "num_speculative_tokens": 2}},
          "or an EAGLE-3 head"),
-        ({"enable_lora": True}, "LoRA adapters"),
         ({"kv_offloading_size": 0.5}, "host-memory KV tier"),
     ],
 )  # fmt: skip

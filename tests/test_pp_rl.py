@@ -14,7 +14,9 @@ engine serves the module; each test starts from A, awake.
   transformers' tokens on B, so stage 1 took layer 2, the norm and the tied head from B;
 - disk: A → B → A, each transformers' tokens; a lazy iterator of B's tensors likewise;
 - get_weights_by_name answers from the stage that holds the tensor (stage 1's layer, the norm)
-  with the checkpoint's values, and still refuses an unknown name.
+  with the checkpoint's values, and still refuses an unknown name;
+- a trainer's group (1 + TP x PP ranks): B broadcast to both stages; a wrong shape for a stage-1
+  tensor is refused by rank 1 alone and every rank drains the broadcasts.
 """
 
 from __future__ import annotations
@@ -163,3 +165,56 @@ def test_get_weights_by_name_answers_from_the_stage_that_holds_it(llm, checkpoin
         assert got == weights[name].flatten()[:50].tolist(), name
     with pytest.raises(ControlRefusedError, match="not a checkpoint tensor"):
         llm.get_weights_by_name("model.layers.7.mlp.up_proj.weight")
+
+
+def test_trainer_group_path(llm, checkpoints, hf) -> None:
+    """A trainer (rank 0 of its group) broadcasts B to every engine rank, both stages (group
+    ranks 1 and 2); a shape wrong for a stage-1 tensor is refused by stage 1 alone, and every
+    rank still drains the broadcasts (the trainer finishes)."""
+    import multiprocessing as mp
+    import socket
+
+    from tests.weight_trainer import trainer_main
+
+    a, b = checkpoints
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    commands, replies = ctx.Queue(), ctx.Queue()
+    world = 1 + 2  # the trainer, then TP 1 x PP 2
+    trainer = ctx.Process(
+        target=trainer_main, args=(port, world, "ppg", commands, replies), daemon=True
+    )
+    trainer.start()
+    try:
+        llm.init_weights_update_group("127.0.0.1", port, 1, world, "ppg", timeout_s=60)
+        assert replies.get(timeout=60) == ("ready",)
+        metas = [[n, "float32", list(t.shape)] for n, t in tensors(b).items()]
+
+        def update(announced: list) -> None:
+            commands.put(("send", str(b), announced))
+            llm.update_weights_from_distributed(
+                [m[0] for m in announced], [m[1] for m in announced],
+                [m[2] for m in announced], group_name="ppg",
+            )  # fmt: skip
+
+        bad = [list(m) for m in metas]
+        [i] = [k for k, m in enumerate(bad) if m[0] == "model.layers.2.mlp.down_proj.weight"]
+        bad[i][2] = [3, 5]
+        with pytest.raises(
+            ControlRefusedError, match=r"rank 1.*layers\.2\.mlp\.down_proj.*\(3, 5\)"
+        ):
+            update(bad)
+        assert replies.get(timeout=30)[0] == "sent"  # drained: no hang
+        assert generate(llm) == hf[a]
+        update(metas)
+        assert replies.get(timeout=60)[0] == "sent"
+        assert generate(llm) == hf[b]
+        llm.destroy_weights_update_group("ppg")
+        commands.put(("stop",))
+        assert replies.get(timeout=30) == ("stopped",)
+    finally:
+        trainer.join(timeout=30)
+        if trainer.is_alive():
+            trainer.kill()

@@ -7,8 +7,8 @@ sparse), plus an explicit uneven partition from `$TP_ENGINE_PP_LAYER_PARTITION` 
 token ids must equal transformers' for every prompt: with prefix caching and chunked prefill
 under a small token budget, with a KV pool small enough to force preemption, and with
 asynchronous scheduling (the sampled tokens broadcast from rank 0). One process group per case
-serves every scenario (`LLMEngine.reconfigure` changes rank 0's knobs only). What pipeline
-parallelism refuses at run time (sleep, weight updates) is refused here, by name.
+serves every scenario (`LLMEngine.reconfigure` changes rank 0's knobs only). A sleep, a wake
+and a reload from disk change no token, at every case (TP 2 x PP 2 and MoE included).
 """
 
 from __future__ import annotations
@@ -143,11 +143,12 @@ def test_async_scheduling(llm, references) -> None:
     assert llm.engine.async_scheduling
 
 
-def test_sleep_and_weight_updates_are_refused(llm, references) -> None:
-    pp = CASES[llm.case][2]
-    with pytest.raises(ValueError, match=rf"sleep mode .* pipeline_parallel_size={pp}"):
-        llm.sleep()
-    with pytest.raises(ValueError, match=rf"weight updates .* pipeline_parallel_size={pp}"):
-        llm.update_weights_from_disk(str(references[CASES[llm.case][0]][0]))
+def test_sleep_and_a_disk_update_keep_the_tokens(llm, references) -> None:
+    """Sleep mode and weight updates at every case (tests/test_pp_rl.py is their own module,
+    at TP 1 x PP 2): a level-1 sleep, a wake, and a reload of the same checkpoint."""
+    llm.sleep(level=1)
+    assert llm.is_sleeping()
+    llm.wake_up()
+    llm.update_weights_from_disk(str(references[CASES[llm.case][0]][0]))
     assert not llm.is_sleeping()
-    check_matches_hf(llm, references)  # nothing was sent: the engine serves on
+    check_matches_hf(llm, references)

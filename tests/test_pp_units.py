@@ -195,7 +195,6 @@ def test_stages_chained_equal_the_whole_model(tmp_path: Path, tied: Path, moe: b
          "speculative decoding with a draft model"),
         ({"speculative_config": {"method": "eagle3", "model": "/h", "num_speculative_tokens": 2}},
          "or an EAGLE-3 head"),
-        ({"enable_lora": True}, "LoRA adapters"),
         ({"kv_offloading_size": 0.5}, "host-memory KV tier"),
     ],
 )  # fmt: skip
@@ -221,36 +220,48 @@ def test_pooling_models_are_refused() -> None:
     _check_pooling_config(generator, EngineConfig(pipeline_parallel_size=2))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(
-    "flags", [["--enable-weight-updates"], ["--enable-sleep-mode"], ["--data-parallel-size", "2"]]
-)
-def test_server_refuses_what_pp_does_not_support(flags: list[str]) -> None:
+def test_server_refuses_what_pp_does_not_support() -> None:
     from tp_engine.server.args import build_parser, engine_config
 
     parser = build_parser()
+    flags = ["--data-parallel-size", "2"]
     assert engine_config(parser.parse_args(flags), 1).pipeline_parallel_size == 1
-    args = parser.parse_args([*flags, "-pp", "2"])
-    with pytest.raises(ValueError, match=rf"{flags[0]} is not supported with pipeline_parallel"):
-        engine_config(args, 1)
+    with pytest.raises(ValueError, match=r"--data-parallel-size is not supported with pipeline"):
+        engine_config(parser.parse_args([*flags, "-pp", "2"]), 1)
     config = engine_config(parser.parse_args(["--pipeline-parallel-size", "2", "-tp", "3"]), 3)
     assert (config.pipeline_parallel_size, config.world_size) == (2, 6)
+    # Sleep mode and weight updates run under pipeline parallelism (tests/test_pp_rl.py).
+    flags = ["-pp", "2", "--enable-weight-updates", "--enable-sleep-mode"]
+    assert engine_config(parser.parse_args(flags), 1).pipeline_parallel_size == 2
 
 
-def test_control_calls_refused_before_anything_is_sent() -> None:
-    from rank_worker.control.protocol import ControlOp
-    from tp_engine.engine import _pp_refused_ops
-    from tp_engine.executor.control import EngineControl
+def test_weight_map_skips_and_covers_by_stage(tied: Path) -> None:
+    """Each stage's map resolves another stage's tensors to nothing (`held_elsewhere`), and
+    a batch covers a stage when it fills that stage's parts, whatever it lacks elsewhere."""
+    from rank_worker.models.weight_map import WeightMap
 
-    assert _pp_refused_ops(EngineConfig()) == {}
-    refused = _pp_refused_ops(EngineConfig(pipeline_parallel_size=2))
-    assert {ControlOp.SLEEP, ControlOp.WAKE, ControlOp.LOAD_WEIGHTS} <= set(refused)
-    assert ControlOp.WEIGHT_CHECKSUMS not in refused  # gathered over the world: it works
-    # No host, no executor: a refused op must not reach either.
-    control = EngineControl(None, None, refused)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"sleep mode \(SLEEP\).*pipeline_parallel_size=2"):
-        control.call(ControlOp.SLEEP, {"level": 1})
-    with pytest.raises(ValueError, match=r"weight updates \(LOAD_WEIGHTS_FROM_DISK\)"):
-        control.call(ControlOp.LOAD_WEIGHTS_FROM_DISK)
+    ckpt = load_file(str(tied / "model.safetensors"))
+    first = WeightMap(build_model(load_hf_config(tied), SINGLE, torch.float32, "meta",
+                                  stage=PipelineStage(0, 2, 0, 2, 3)))  # fmt: skip
+    last = WeightMap(build_model(load_hf_config(tied), SINGLE, torch.float32, "meta",
+                                 stage=PipelineStage(1, 2, 2, 3, 3)))  # fmt: skip
+    layer2 = "model.layers.2.mlp.up_proj.weight"
+    assert first.held_elsewhere(layer2) and not last.held_elsewhere(layer2)
+    assert last.held_elsewhere("model.layers.0.mlp.up_proj.weight")
+    assert first.held_elsewhere("model.norm.weight") and not last.held_elsewhere(
+        "model.norm.weight"
+    )
+    # The tied embedding: both stages hold it (the last as its head).
+    embed = "model.embed_tokens.weight"
+    assert not first.held_elsewhere(embed) and not last.held_elsewhere(embed)
+    assert [t.part.param for t in last.resolve(embed) or []] == ["lm_head.weight"]
+    # Unknown and ignored names are nobody's.
+    assert not first.held_elsewhere("model.layers.9.mlp.up_proj.weight")
+    assert not first.held_elsewhere("model.layers.0.self_attn.rotary_emb.inv_freq")
+    stage0 = [n for n in ckpt if not n.startswith(("model.layers.2.", "model.norm."))]
+    assert first.covers(stage0) and not last.covers(stage0)
+    assert first.covers(ckpt) and last.covers(ckpt)
+    assert not last.covers([n for n in ckpt if n != embed])  # the head's copy is missing
 
 
 def test_cuda_graphs_off_under_pp() -> None:

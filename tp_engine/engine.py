@@ -24,7 +24,6 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from rank_worker.control.protocol import ControlOp
 from rank_worker.fault_injection import Fault
 from rank_worker.models.model_spec import ModelSpec, load_hf_config
 from rank_worker.pp import layer_partition
@@ -137,7 +136,7 @@ class LLMEngine:
         # The other features, each given the core's `CoreAccess` and plugged in by its hooks
         # (`tp_engine.core.hooks`). Control calls to every rank (`tp_engine.executor.control`),
         # run between steps:
-        self.control = EngineControl(core, executor, _pp_refused_ops(config))
+        self.control = EngineControl(core, executor)
         # Sleep mode (`tp_engine.features.weights_and_sleep.sleep`): what sleeps on every rank;
         # it closes the gate too.
         self.sleep_state = EngineSleep(core, self.control)
@@ -389,30 +388,6 @@ def _token_id_of(tokenizer: Any) -> Callable[[str], int | None]:
         return None if tid is None or tid == tokenizer.unk_token_id else int(tid)
 
     return token_id
-
-
-def _pp_refused_ops(config: EngineConfig) -> dict[ControlOp, str]:
-    """The control calls pipeline parallelism does not run yet, each with its refusal: weight
-    updates and sleep mode (their ops assume every rank holds every layer's shard)."""
-    pp = config.pipeline_parallel_size
-    if pp == 1:
-        return {}
-    features = {
-        "weight updates": _WEIGHT_UPDATE_OPS,
-        "sleep mode": (ControlOp.SLEEP, ControlOp.WAKE),
-    }
-    return {
-        op: f"{feature} ({op.name}) is not supported with pipeline_parallel_size={pp} yet"
-        for feature, ops in features.items()
-        for op in ops
-    }
-
-
-_WEIGHT_UPDATE_OPS = (
-    ControlOp.LOAD_WEIGHTS, ControlOp.LOAD_WEIGHTS_FROM_DISK, ControlOp.INIT_WEIGHTS_UPDATE_GROUP,
-    ControlOp.LOAD_WEIGHTS_FROM_GROUP, ControlOp.DESTROY_WEIGHTS_UPDATE_GROUP,
-    ControlOp.GET_WEIGHTS_BY_NAME, ControlOp.WEIGHTS_UPDATE_GROUP_STATUS,
-)  # fmt: skip
 
 
 def _check_pooling_config(spec: ModelSpec, config: EngineConfig) -> None:

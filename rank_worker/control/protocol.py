@@ -89,6 +89,10 @@ class ControlOp(enum.IntEnum):
     DESTROY_WEIGHTS_UPDATE_GROUP = 14
     GET_WEIGHTS_BY_NAME = 15  # the first values of one checkpoint tensor, from every rank
     WEIGHTS_UPDATE_GROUP_STATUS = 16
+    # Whether the checkpoint names given fill every part this rank's stage must hold: after a
+    # level-2 sleep, the engine serves again only once every rank says yes (under pipeline
+    # parallelism rank 0's map knows its own stage's parts only).
+    WEIGHTS_COVERED = 17
     # Sleep mode (`rank_worker.control.sleep_ops`, which registers them in `_HANDLERS`; step.py
     # imports it): release the weights' and the KV cache's device memory, restore it, and
     # report each rank's bytes.

@@ -1,4 +1,4 @@
-"""Weight updates on one rank: the handlers of control ops 10, 11, 13 and 15, registered into
+"""Weight updates on one rank: the handlers of control ops 10, 11, 13, 15 and 17, registered into
 `rank_worker.control.protocol`'s op table (whose two-phase protocol and rules they follow).
 
 Every path ends in the same call, `runner.weight_map.apply(name, full_tensor)`: each rank gets
@@ -18,6 +18,16 @@ storages and `data_ptr`s stay valid. What differs is where the full tensors come
                                                                      tensor, in the order given
     GET_WEIGHTS_BY_NAME        name, shape (full), truncate_size     (reads: this rank's values
                                                                      among the first ones)
+    WEIGHTS_COVERED            names: [name, ...]                    (reads: whether the names
+                                                                     fill every part this rank
+                                                                     holds)
+
+Pipeline parallelism: every rank takes part in every call (the calls' gathers and LOAD_WEIGHTS's
+broadcasts span the world), and each stage writes only the tensors of its own layers (plus the
+embedding on the first stage, the final norm and the LM head on the last, and a tied head's
+`model.embed_tokens.weight` there too): the weight map resolves another stage's tensor to
+nothing (`WeightMap.held_elsewhere`), so this rank neither checks nor writes it, and the stage
+that holds it does both. GET_WEIGHTS_BY_NAME's values come from the stage that holds the tensor.
 
 Phases. `prepare` validates the whole update's metadata (names, dtypes, full shapes, duplicates,
 fp8 weight/scale pairs) with `WeightMap.prepare` on shape-only (meta) tensors, on every rank;
@@ -358,6 +368,8 @@ def _prepare_get(runner: ModelRunner, tp: TPInfo, args: Mapping[str, Any]) -> tu
     if type(n) is not int or n < 0:
         raise ControlRefused(f"truncate_size must be an int >= 0, got {n!r}")
     wmap = runner.weight_map
+    if wmap.held_elsewhere(name):  # another pipeline stage's tensor: that stage answers
+        return None, (), 0
     targets = wmap.resolve(name, fused=False)
     if not targets:
         raise ControlRefused(f"{name!r}: no weight of that name in the model")
@@ -375,7 +387,7 @@ def _commit_get(runner: ModelRunner, prepared: tuple) -> dict[str, list]:
     tensor of flat indices (float64: exact below 2**53) through the parameter's own loader
     into a stand-in of the shard, so no shard geometry is written twice."""
     target, shape, n = prepared
-    if target.part.param is None:  # another rank's expert
+    if target is None or target.part.param is None:  # another stage's tensor, rank's expert
         return {"index": [], "values": []}
     param = dict(runner.model.named_parameters())[target.part.param]
     numel = 1
@@ -389,6 +401,21 @@ def _commit_get(runner: ModelRunner, prepared: tuple) -> dict[str, list]:
     return {"index": where[mask].long().tolist(), "values": values.tolist()}
 
 
+# -- WEIGHTS_COVERED -----------------------------------------------------------------------------
+
+
+def _prepare_covered(runner: ModelRunner, tp: TPInfo, args: Mapping[str, Any]) -> bool:
+    _check_keys(args, {"names"})
+    names = args.get("names")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ControlRefused(f"names must be a list of str, got {names!r:.200}")
+    return runner.weight_map.covers(names)
+
+
+def _commit_covered(runner: ModelRunner, covered: bool) -> bool:
+    return covered  # whether `names` fill every part this rank's stage holds
+
+
 WEIGHT_HANDLERS: dict[int, OpHandler] = {
     ControlOp.LOAD_WEIGHTS: OpHandler(_prepare_load, _commit_load),
     ControlOp.LOAD_WEIGHTS_FROM_DISK: OpHandler(_prepare_disk, _commit_disk),
@@ -396,6 +423,7 @@ WEIGHT_HANDLERS: dict[int, OpHandler] = {
         _prepare_from_group, _commit_from_group, on_refused=_drain_from_group
     ),
     ControlOp.GET_WEIGHTS_BY_NAME: OpHandler(_prepare_get, _commit_get),
+    ControlOp.WEIGHTS_COVERED: OpHandler(_prepare_covered, _commit_covered),
 }
 
 _HANDLERS.update(WEIGHT_HANDLERS)

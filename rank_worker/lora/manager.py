@@ -13,6 +13,9 @@ A load is two-phase like every control call: `prepare_load` reads (host LRU or d
 validates against the model (every module must have a LoRA layer, every shape must fit) and
 cuts this rank's shards, writing nothing; `commit_load` copies the shards into the slot in
 place (CUDA graphs keep the addresses) and zeroes the slot in layers the adapter leaves out.
+Under pipeline parallelism a rank has slots on its own stage's layers only and skips the
+adapter's tensors for the other stages' layers (their ranks load those); a layer no stage holds
+is refused as before.
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ class LoraManager:
             config.max_num_batched_tokens, device, config.max_loras, grouped=use_triton
         )
         self.layers: dict[str, LinearLoRA] = {}
+        # Pipeline parallelism: other stages' layers ("model.layers.3.", ...), whose adapter
+        # tensors this rank skips (their stage's ranks load them), as the weight map does.
+        self._elsewhere = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
         # HF projection -> (layer suffix) for packed ones, from the model's own table.
         mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
         self._layer_of = {proj: packed for proj, (packed, _) in mapping.items()}
@@ -161,6 +167,8 @@ class LoraManager:
                 continue
             module, proj = match["module"], match["proj"]
             layer = f"{match['prefix']}.{self._layer_of[proj]}"
+            if layer.startswith(self._elsewhere):
+                continue
             if layer not in self.layers:  # a projection this model lacks (a MoE sparse layer)
                 unknown.append(module)
                 continue

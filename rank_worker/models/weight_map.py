@@ -176,6 +176,17 @@ class WeightMap:
             return self._fused[name].targets
         return None
 
+    def held_elsewhere(self, name: str) -> bool:
+        """Whether `name` is a tensor another pipeline stage holds (`resolve` gives [] for it,
+        as for an ignored one): this rank skips it, the stage that holds it writes or reads it."""
+        ignored = name.endswith(IGNORED_SUFFIXES) or name in self._ignored
+        return not ignored and self.resolve(name) == []
+
+    def covers(self, names: Iterable[str]) -> bool:
+        """Whether tensors named `names` fill every part this rank must hold (`required`)."""
+        filled = {target.name for name in names for target in self.resolve(name) or ()}
+        return self.required <= filled
+
     def is_quantized(self, name: str) -> bool:
         """Whether checkpoint weight `name` is fp8 in this model (it has a scale partner)."""
         return name + SCALE_SUFFIX in self.parts

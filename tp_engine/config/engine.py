@@ -310,7 +310,6 @@ _PP_REFUSED: tuple[tuple[str, str, Any], ...] = (
         "speculative_config",
         lambda c: c.speculative_config is not None and c.speculative_config.method != "ngram",
     ),
-    ("LoRA adapters", "enable_lora", lambda c: c.enable_lora),
     ("the host-memory KV tier", "kv_offloading_size", lambda c: c.kv_offloading_size is not None),
 )
 

@@ -82,12 +82,13 @@ class ControlHost(Protocol):
         """From now on every step raises `error`."""
 
 
-# Calls an inconsistent engine still takes: weight loads (and the trainer's group around them),
-# since a load that writes every weight makes every rank whole again (`weight_updates`).
+# Calls an inconsistent engine still takes: weight loads (and the trainer's group around them,
+# and the question whether a load wrote every weight), since a load that writes every weight
+# makes every rank whole again (`weight_updates`).
 REPAIRING_OPS = frozenset({
     ControlOp.LOAD_WEIGHTS, ControlOp.LOAD_WEIGHTS_FROM_DISK, ControlOp.LOAD_WEIGHTS_FROM_GROUP,
     ControlOp.INIT_WEIGHTS_UPDATE_GROUP, ControlOp.DESTROY_WEIGHTS_UPDATE_GROUP,
-    ControlOp.WEIGHTS_UPDATE_GROUP_STATUS, ControlOp.WEIGHT_CHECKSUMS,
+    ControlOp.WEIGHTS_UPDATE_GROUP_STATUS, ControlOp.WEIGHT_CHECKSUMS, ControlOp.WEIGHTS_COVERED,
 })  # fmt: skip
 
 
@@ -95,15 +96,9 @@ class EngineControl:
     """Control calls to every rank (see the module docstring). Not thread-safe: called on the
     engine's thread, between steps."""
 
-    def __init__(
-        self, host: ControlHost, executor: Executor, refused: Mapping[ControlOp, str] | None = None
-    ) -> None:
-        """`refused`: ops this engine does not run, and why (pipeline parallelism refuses
-        weight updates and sleep: `tp_engine.engine`); `call` raises ValueError with the reason
-        before anything is sent."""
+    def __init__(self, host: ControlHost, executor: Executor) -> None:
         self.host = host
         self.executor = executor
-        self.refused = dict(refused or {})
 
     def call(self, op: ControlOp, args: Mapping[str, Any] | None = None) -> ControlResult:
         """Run `op` with `args` (msgpack data) on every rank; see the module docstring.
@@ -114,8 +109,6 @@ class EngineControl:
         """
         host = self.host
         op = ControlOp(op)  # ValueError for an unknown number, before anything is sent
-        if op in self.refused:
-            raise ValueError(self.refused[op])
         args = {} if args is None else dict(args)
         ControlCall(0, int(op), args)  # refuse args that do not encode before quiescing
         host.check_usable(repairing=op in REPAIRING_OPS)

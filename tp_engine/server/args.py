@@ -357,14 +357,10 @@ def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
             raise ValueError("give --speculative-config or --speculative-algorithm, not both")
         kwargs["speculative_config"] = sglang_spec
     pp = args.pipeline_parallel_size
-    if pp > 1:  # what the server offers beyond the engine's config, refused by name
-        for flag, on in (
-            ("--data-parallel-size", args.data_parallel_size is not None),
-            ("--enable-weight-updates", args.enable_weight_updates),
-            ("--enable-sleep-mode", args.enable_sleep_mode),
-        ):
-            if on:
-                raise ValueError(f"{flag} is not supported with pipeline_parallel_size={pp} yet")
+    if pp > 1 and args.data_parallel_size is not None:  # beyond the engine's config
+        raise ValueError(
+            f"--data-parallel-size is not supported with pipeline_parallel_size={pp} yet"
+        )
     return EngineConfig(
         model=args.model, tensor_parallel_size=tp_size, pipeline_parallel_size=pp, **kwargs
     )

@@ -34,7 +34,6 @@ import torch
 
 from rank_worker.control.weight_group import DEFAULT_JOIN_TIMEOUT_S
 from rank_worker.control.weight_ops import TensorMeta, dtype_name, stage_tensors
-from rank_worker.models.weight_map import expected_parts
 from tp_engine.executor.control import ControlOp, ControlRefusedError, ControlResult
 from tp_engine.features.weights_and_sleep.group_join import (
     JOIN_GRACE_S,
@@ -97,11 +96,10 @@ def _committed(
 
 
 def _covers_every_weight(engine: UpdateHost, names: Iterable[str]) -> bool:
-    """Whether tensors named `names` fill every part a checkpoint must provide."""
-    wmap = engine.runner.weight_map
-    filled = {target.name for name in names for target in wmap.resolve(name) or ()}
-    required = {n for n, part in expected_parts(engine.runner.model).items() if not part.optional}
-    return required <= filled
+    """Whether tensors named `names` fill every part a checkpoint must provide, on every rank
+    (each knows its own stage's parts: `WEIGHTS_COVERED`)."""
+    result = engine.control.call(ControlOp.WEIGHTS_COVERED, {"names": sorted(set(names))})
+    return result.ok and all(result.results)
 
 
 def _named(weights: Any) -> Iterable[tuple[str, torch.Tensor]]:

@@ -1,7 +1,8 @@
 """Tensor parallelism across two "nodes" (`tests/multinode_harness.py`: node 1 in its own
 namespaces), launched with docs/multi-node.md's own commands: both forms (torchrun on each node,
 and `tp-engine serve --nnodes --node-rank`) serve greedy completions equal to transformers at TP
-4 over 2 x 2 ranks, dense with prefix hits, chunked prefill and preemption, and MoE; the faults
+4 over 2 x 2 ranks, dense with prefix hits (from the GPU pool and from the host tier), chunked
+prefill and preemption, and MoE; the faults
 end cleanly: node 1 lost → node 0's server ends naming its ranks and node; node 0 lost → node
 1's ranks exit; node 1 never there → node 0's start-up fails naming it. The plan path is checked
 from the logs: node 1's ranks get plans over TCP, node 0's rank 1 from the ring.
@@ -41,11 +42,12 @@ SHAPE = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim
              intermediate_size=64, seed=7, max_position_embeddings=256)  # fmt: skip
 MAX_TOKENS = 12
 # Small KV pool and step budget: six prompts of 20-40 tokens over 18 blocks of 8 preempt, and
-# every prompt is prefilled in chunks of at most 16 tokens.
+# every prompt is prefilled in chunks of at most 16 tokens; a host-memory KV tier below the
+# pool (2 MB per rank).
 SERVE_ARGS = ["--port", "0", "--block-size", "8", "--num-kv-blocks", "18",
               "--max-num-batched-tokens", "16", "--max-num-seqs", "6",
               "--enable-prefix-caching", "--served-model-name", "mn",
-              "--enable-sleep-mode"]  # fmt: skip
+              "--enable-sleep-mode", "--kv-offloading-size", "0.002"]  # fmt: skip
 NODE_TIMEOUT_S = 3.0
 
 
@@ -132,6 +134,13 @@ def test_tp4_across_two_nodes_equals_transformers_with_prefix_hits_chunks_and_pr
     again = complete(node0, batch)  # the shared prefix and whole prompts are cached now
     assert [c["token_ids"] for c in again["choices"]] == expected
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # Other prompts push the cached blocks down to the host tier; the same batch then comes back
+    # from it: block copies, carried in the plans, on every rank of both nodes.
+    host_hits = node0.metric("vllm:external_prefix_cache_hits_total")
+    complete(node0, prompts(seed=9))
+    third = complete(node0, batch)
+    assert [c["token_ids"] for c in third["choices"]] == expected
+    assert node0.metric("vllm:external_prefix_cache_hits_total") > host_hits
     # The path the plans took: node 1's ranks over TCP, node 0's rank 1 from the ring.
     log0, log1 = node0.log(), node1.log()
     assert "node 1 ready: ranks [2, 3] get plans over tcp://" in log0

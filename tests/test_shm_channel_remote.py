@@ -155,6 +155,26 @@ def test_a_lost_or_garbled_remote_message_is_detected() -> None:
                 reader.close()
 
 
+def test_a_remote_readers_error_report_reaches_rank_0_over_tcp() -> None:
+    with two_node_channel() as bc:
+        readers = [PlanReceiver(bc.handle, rank) for rank in (1, 2, 3)]
+        try:
+            bc.wait_for_readers(10)
+            bc.publish(make_plan(4, max_tokens=20))
+            readers[2].recv(timeout_s=10)
+            assert readers[2].report_error(4, RuntimeError("stage exploded"))
+            deadline = time.monotonic() + 10
+            reports = []
+            while not reports and time.monotonic() < deadline:
+                reports = bc.poll_errors()
+                time.sleep(0.02)
+            assert [(r.rank, r.step_id, r.type) for r in reports] == [(3, 4, "RuntimeError")]
+            assert "stage exploded" in reports[0].message
+        finally:
+            for reader in readers:
+                reader.close()
+
+
 def test_heartbeat_silence_counts_as_gone_after_the_timeout() -> None:
     hub = HeartbeatHub(HOST, timeout_s=0.5)
     try:

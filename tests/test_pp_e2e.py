@@ -3,7 +3,8 @@
 TP 1 x PP 2 and TP 2 x PP 2 (2 and 4 real processes: rank = pp_rank * TP + tp_rank), on a dense
 3-layer checkpoint with a tied head (so the last stage loads its own copy of the embedding, and
 vLLM's split is the uneven (0, 2), (2, 3)) and on a Qwen3-MoE one (untied, every layer
-sparse), plus an explicit uneven partition from `$TP_ENGINE_PP_LAYER_PARTITION` ("1,2"). Greedy
+sparse; its experts sliced over each stage's ranks, or whole per rank with expert parallelism),
+plus an explicit uneven partition from `$TP_ENGINE_PP_LAYER_PARTITION` ("1,2"). Greedy
 token ids must equal transformers' for every prompt: with prefix caching and chunked prefill
 under a small token budget, with a KV pool small enough to force preemption, and with
 asynchronous scheduling (the sampled tokens broadcast from rank 0). One process group per case
@@ -38,6 +39,7 @@ CASES = {
     "dense-tp2pp2": ("dense", 2, 2, None, range(0, 2)),
     "moe-tp1pp2": ("moe", 1, 2, None, range(0, 1)),
     "moe-tp2pp2": ("moe", 2, 2, None, range(0, 1)),
+    "moe-tp2pp2-ep": ("moe", 2, 2, None, range(0, 1)),
 }
 
 
@@ -89,6 +91,8 @@ def llm(request, references):
             num_kv_blocks=64,
             max_num_seqs=8,
             max_num_batched_tokens=MAX_MODEL_LEN,
+            # Whole experts per rank inside each stage (the default slices every expert).
+            enable_expert_parallel=request.param.endswith("-ep"),
         )
     engine.case = request.param
     yield engine

@@ -58,7 +58,7 @@ def _slow_files_first(items: list[pytest.Item]) -> None:
 
     pytest-xdist (`--dist loadfile` in pyproject's addopts) hands whole files to its workers in
     this order as they run low: the multi-process files, up to minutes each, go out first and
-    the many quick ones fill in behind them, so both workers finish at about the same time
+    the many quick ones fill in behind them, so the workers finish at about the same time
     rather than one running a long file alone at the end."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)

@@ -33,12 +33,12 @@ from tp_engine import LLM, SamplingParams
 pytestmark = pytest.mark.slow
 
 
-def generate(model_dir, prompts, **kwargs) -> list[list[int]]:
+def generate(model_dir, prompts, max_tokens: int = MAX_TOKENS, **kwargs) -> list[list[int]]:
     llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, block_size=4, **kwargs)
     try:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
-            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+            SamplingParams(temperature=0.0, max_tokens=max_tokens),
             use_tqdm=False,
         )
     finally:

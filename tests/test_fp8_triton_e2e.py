@@ -2,7 +2,8 @@
 linear layer, the fused MoE with fp8 experts, and the fp8 KV cache written by the q/k norm +
 rotary kernel's fused store (`qk_norm_rope_store_kv`) and read by the decode and prefill
 kernels. Judged as in tests/test_fp8_e2e.py (transformers on the
-dequantized weights, near-ties only), with fewer tokens: the interpreter is slow.
+dequantized weights, near-ties only), with fewer tokens: the interpreter is slow (two prompts,
+three tokens each: one prefill and two decode steps through every kernel).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def test_fp8_triton_kernels_match_dequantized_reference(tmp_path, moe):
     ckpts = build_fp8_checkpoints(tmp_path, moe=moe)
     model = load_hf(ckpts.dequantized)
     prompts = make_prompts(model.config.vocab_size)[1:3]
-    tokens = generate(ckpts.fp8, prompts, attention_backend="triton", kv_cache_dtype="fp8")
+    tokens = generate(
+        ckpts.fp8, prompts, max_tokens=3, attention_backend="triton", kv_cache_dtype="fp8"
+    )
     agreement = judge(model, prompts, tokens)
     print(agreement.report(f"{'MoE' if moe else 'dense'} fp8 + fp8 KV, Triton (interpreter)"))
     assert agreement.num_tokens >= len(prompts)

@@ -4,15 +4,20 @@
 (ranks 0, 1: the embedding and layers [0, 2)), node 1 stage 1 (ranks 2, 3: layer 2, the norm and
 the LM head); greedy completions equal transformers' with prefix hits, chunked prefill and
 preemption; node 1's ranks take their plans over TCP, and the hidden states, the residual and
-the logits cross between the nodes by gloo send/recv.
+the logits cross between the nodes by gloo send/recv. Then (torchrun form) node 0 is lost:
+node 1's ranks exit on their own.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import time
 
 import pytest
 
+from shm_ipc.liveness import ProcessWatch
 from tests.multinode_harness import (
     documented_commands,
     free_port,
@@ -80,6 +85,17 @@ def test_tp2_pp2_across_two_nodes_equals_transformers(tmp_path, form: str) -> No
             )
             assert f"rank {rank} (node 1): plans from rank 0 over tcp://" in log1
         assert "Traceback" not in log0 + log1
+        if form == "torchrun":
+            # Node 0 lost, every process of it at once: node 1's ranks (stage 1) exit.
+            node1.watches = [ProcessWatch(pid) for pid in node1.descendants()]
+            for pid in node0.descendants() | {node0.proc.pid}:
+                os.kill(pid, signal.SIGKILL)
+            lost_at = time.monotonic()
+            assert node1.proc.wait(timeout=60) != 0
+            took = time.monotonic() - lost_at
+            assert took < 30, f"node 1 took {took:.1f} s to exit"
+            assert "rank 0 (node 0) is gone" in node1.log(), node1.log_tail()
+            assert len(node1.watches) >= 3 and node1.alive_pids() == set()
     finally:
         node0.stop()
         node1.stop()

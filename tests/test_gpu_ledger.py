@@ -318,7 +318,7 @@ def one_second_parts() -> dict:
 def test_fake_lease_records_part_by_part_and_marks_the_cut_off_part(tmp_path):
     # c-failed's step exits 1; s-never's step outlasts the deadline; w-cut and w-older then
     # have no time left and are not started.
-    env = lease_env(tmp_path, one_second_parts(), LEASE_DEADLINE="10",
+    env = lease_env(tmp_path, one_second_parts(), LEASE_DEADLINE="20",
                     LEDGER_FAKE="pytest-c-failed:0:1 eagle3:60:0")  # fmt: skip
     r = subprocess.run(["bash", str(RUN), "lease"], env=env, capture_output=True, text=True,
                        timeout=120)  # fmt: skip

@@ -54,6 +54,7 @@ class PlanReceiver:
         self.handle = handle
         self.rank = rank
         self.remote = handle.is_remote(rank)
+        self._ring_index = handle.ring_index(rank)  # this reader's ack byte in every slot
         self._ring: ShmRing | None = None
         self._ctx: zmq.Context | None = None
         self._sub: zmq.Socket | None = None
@@ -189,7 +190,7 @@ class PlanReceiver:
                 f"{len(frames)}-frame doorbell",
                 step,
             )
-        ring.ack(slot, self.handle.ring_index(self.rank))  # last touch: ring.py, rule 4
+        ring.ack(slot, self._ring_index)  # last touch: ring.py, rule 4
         return data, step, header.length, header.checksum
 
     def _take_remote(self, seq: int, frames: list[bytes]) -> tuple[bytes, int, int, int]:

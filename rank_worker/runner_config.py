@@ -73,6 +73,11 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"
     # Mixture-of-experts models: whole experts per rank instead of a slice of every expert
     # (`rank_worker.models.layers.moe`); no effect on dense models.
+    # Prefill/decode disaggregation (the server's --disaggregation-mode): what each rank's KV
+    # agent needs (`rank_worker.kv.pd_agent`): "mode" (prefill, decode), "host" (this node's
+    # address for the transfer engine), "endpoint" (rank 0's ZeroMQ address for the agents),
+    # "ib_device". None: off.
+    disaggregation: dict[str, str] | None = None
     enable_expert_parallel: bool = False
     # Run the GPU's data paths on a CPU device: a separate device block table read by a row
     # gather (strided views into the kernels), double-buffered input staging guarded by copy

@@ -62,6 +62,11 @@ REASONS = [
         "second node in its own namespaces",
     ),
     (
+        re.compile(r"--disaggregation-mode|--pd-disaggregation"),
+        "a prefill or decode server, or the router in PD mode: tests/test_pd_router.py runs "
+        "docs/disaggregation.md's commands",
+    ),
+    (
         re.compile(r"--data-parallel-size"),
         "replicas behind sglang-router: minutes; tests/test_data_parallel.py runs them",
     ),

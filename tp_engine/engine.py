@@ -245,9 +245,10 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        disaggregation: str | None = None,
     ) -> list[str]:
         return self.core.add_request(
-            request_id, prompt_token_ids, params, arrival_time, lora_request
+            request_id, prompt_token_ids, params, arrival_time, lora_request, disaggregation
         )
 
     def abort_request(self, seq_id: str) -> bool:

@@ -50,6 +50,7 @@ def run_worker(
     """
     from rank_worker.runner.model_runner import ModelRunner  # deferred: pulls in the model code
     from rank_worker.dist.step import Flow, StepExecutor
+    from rank_worker.kv.pd_agent import start_kv_agent
 
     if tp.is_first:
         raise ValueError("run_worker is for ranks 1..N-1; rank 0 runs the engine")
@@ -67,11 +68,15 @@ def run_worker(
     try:
         runner = ModelRunner(boot.model_dir, boot.runner_config, tp, tp.device)
         runner.init_kv_cache(runner.determine_num_kv_blocks())
+        # Held for the loop's life: its transfer engine holds the cache registered.
+        kv_agent = start_kv_agent(runner.kv_caches, tp.rank, runner.config.disaggregation)
         executor = StepExecutor(runner, tp, fault)
         while True:
             message = receiver.recv()
             step_id = message.step_id
             if executor.dispatch(message) is Flow.EXIT:
+                if kv_agent is not None:
+                    kv_agent.close()
                 return EXIT_OK
     except (OwnerDiedError, ChannelClosed) as exc:
         logger.error("%s", exc)  # the message names this rank

@@ -131,6 +131,10 @@ class EngineConfig:
     # rank's files), that a restarted server on the same checkpoint reads again. None: none.
     kv_offloading_dir: str | None = None
     kv_offloading_dir_size: float = 16.0
+    # Prefill/decode disaggregation, set by the server's rank 0 (`--disaggregation-mode`,
+    # `tp_engine.server.rank0.disagg`) for every rank's KV agent (`RunnerConfig.disaggregation`).
+    # None: off (the only value `LLM` takes).
+    disaggregation: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]

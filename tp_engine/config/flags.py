@@ -143,6 +143,8 @@ FIELDS_WITHOUT_FLAGS = {
     "pp_layer_partition": "$TP_ENGINE_PP_LAYER_PARTITION (vLLM's VLLM_PP_LAYER_PARTITION), or "
     "LLM(pp_layer_partition=...)",
     "gpu_data_paths": "tests only: the GPU's data paths on CPU",
+    "disaggregation": "set by serve.py's rank 0 from --disaggregation-mode (the server's flag: "
+    "prefill/decode disaggregation is a server's role)",
 }
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}

@@ -33,6 +33,9 @@ class BlockAllocation:
         self.queue = queue
         # Preemptions since start (vLLM's num_preemptions_total).
         self.num_preemptions = 0
+        # Finished sequences whose blocks another server still reads (a prefill server of
+        # prefill/decode disaggregation: `Sequence.keeps_blocks`), by id, until `release_kept`.
+        self.kept: dict[str, Sequence] = {}
 
     def decode_blocks(
         self, single: np.ndarray, start: np.ndarray, preempted: list[Sequence]
@@ -106,11 +109,22 @@ class BlockAllocation:
         self.retire(seq)
         # A step in flight may still compute for it; `update` discards that (the row's serial).
         seq.num_computed_tokens = seq.num_inflight_tokens = seq.num_placeholders = 0
+        seq.prompt_arrived = False  # its prompt's K/V from elsewhere is gone: computed again
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.queue.requeue(seq)
 
-    def retire(self, seq: Sequence) -> None:
-        """`seq` stops running: its row and its blocks go back."""
+    def retire(self, seq: Sequence, *, finished: bool = False) -> None:
+        """`seq` stops running: its row and its blocks go back, except the blocks of one that
+        `finished` and `keeps_blocks` (held in `kept` until `release_kept`)."""
         self.batch.remove(seq)
-        self.kv.free(seq)
+        if finished and seq.keeps_blocks:
+            self.kept[seq.seq_id] = seq
+        else:
+            self.kv.free(seq)
+
+    def release_kept(self, seq_id: str) -> None:
+        """The blocks of a finished sequence kept for another server go back."""
+        seq = self.kept.pop(seq_id, None)
+        if seq is not None:
+            self.kv.free(seq)

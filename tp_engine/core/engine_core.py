@@ -172,10 +172,11 @@ class EngineCore:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        disaggregation: str | None = None,
     ) -> list[str]:
         """Queue a request as `params.n` sequences; their ids (`RequestIntake.add_request`)."""
         return self.intake.add_request(
-            request_id, prompt_token_ids, params, arrival_time, lora_request
+            request_id, prompt_token_ids, params, arrival_time, lora_request, disaggregation
         )
 
     def abort_request(self, seq_id: str) -> bool:
@@ -278,7 +279,9 @@ class EngineCore:
             # Ranks that may disagree, asleep, weights lost, or frozen: nothing runs until a
             # load of every weight, a wake or a resume.
             return False
-        return self.has_unfinished() if gate.admitting else len(self.scheduler.batch) > 0
+        if not gate.admitting:
+            return len(self.scheduler.batch) > 0
+        return self.intake.has_unfinished(remote=False)
 
     def pause(self, mode: PauseMode) -> list[str]:
         """Stop serving new work (`tp_engine.core.engine_states`): nothing is admitted until `resume`;
@@ -335,6 +338,7 @@ class EngineCore:
             external_prefix_cache_hits=kv.external_hits,
             host_kv_cache_usage=0.0 if self.host_tier is None else self.host_tier.usage,
             num_preemptions=scheduler.num_preemptions,
+            prompt_tokens_computed=self.pipeline.prompt_tokens_computed,
             spec_num_drafts=self.spec_stats.num_drafts,
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,

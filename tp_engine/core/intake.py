@@ -26,6 +26,7 @@ from tp_engine.common.thinking import (
     think_tokens,
     with_think_tokens,
 )
+from tp_engine.core.remote_prompts import RemotePrompts
 from tp_engine.core.sampling import MAX_NUM_LOGPROBS
 from tp_engine.core.scheduled_step import RequestRejectedError
 from tp_engine.core.sequence import Sequence, SequenceStatus
@@ -70,6 +71,8 @@ class RequestIntake:
         # n > 1: id of a request's first sequence -> its siblings, held until its prompt is
         # computed (see the module docstring).
         self._held: dict[str, tuple[Sequence, list[Sequence]]] = {}
+        # A decode server's requests whose prompt another server computes, until it arrives.
+        self.remote = RemotePrompts(lambda: self.scheduler, eos_token_ids)
 
     def default_sampling_params(self, **fields: Any) -> SamplingParams:
         """SamplingParams from request fields where None means unset: unset fields take the
@@ -83,10 +86,14 @@ class RequestIntake:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        disaggregation: str | None = None,
     ) -> list[str]:
         """Queue a request as `params.n` sequences sharing the prompt; returns their ids, in
         sample order. Raises ValueError (RequestRejectedError) saying what is wrong; nothing is
         queued then. `lora_request`: the LoRA adapter it runs with (None: the base model).
+        `disaggregation`: its role in prefill/decode disaggregation. "decode": another server
+        computes its prompt, held in `remote` until its K/V arrives (n == 1, no constraint);
+        "prefill": its blocks are kept when it finishes, until the decode has them.
 
         `PoolingParams` (a pooling model only): one prompt-only sequence whose output carries
         `pooled`, its result, once its prompt is computed (`_add_pooling_request`).
@@ -139,7 +146,12 @@ class RequestIntake:
             if self.hooks.attach_adapter is None:
                 raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled!")
             self.hooks.attach_adapter(lora_request, seqs)
-        if sampling.structured_outputs is not None:
+        for seq in seqs:
+            seq.keeps_blocks = disaggregation == "prefill"
+        if disaggregation == "decode":
+            _check_remote(request_id, sampling)
+            self.remote.hold(seqs[0])
+        elif sampling.structured_outputs is not None:
             self.grammar_gate.submit(sampling.structured_outputs, seqs)
         else:
             self.admit(seqs)
@@ -222,6 +234,7 @@ class RequestIntake:
         for _, held in self._held.values():
             yield from held
         yield from self.grammar_gate.queued()
+        yield from self.remote.held()
 
     def waiting(self) -> list[Sequence]:
         """The scheduler's waiting queue, first come first served (features read it: LoRA
@@ -250,6 +263,8 @@ class RequestIntake:
                     return True
         if self.grammar_gate.remove(seq_id, status, stop_reason):
             return True
+        if self.remote.drop(seq_id, status) is not None:
+            return True
         return self.scheduler.finish(seq_id, status, stop_reason) is not None
 
     def abort_unfinished(self) -> list[str]:
@@ -260,13 +275,16 @@ class RequestIntake:
         outside = [seq.seq_id for seq in self.queued_outside()]
         return [sid for sid in running + waiting + outside if self.abort_request(sid)]
 
-    def has_unfinished(self) -> bool:
-        """Whether any request is unfinished. (A step still in flight once every request has
-        finished carries nothing anyone waits for; the next step or `reconfigure` retires it.)"""
+    def has_unfinished(self, *, remote: bool = True) -> bool:
+        """Whether any request is unfinished (`remote` False: not counting those whose prompt
+        another server computes, for which no step can do anything yet). (A step still in
+        flight once every request has finished carries nothing anyone waits for; the next
+        step or `reconfigure` retires it.)"""
         return (
             self.scheduler.has_unfinished()
             or any(held for _, held in self._held.values())
             or bool(self.grammar_gate.compiling)
+            or (remote and bool(len(self.remote)))
         )
 
     @property
@@ -282,3 +300,18 @@ class RequestIntake:
                 del self._held[first_id]
                 for seq in held:
                     self.scheduler.add(seq)
+
+
+def _check_remote(request_id: str, sampling: SamplingParams) -> None:
+    """What a request whose prompt another server computes cannot ask for (yet)."""
+    why = None
+    if sampling.n != 1:
+        why = f"n={sampling.n} (one sample per request)"
+    elif sampling.structured_outputs is not None:
+        why = "a structured-output constraint"
+    elif sampling.prompt_logprobs is not None:
+        why = "prompt_logprobs (the prompt is computed on the prefill server)"
+    if why is not None:
+        raise RequestRejectedError(
+            f"request {request_id!r}: a disaggregated decode server does not serve {why}"
+        )

@@ -109,3 +109,6 @@ class EngineStats:
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     host_kv_cache_usage: float = 0.0
+    # Prompt tokens the forward passes computed, since start (a decode server of prefill/decode
+    # disaggregation computes none of a paired request's).
+    prompt_tokens_computed: int = 0

@@ -126,6 +126,8 @@ class StepPipeline:
         self.spec_stats = spec_stats
         self.num_speculative_tokens = num_speculative_tokens
         self.async_scheduling = async_scheduling
+        # Prompt tokens the applied steps computed, since start (metrics).
+        self.prompt_tokens_computed = 0
         # The step launched and sampled by the last `step()` call, not applied yet, and outputs
         # of a call that an exception interrupted (the next call returns them).
         self.in_flight: SampledStep | None = None
@@ -331,7 +333,13 @@ class StepPipeline:
             # A prompt-only request ends without a token; its caller still has to hear of it.
             outputs += [self._output(s) for s in result.finished if id(s) not in sampled_ids]
         num_prefill_tokens = scheduled.num_batched_tokens - scheduled.num_decodes
+        self.prompt_tokens_computed += num_prefill_tokens
         return StepOutputs(outputs, num_prefill_tokens, num_decode_tokens)
+
+    def output_of(self, seq: Sequence) -> SequenceOutput:
+        """The news of `seq` since its last output, outside a step (a decode server's first
+        token, which the prefill server sampled)."""
+        return self._output(seq)
 
     def _output(self, seq: Sequence) -> SequenceOutput:
         """The news of `seq` since its last output: its new tokens (several after a

@@ -172,6 +172,8 @@ class Scheduler:
             return None
         if seq.status != SequenceStatus.WAITING:
             self.allocation.retire(seq)
+        elif seq.block_table:  # its prompt arrived from a prefill server (`remote_prompts`)
+            self.block_manager.free(seq)
         seq.status = status
         if stop_reason is not None:
             seq.stop_reason = stop_reason

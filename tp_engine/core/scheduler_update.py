@@ -240,7 +240,7 @@ class StepUpdater:
 
     def _end(self, seq: Sequence | None, status: SequenceStatus) -> Sequence:
         assert seq is not None
-        self.alloc.retire(seq)
+        self.alloc.retire(seq, finished=True)
         seq.status = status
         self.queue.forget(seq)
         return seq

@@ -148,6 +148,12 @@ class Sequence:
         self.num_preemptions = 0
         # Stop token id or stop string that ended the sequence, if any.
         self.stop_reason: int | str | None = None
+        # Prefill/decode disaggregation. A prefill server's sequence keeps its blocks when it
+        # finishes, until a decode server has read them (`BlockAllocation.kept`); a decode
+        # server's arrives with its prompt's blocks filled by the prefill's ranks
+        # (`tp_engine.core.remote_prompts`), and its admission computes none of its prompt.
+        self.keeps_blocks = False
+        self.prompt_arrived = False
 
         # -- sampling state (rank 0 only) --
         # The request it belongs to (its own id unless it is one of n > 1 samples) and which of

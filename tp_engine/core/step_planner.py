@@ -197,8 +197,14 @@ class StepPlanner:
             seq = self.queue.next_admissible(self.gate.admits)
             if seq is None:
                 break
-            cached_prefix = bm.find_cached_prefix(seq)
-            num_tokens = seq.num_tokens - len(cached_prefix) * bm.block_size
+            if seq.prompt_arrived:
+                # Its prompt's K/V came from a prefill server (`remote_prompts`): it holds
+                # those blocks, computed, and its first token (the prefill's) is next.
+                cached_prefix = None
+                num_tokens = seq.num_tokens - seq.num_computed_tokens
+            else:
+                cached_prefix = bm.find_cached_prefix(seq)
+                num_tokens = seq.num_tokens - len(cached_prefix) * bm.block_size
             if num_tokens > budget:
                 if not self.enable_chunked_prefill:
                     break  # first come, first served: nobody overtakes the head of the queue

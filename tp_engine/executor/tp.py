@@ -24,6 +24,7 @@ from rank_worker.control.protocol import ControlResult
 from rank_worker.dist.bootstrap import Bootstrap
 from rank_worker.dist.step import StepExecutor
 from rank_worker.fault_injection import Fault
+from rank_worker.kv.pd_agent import KVAgent, start_kv_agent
 from rank_worker.runner.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
@@ -46,6 +47,7 @@ class TPExecutor:
         step_executor: StepExecutor,
         channel: PlanBroadcaster | None,
         num_kv_blocks: int,
+        kv_agent: KVAgent | None = None,
     ) -> None:
         self.runner = runner
         self.step_executor = step_executor
@@ -54,6 +56,8 @@ class TPExecutor:
         self.device: torch.device = runner.device
         pool = runner.host_pool
         self.num_host_blocks = 0 if pool is None else pool.num_host_blocks
+        # Rank 0's end of prefill/decode disaggregation (`--disaggregation-mode`); None: off.
+        self.kv_agent = kv_agent
 
     @classmethod
     def start(
@@ -79,12 +83,13 @@ class TPExecutor:
                 runner = ModelRunner(model_dir, runner_config, tp, tp.device)
                 num_kv_blocks = runner.determine_num_kv_blocks(sampler_profile)
                 runner.init_kv_cache(num_kv_blocks)
+                kv_agent = start_kv_agent(runner.kv_caches, tp.rank, runner_config.disaggregation)
             step_executor = StepExecutor(runner, tp, fault)
         except BaseException:
             if channel is not None:
                 channel.close()  # the workers see CLOSE and exit non-zero
             raise
-        return cls(runner, step_executor, channel, num_kv_blocks)
+        return cls(runner, step_executor, channel, num_kv_blocks, kv_agent)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -138,4 +143,6 @@ class TPExecutor:
                 finally:
                     channel.close()
         finally:
+            if self.kv_agent is not None:
+                self.kv_agent.close()
             self.runner.release()

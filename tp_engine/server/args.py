@@ -20,6 +20,14 @@ from tp_engine.config.speculative import SpeculativeConfig
 from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from tp_engine.server.api.guards import RequestLimits, allowed_hosts
+from tp_engine.server.disagg_flags import (
+    ENVIRONMENT_HELP as DISAGGREGATION_ENV_HELP,
+)
+from tp_engine.server.disagg_flags import (
+    DisaggregationOptions,
+    add_disaggregation_flags,
+    disaggregation_options,
+)
 from tp_engine.server.nodes import add_node_flags
 
 # The API key may come from the environment, so that it does not show in `ps`.
@@ -28,7 +36,8 @@ DEMO_MODEL_NAME = "tp-engine-demo"
 # sglang-router's --policy choices for a regular (not prefill/decode) deployment.
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 # What --help ends with: every environment variable the server reads.
-ENVIRONMENT_HELP = f"""\
+ENVIRONMENT_HELP = (
+    f"""\
 environment variables:
   {API_KEY_ENV}          the API key, where --api-key is not given (keeps it out of `ps`)
   TP_ENGINE_CACHE            where the demo model (and other built checkpoints) are written on
@@ -42,6 +51,8 @@ environment variables:
                              layers per pipeline stage with --pipeline-parallel-size, e.g.
                              "30,18" (vLLM's VLLM_PP_LAYER_PARTITION); default an even split
 """
+    + DISAGGREGATION_ENV_HELP
+)
 # A --chat-template value holding one of these is the template itself, else a file's path
 # (vLLM's rule).
 _JINJA_CHARS = "{}\n"
@@ -110,6 +121,8 @@ class ServerArgs:
     lora_modules: list[LoRARequest] = field(default_factory=list)
     # --chat-template: the template's text (read from its file), replacing the tokenizer's.
     chat_template: str | None = None
+    # --disaggregation-*: this server's role behind a prefill/decode router.
+    disaggregation: DisaggregationOptions = field(default_factory=DisaggregationOptions)
 
 
 def lora_module(item: str) -> LoRARequest:
@@ -339,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         "its body is pickled tensor handles, read by an unpickler that admits only torch's "
         "tensor rebuild functions; needs --enable-weight-updates",
     )  # fmt: skip
+    add_disaggregation_flags(p)
     return p
 
 
@@ -356,6 +370,8 @@ def engine_config(args: argparse.Namespace, tp_size: int) -> EngineConfig:
         if args.speculative_config is not None:
             raise ValueError("give --speculative-config or --speculative-algorithm, not both")
         kwargs["speculative_config"] = sglang_spec
+    if args.disaggregation_mode == "decode":  # off unless asked for, as SGLang's decode
+        kwargs["enable_prefix_caching"] = args.disaggregation_decode_enable_radix_cache
     pp = args.pipeline_parallel_size
     if pp > 1 and args.data_parallel_size is not None:  # beyond the engine's config
         raise ValueError(
@@ -427,6 +443,7 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
         enable_weight_updates_from_tensor=args.enable_weight_updates_from_tensor,
         lora_modules=lora_modules,
         chat_template=args.chat_template,
+        disaggregation=disaggregation_options(args),
         limits=RequestLimits(
             max_body_bytes=args.max_request_body_bytes,
             allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),

@@ -99,6 +99,8 @@ class Hello(wire.Message, frozen=True):
     # None: model_dir. --chat-template: the template's text, replacing the tokenizer's.
     tokenizer_dir: str | None = None
     chat_template: str | None = None
+    # --disaggregation-mode: "null", "prefill" or "decode" (SGLang's /server_info reports it).
+    disaggregation_mode: str = "null"
 
 
 class Ready(wire.Message, frozen=True):
@@ -106,6 +108,16 @@ class Ready(wire.Message, frozen=True):
 
     # The port the HTTP server listens on (the real one when --port 0 asked for any).
     port: int
+
+
+class Bootstrap(wire.Record, frozen=True):
+    """Where a request's prefill/decode pair meets (SGLang's `bootstrap_host`,
+    `bootstrap_port`, `bootstrap_room`, as sglang-router adds them): the prefill's bootstrap
+    server (port None: the decode's own --disaggregation-bootstrap-port) and the room."""
+
+    host: str
+    port: int | None
+    room: int
 
 
 class AddRequest(wire.Message, frozen=True):
@@ -129,6 +141,9 @@ class AddRequest(wire.Message, frozen=True):
     # naming that field: `Rejected.param`), because parsing imports xgrammar, and so torch,
     # which the API process never loads (`tp_engine.server.api.constraints`).
     constraint_checks: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    # Set by a prefill/decode router: the request's half of a pair (`rank0.disagg`); None: a
+    # request of its own (served whole, whatever the server's role).
+    bootstrap: Bootstrap | None = None
 
 
 class AbortRequest(wire.Message, frozen=True):
@@ -205,6 +220,9 @@ class Delta(wire.Record, frozen=True, omit_defaults=True):
     # API process's clock too); first Delta only. /metrics' prefill and inference times start
     # here.
     scheduled_at: float | None = None
+    # Why the sample failed on its own (finish_reason "abort"): a prefill/decode transfer; the
+    # API answers 500 with it. None: it did not.
+    error: str | None = None
 
 
 class EngineOutputs(wire.Message, frozen=True):

@@ -32,6 +32,7 @@ from tp_engine.server.ipc import ApiPipes, RunDir
 from tp_engine.server.messages import (
     AbortRequest,
     AddRequest,
+    Bootstrap,
     Control,
     ControlReply,
     Dead,
@@ -85,9 +86,11 @@ class EngineClient:
         pooling_params: dict[str, Any] | None = None,
         lora_request: LoRARequest | None = None,
         constraint_checks: dict[str, dict[str, Any]] | None = None,
+        bootstrap: Bootstrap | None = None,
     ) -> None:
         """Send one engine request; its events go to `queue`. With `pooling_params` it pools
-        its prompt instead of sampling (`sampling_params` is then empty)."""
+        its prompt instead of sampling (`sampling_params` is then empty); `bootstrap`: its
+        prefill/decode pairing (a router's)."""
         self._owners[request_id] = queue
         if self.trace is not None:
             route_start = request_trace.route_start()
@@ -102,6 +105,7 @@ class EngineClient:
                 pooling_params=pooling_params,
                 lora_request=lora_request,
                 constraint_checks=constraint_checks or {},
+                bootstrap=bootstrap,
             )
         )
 

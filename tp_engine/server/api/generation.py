@@ -27,11 +27,15 @@ from tp_engine.server.api.engine_client import ACCEPTED, EngineClient, EngineDie
 from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.api.logprob_format import Entry, cut_top
 from tp_engine.server.api.metrics import RequestTimes
-from tp_engine.server.messages import Delta, Rejected, TokenLogprobs
+from tp_engine.server.messages import Bootstrap, Delta, Rejected, TokenLogprobs
 
 
 class EngineDiedError(RuntimeError):
     """The engine died while this request was in flight."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed on its own (its prefill/decode transfer): the API answers 500."""
 
 
 @dataclass
@@ -93,8 +97,11 @@ class Generation:
         stop: StopOptions,
         adapter: LoRARequest | None = None,
         constraint_checks: dict[str, dict[str, Any]] | None = None,
+        bootstrap: list[Bootstrap | None] | None = None,
     ) -> None:
         self.client = client
+        # Each prompt's prefill/decode pairing, when a router sent one (`disagg_fields`).
+        self.bootstrap = bootstrap
         # The output constraint's parses, by the field each names: rank 0 runs them (`constraints`).
         self.constraint_checks = constraint_checks or {}
         # The LoRA adapter the request's `model` picked (None: the base model).
@@ -145,6 +152,7 @@ class Generation:
                 params,
                 lora_request=self.adapter,
                 constraint_checks=self.constraint_checks,
+                bootstrap=None if self.bootstrap is None else self.bootstrap[p],
             )
         pending = set(self.engine_ids)
         rejection: Rejected | None = None
@@ -176,6 +184,8 @@ class Generation:
                 engine_id, event = await self._queue.get()
             if isinstance(event, EngineDied):
                 raise EngineDiedError(event.message)
+            if isinstance(event, Delta) and event.error is not None:
+                raise RequestFailedError(event.error)
             if isinstance(event, Delta) and 0 <= event.index < self._n:
                 choice = self.choices[self._prompt_of[engine_id] * self._n + event.index]
                 update = self._apply(choice, event)

@@ -82,6 +82,11 @@ class ServerMetrics:
         self.external_hits = counter(
             "vllm:external_prefix_cache_hits", "Prompt tokens found below the GPU's cache."
         )
+        self.prompt_computed = counter(
+            "tp_engine:prompt_tokens_computed",
+            "Prompt tokens computed by forward passes here (not found in a cache, not received "
+            "from a prefill server).",
+        )
         self.host_kv_usage = gauge(
             "tp_engine:host_kv_cache_usage_perc", "Fraction of the host KV tier's blocks in use."
         )
@@ -207,6 +212,11 @@ class ServerMetrics:
                 last and last.external_prefix_cache_hits,
             ),
             (self.preemptions, stats.num_preemptions, last and last.num_preemptions),
+            (
+                self.prompt_computed,
+                stats.prompt_tokens_computed,
+                last and last.prompt_tokens_computed,
+            ),
             (self.spec_drafts, stats.spec_num_drafts, last and last.spec_num_drafts),
             (
                 self.spec_draft_tokens,

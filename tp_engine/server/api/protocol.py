@@ -104,6 +104,11 @@ class _GenerationRequest(_Strict):
     # Refused: it would change what guided_json allows. (guided_decoding_backend, a hint,
     # is ignored with the other unknown fields.)
     guided_whitespace_pattern: str | None = None
+    # SGLang's prefill/decode pairing, as its router adds it (`disagg_fields`): the prefill's
+    # bootstrap server and the pair's room, one or one per prompt.
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
 
 
 class CompletionRequest(_GenerationRequest):

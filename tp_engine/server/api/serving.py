@@ -10,7 +10,7 @@ into one response or stream chunks as tokens arrive (`streaming.py`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -21,8 +21,14 @@ from tp_engine.features.structured.grammar import StructuredOutputsParams
 from tp_engine.lora_request import LoRARequest
 from tp_engine.server.api.chat_output import ChatOutputParser
 from tp_engine.server.api.constraints import gives_constraint, output_constraint
+from tp_engine.server.api.disagg_fields import bootstrap_of
 from tp_engine.server.api.engine_client import EngineClient
-from tp_engine.server.api.generation import EngineDiedError, Generation, PromptInput
+from tp_engine.server.api.generation import (
+    EngineDiedError,
+    Generation,
+    PromptInput,
+    RequestFailedError,
+)
 from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.api.logprob_format import LogprobFormatter
 from tp_engine.server.api.models import ServedModels
@@ -46,6 +52,7 @@ from tp_engine.server.api.responses import (
 )
 from tp_engine.server.api.streaming import SSEStream
 from tp_engine.server.api.tool_calls import ToolPlan, tool_plan
+from tp_engine.server.messages import Bootstrap
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +78,17 @@ class OpenAIServing:
     # -- completions -------------------------------------------------------------------------------
 
     async def completion(self, req: CompletionRequest, request: Request) -> Response:
-        gen = await self.completion_generation(req)
+        gen = await self.completion_generation(req, headers=request.headers)
         return await self._respond(gen, req, request, chat=False)
 
     async def completion_generation(
-        self, req: CompletionRequest, request_id: str | None = None
+        self,
+        req: CompletionRequest,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Generation:
-        """A checked completion request, ready to start (SGLang's /generate runs these too)."""
+        """A checked completion request, ready to start (SGLang's /generate runs these too);
+        `headers`: the HTTP request's (a router's bootstrap overrides)."""
         adapter = self.check_model(req.model)
         refuse_unsupported(req)
         check_max_tokens(req)
@@ -96,6 +107,7 @@ class OpenAIServing:
             adapter,
             request_id,
             checks,
+            bootstrap_of(req, headers, len(prompts)),
         )
 
     def _completion_inputs(
@@ -132,6 +144,7 @@ class OpenAIServing:
             lambda p: self.builder.sampling_params(req, max_tokens, extra),
             adapter,
             constraint_checks=checks,
+            bootstrap=bootstrap_of(req, request.headers, 1),
         )
         output = self._chat_output(req, prompt, tools)
         return await self._respond(gen, req, request, chat=True, chat_output=output)
@@ -190,6 +203,7 @@ class OpenAIServing:
         adapter: LoRARequest | None,
         request_id: str | None = None,
         constraint_checks: dict[str, dict[str, Any]] | None = None,
+        bootstrap: list[Bootstrap | None] | None = None,
     ) -> Generation:
         return Generation(
             self.client,
@@ -201,6 +215,7 @@ class OpenAIServing:
             self.builder.stop_options(req),
             adapter,
             constraint_checks,
+            bootstrap,
         )
 
     async def _respond(
@@ -242,6 +257,8 @@ class OpenAIServing:
             return Response(status_code=_CLIENT_CLOSED)
         except EngineDiedError as exc:
             raise APIError(500, f"the engine died: {exc}", code="engine_dead") from None
+        except RequestFailedError as exc:
+            raise APIError(500, str(exc), code="request_failed") from None
         return JSONResponse(body)
 
     async def _collect(

@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tp_engine.server.api.engine_client import EngineClient
-from tp_engine.server.api.generation import Generation
+from tp_engine.server.api.generation import Generation, RequestFailedError
 from tp_engine.server.api.http_errors import APIError
 from tp_engine.server.api.protocol import CompletionRequest
 from tp_engine.server.api.responses import ClientGone, until_disconnect
@@ -133,6 +133,9 @@ def _completion_request(req: GenerateRequest) -> tuple[CompletionRequest, int]:
         raise APIError(400, f"unsupported sampling_params: {sorted(sp)}", param="sampling_params")
     if req.return_logprob:
         fields["logprobs"] = 0
+    for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):  # a PD router's
+        if (req.model_extra or {}).get(name) is not None:
+            fields[name] = req.model_extra[name]  # type: ignore[index]
     try:
         return CompletionRequest.model_validate(fields), num_prompts
     except ValidationError as exc:
@@ -250,7 +253,9 @@ def build_sglang_router(
         busy = [r for r in rids or [] if r in running.by_id]
         if busy:
             raise APIError(400, f"a request with rid {busy[0]!r} is running", param="rid")
-        gen = await serving.completion_generation(creq, rids[0] if rids else None)
+        gen = await serving.completion_generation(
+            creq, rids[0] if rids else None, headers=request.headers
+        )
         names = rids or [gen.request_id]
         single = num_prompts == 1 and creq.n == 1
         running.add(names, gen)
@@ -267,6 +272,8 @@ def build_sglang_router(
             await until_disconnect(request, _drain(gen, names))
         except ClientGone:
             return Response(status_code=499)
+        except RequestFailedError as exc:
+            raise APIError(500, str(exc), code="request_failed") from None
         version = await weight_version()
         outs = [_output(gen, c, rids, version, req.return_logprob) for c in gen.choices]
         return JSONResponse(outs[0] if single else outs)
@@ -291,6 +298,9 @@ def build_sglang_router(
                 if not single:
                     out["index"] = c.index
                 yield b"data: " + json.dumps(out).encode() + b"\n\n"
+        except RequestFailedError as exc:
+            error = {"error": {"message": str(exc), "code": "request_failed"}}
+            yield b"data: " + json.dumps(error).encode() + b"\n\n"
         finally:
             running.forget(names)
             gen.close()

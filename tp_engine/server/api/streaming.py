@@ -23,7 +23,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tp_engine.server.api.chat_output import ChatOutputParser
-from tp_engine.server.api.generation import ChoiceUpdate, EngineDiedError, Generation, PromptInput
+from tp_engine.server.api.generation import (
+    ChoiceUpdate,
+    EngineDiedError,
+    Generation,
+    PromptInput,
+    RequestFailedError,
+)
 from tp_engine.server.api.http_errors import error_body
 from tp_engine.server.api.logprob_format import LogprobFormatter
 from tp_engine.server.api.responses import (
@@ -90,6 +96,8 @@ class SSEStream:
                 yield sse(body)
         except EngineDiedError as exc:
             yield sse(error_body(f"the engine died: {exc}", "server_error", None, "engine_dead"))
+        except RequestFailedError as exc:
+            yield sse(error_body(str(exc), "server_error", None, "request_failed"))
         finally:
             gen.close()
         yield SSE_DONE

@@ -60,6 +60,8 @@ def server_info(hello: Hello) -> dict[str, Any]:
         "context_length": hello.max_model_len,
         # SGLang's name for sleep mode; slime checks it against its --offload-rollout.
         "enable_memory_saver": hello.enable_sleep_mode,
+        # --disaggregation-mode: "null", "prefill" or "decode" (the router lists it).
+        "disaggregation_mode": hello.disaggregation_mode,
     }
 
 

@@ -6,8 +6,8 @@ thread-safe). Per iteration:
     poll the inbox (no wait while work is queued) → apply every Add / Abort → step once →
     send one EngineOutputs (acceptances, rejections, deltas, stats) if anything changed
 
-An Add with pooling params (a pooling model's request) runs as `PoolingParams`: its one Delta,
-once the prompt is computed, carries the pooled vector as little-endian float32 bytes.
+An Add with pooling params runs as `PoolingParams` (its one Delta carries the pooled vector as
+little-endian float32 bytes); one with bootstrap fields takes the server's prefill/decode role.
 
 States and what ends them:
 
@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from tp_engine.core.engine_states import PauseMode
@@ -61,7 +62,8 @@ from tp_engine.server.messages import (
 )
 from tp_engine.server.rank0.constraint_parses import ConstraintParses
 from tp_engine.server.rank0.control_ops import run_op
-from tp_engine.server.rank0.watchdog import Watchdog
+from tp_engine.server.rank0.disagg.serving import NoRole
+from tp_engine.server.rank0.watchdog import Watchdog, park, stop_api_process
 from tp_engine.server.request_trace import for_process
 
 logger = logging.getLogger(__name__)
@@ -95,8 +97,11 @@ class EngineLoop:
         api_proc: subprocess.Popen,
         options: LoopOptions,
         on_fatal: Callable[[int], None],
+        disaggregation: NoRole | None = None,
     ) -> None:
         self.engine = engine
+        # This server's role behind a prefill/decode router (`disagg`), or none.
+        self._pd = disaggregation or NoRole()
         self.pipes = pipes
         self.api_proc = api_proc
         self.options = options
@@ -150,14 +155,15 @@ class EngineLoop:
         engine = self.engine
         while True:
             if self._watchdog.fired.is_set():
-                _park()  # the watchdog has taken over and ends the process
+                park()  # the watchdog has taken over and ends the process
             if self._end_reason is not None:
                 return self._die(self._end_reason, linger_s=0.0)
             busy = engine.has_work()
             self._watchdog.busy(busy)
             if self._parses:
                 self._take_parses()
-            idle_poll_s = _PARSE_POLL_S if self._parses else _IDLE_POLL_S
+            waits = self._take_pd() or bool(self._parses)
+            idle_poll_s = _PARSE_POLL_S if waits else _IDLE_POLL_S
             if self.pipes.poll(0 if busy else idle_poll_s):
                 try:
                     self._read_inbox()
@@ -244,9 +250,8 @@ class EngineLoop:
     def _admit(self, msg: AddRequest) -> None:
         lora = msg.lora_request
         try:
-            seq_ids = self.engine.add_request(
-                msg.request_id, msg.prompt_token_ids, _params(msg), lora_request=lora
-            )
+            # In the server's prefill/decode role, if it has one (`disagg`).
+            seq_ids = self._pd.add(self.engine, msg, _params(msg), lora)
         except (ValueError, TypeError) as exc:
             # The engine refuses what it cannot serve (too long, unsupported field): that
             # request gets a 400, everything else keeps running.
@@ -279,6 +284,7 @@ class EngineLoop:
                 self.engine.finish_request(live.seq_id, SequenceStatus.FINISHED_STOPPED)
             else:
                 self.engine.abort_request(live.seq_id)
+            self._pd.aborted(live.seq_id)
         self._forget_if_done(msg.request_id)
 
     def _control(self, msg: Control) -> None:
@@ -335,13 +341,27 @@ class EngineLoop:
             self._watchdog.progress()
         self._take_compile_verdicts()
         for out in step.outputs:
-            live = self._live.get(out.seq_id)
-            if live is None:
-                continue  # aborted, or stopped by the API process meanwhile
-            if out.finished:
-                del self._live[out.seq_id]
-                self._forget_if_done(live.request_id)
-            self._deltas.append(_delta(live.request_id, out))
+            # A prefill's answer is sent once its pages are written (`_take_pd`).
+            if not self._pd.holds(out):
+                self._emit(out)
+
+    def _emit(self, out: SequenceOutput, error: str | None = None) -> None:
+        """Send a sample's news (`error`: it failed on its own, a 500 saying why)."""
+        live = self._live.get(out.seq_id)
+        if live is None:
+            return  # aborted, or stopped by the API process meanwhile
+        if out.finished:
+            del self._live[out.seq_id]
+            self._forget_if_done(live.request_id)
+        delta = _delta(live.request_id, out)
+        self._deltas.append(delta if error is None else msgspec.structs.replace(delta, error=error))
+
+    def _take_pd(self) -> bool:
+        """Send what the server's role released (first tokens, answers, failures); whether it
+        waits on anything."""
+        for out, error in self._pd.poll():
+            self._emit(out, error)
+        return self._pd.busy
 
     def _take_compile_verdicts(self) -> None:
         """Accept the requests whose constraint compiled; reject (400) the others, whose
@@ -451,11 +471,6 @@ class EngineLoop:
         self._on_fatal(EXIT_FAILED)  # does not return
 
 
-def _park() -> None:
-    while True:
-        time.sleep(3600)
-
-
 def _params(msg: AddRequest) -> SamplingParams | PoolingParams:
     """What the request asks for: pooling when it carries PoolingParams fields."""
     if msg.pooling_params is not None:
@@ -479,15 +494,3 @@ def _delta(request_id: str, out: SequenceOutput) -> Delta:
         prompt_logprobs=out.prompt_logprobs,
         pooled=None if out.pooled is None else np.asarray(out.pooled, dtype="<f4").tobytes(),
     )
-
-
-def stop_api_process(proc: subprocess.Popen, timeout_s: float) -> None:
-    """Wait for the API process to exit on its own; terminate, then kill it if it does not."""
-    for action in (None, proc.terminate, proc.kill):
-        if action is not None:
-            action()
-        try:
-            proc.wait(timeout=timeout_s if action is None else 5.0)
-            return
-        except subprocess.TimeoutExpired:
-            continue

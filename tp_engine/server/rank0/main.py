@@ -30,6 +30,7 @@ stopped and nothing named is left in the file system or /dev/shm.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -56,7 +57,9 @@ from tp_engine.server.args import (
 from tp_engine.server.ipc import EnginePipes, RunDir
 from tp_engine.server.messages import Dead, Exit, Hello, Ready
 from tp_engine.server.nodes import node_spec
-from tp_engine.server.rank0.engine_loop import EXIT_FAILED, EngineLoop, stop_api_process
+from tp_engine.server.rank0.disagg.serving import Disaggregation
+from tp_engine.server.rank0.engine_loop import EXIT_FAILED, EngineLoop
+from tp_engine.server.rank0.watchdog import stop_api_process
 
 if TYPE_CHECKING:
     from tp_engine.engine import LLMEngine
@@ -153,6 +156,7 @@ class Rank0Server:
         self.pipes: EnginePipes | None = None
         self.api: subprocess.Popen | None = None
         self.engine: LLMEngine | None = None
+        self.pd: Disaggregation | None = None
 
     def run(self) -> int:
         for sig in _STOP_SIGNALS:
@@ -182,7 +186,14 @@ class Rank0Server:
         self.api = api = self._start_api_process(self.run_dir)
         from tp_engine.engine import LLMEngine  # deferred: pulls in the model code
 
-        self.engine = engine = LLMEngine(self.config, self.tp, self.ranks.fault)
+        # Its role behind a prefill/decode router: the ranks' KV agents report to it.
+        self.pd = pd = Disaggregation.prepare(self.args.disaggregation, self.args.host)
+        config = self.config
+        if pd is not None:
+            config = dataclasses.replace(config, disaggregation=pd.settings())
+        self.engine = engine = LLMEngine(config, self.tp, self.ranks.fault)
+        if pd is not None:
+            pd.start(engine)
         if self._launcher_gone is not None:
             logger.error("%s during start-up: exiting", self._launcher_gone)
             return EXIT_FAILED
@@ -217,6 +228,7 @@ class Rank0Server:
                 lora_modules=list(self.args.lora_modules),
                 tokenizer_dir=self.config.tokenizer,
                 chat_template=self.args.chat_template,
+                disaggregation_mode=self.args.disaggregation.mode,
             ),
             keep_waiting=lambda: (
                 api.poll() is None and self._stop_signal is None and self._launcher_gone is None
@@ -247,7 +259,7 @@ class Rank0Server:
             _url_host(self.args.host),
             port,
         )
-        self.loop = EngineLoop(engine, pipes, api, self.args.loop, self._fatal)
+        self.loop = EngineLoop(engine, pipes, api, self.args.loop, self._fatal, pd)
         if self._stop_signal is not None:
             self.loop.request_stop(self._stop_signal)
         if self._launcher_gone is not None:  # gone while the loop was being made
@@ -316,6 +328,8 @@ class Rank0Server:
             if pipes is not None:
                 pipes.send(Exit(1 if dead else 0))
             stop_api_process(api, timeout_s=5.0)
+        if self.pd is not None:
+            self.pd.close()
         if engine is not None:
             engine.shutdown()  # workers exit (told EXIT, or the channel closes under them)
         self.ranks.release(

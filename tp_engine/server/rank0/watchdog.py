@@ -9,6 +9,7 @@ loop declares the engine dead and ends the process).
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -50,3 +51,20 @@ class Watchdog:
                 self.fired.set()
                 self._on_stall(stalled_for)
                 return
+
+
+def park() -> None:
+    while True:
+        time.sleep(3600)
+
+
+def stop_api_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Wait for the API process to exit on its own; terminate, then kill it if it does not."""
+    for action in (None, proc.terminate, proc.kill):
+        if action is not None:
+            action()
+        try:
+            proc.wait(timeout=timeout_s if action is None else 5.0)
+            return
+        except subprocess.TimeoutExpired:
+            continue

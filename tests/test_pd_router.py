@@ -1,0 +1,299 @@
+"""Prefill/decode disaggregation end to end: the real `sglang-router --pd-disaggregation` in
+front of a prefill server and a decode server (`launch/serve.py --disaggregation-mode`), the KV
+pages moved between their ranks by Mooncake's transfer engine over TCP, at TP 1 and TP 2.
+
+Greedy outputs through the router equal the decode server answering the same requests alone
+(a request without bootstrap fields is computed whole there) and transformers; the decode
+computes none of a paired request's prompt (`tp_engine:prompt_tokens_computed` does not move,
+its prompt counts as external prefix-cache hits and as cached tokens). The faults each end the
+one request with an error naming what went wrong, its blocks freed, the servers serving on.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.server_harness import REPO_ROOT, Server, parse_sse, wait_until
+from tp_engine.server.rank0.replicas import free_port
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Hello, my name is", "The quick brown fox jumps over", "Once upon a time, in a land"]
+MAX_TOKENS = 6
+MODEL = "tp-engine-demo"  # the router asks for one; the servers answer to the checkpoint's path
+# Short, so that the fault cases end within the test; long enough for a loaded machine's pairs.
+TIMEOUT_S = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> Path:
+    from tp_engine.demo import demo_checkpoint_dir
+
+    return demo_checkpoint_dir()
+
+
+def doc_commands() -> list[list[str]]:
+    """docs/disaggregation.md's one-machine commands: prefill, decode, router."""
+    text = (REPO_ROOT / "docs" / "disaggregation.md").read_text()
+    section = text.split("## Try it on one machine", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    commands = [shlex.split(b.replace("\\\n", " ")) for b in blocks[:3]]
+    assert [c[:2] for c in commands] == [
+        ["python", "launch/serve.py"], ["python", "launch/serve.py"], ["python", "-m"]
+    ]  # fmt: skip
+    return commands
+
+
+def swap(cmd: list[str], values: dict[str, str]) -> list[str]:
+    """`cmd` with `sys.executable` for python and each value in `values` replaced."""
+    return [sys.executable if a == "python" else values.get(a, a) for a in cmd]
+
+
+class Router:
+    def __init__(self, cmd: list[str], port: int, log: Path) -> None:
+        self.port = port
+        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        metrics = [
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port("127.0.0.1")),
+        ]
+        self.proc = subprocess.Popen(
+            [*cmd, *metrics, "--log-level", "warn"], cwd=REPO_ROOT, stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.log_path = log
+
+    def post(self, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        try:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        if body.get("stream"):
+            return resp.status, parse_sse(data)
+        try:
+            return resp.status, json.loads(data)
+        except ValueError:
+            return resp.status, data.decode(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        last: Any = None
+        probe = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log_path.read_text()
+            try:
+                last = self.post("/generate", probe, 30)
+                if last[0] == 200:
+                    return
+            except OSError as exc:
+                last = exc
+            time.sleep(0.5)
+        raise AssertionError(f"router not ready: {last}\n{self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def pd(request, checkpoint, tmp_path_factory):
+    tp = request.param
+    tmpdir = tempfile.mkdtemp(prefix="pd-")
+    env = dict(os.environ, TMPDIR=tmpdir)
+    env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(TIMEOUT_S)
+    env["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(TIMEOUT_S)
+    for name in ("TP_ENGINE_FAULT", "RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    logs = tmp_path_factory.mktemp("logs")
+    prefill_cmd, decode_cmd, router_cmd = doc_commands()
+    bootstrap_port = free_port("127.0.0.1")
+    ours = ["--model", str(checkpoint), "--served-model-name", MODEL, "--tensor-parallel-size", str(tp), "--num-kv-blocks",
+            "96", "--disable-uvicorn-access-log"]  # fmt: skip
+    ports = {"30000": "0", "30001": "0", "8998": str(bootstrap_port)}
+    prefill = Server([*swap(prefill_cmd, ports), *ours], env, logs / "prefill.log")
+    decode = Server([*swap(decode_cmd, ports), *ours], env, logs / "decode.log")
+    router = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        router_port = free_port("127.0.0.1")
+        urls = {
+            "http://127.0.0.1:30000": f"http://127.0.0.1:{prefill.port}",
+            "http://127.0.0.1:30001": f"http://127.0.0.1:{decode.port}",
+            "8998": str(bootstrap_port), "8000": str(router_port),
+        }  # fmt: skip
+        router = Router(swap(router_cmd, urls), router_port, logs / "router.log")
+        router.wait_ready()
+        yield prefill, decode, router, bootstrap_port, tp
+    finally:
+        if router is not None:
+            router.stop()
+        for server in (prefill, decode):
+            server.stop()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    for server in (prefill, decode):
+        assert "Traceback" not in server.log(), server.log_tail()
+
+
+def hf_greedy(checkpoint: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            do_sample=False,
+        )  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def completion(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}  # fmt: skip
+
+
+def test_router_outputs_equal_the_decode_alone_and_transformers(pd, checkpoint):
+    prefill, decode, router, _, _ = pd
+    computed_before = decode.metric("tp_engine:prompt_tokens_computed_total")
+    external_before = decode.metric("vllm:external_prefix_cache_hits_total")
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # at once: the pairs overlap
+        routed = list(pool.map(lambda p: router.post("/v1/completions", completion(p)), PROMPTS))
+    prompt_tokens = 0
+    for prompt, (status, body) in zip(PROMPTS, routed, strict=True):
+        assert status == 200, body
+        choice = body["choices"][0]
+        alone_status, alone = decode.post("/v1/completions", completion(prompt))
+        assert alone_status == 200, alone
+        assert choice["token_ids"] == alone["choices"][0]["token_ids"]
+        assert choice["text"] == alone["choices"][0]["text"]
+        assert choice["token_ids"] == hf_greedy(checkpoint, choice["prompt_token_ids"], MAX_TOKENS)
+        # Every prompt token came from the prefill: the decode computed none of them.
+        usage = body["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
+        prompt_tokens += usage["prompt_tokens"]
+    assert decode.metric("vllm:external_prefix_cache_hits_total") - external_before == prompt_tokens
+    # Only the requests sent to the decode alone computed prompts there (its prefix cache is
+    # off: each computed its whole prompt), the routed ones none.
+    computed = decode.metric("tp_engine:prompt_tokens_computed_total") - computed_before
+    assert computed == prompt_tokens
+    assert prefill.metric("tp_engine:prompt_tokens_computed_total") >= prompt_tokens
+
+
+def test_chat_streaming_and_generate_through_the_router(pd):
+    _, decode, router, _, _ = pd
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    status, body = router.post("/v1/chat/completions", chat)
+    assert status == 200, body
+    alone_status, alone = decode.post("/v1/chat/completions", chat)
+    assert alone_status == 200, alone
+    text = body["choices"][0]["message"]["content"]
+    assert text == alone["choices"][0]["message"]["content"]
+    status, events = router.post("/v1/chat/completions", {**chat, "stream": True})
+    assert status == 200, events
+    streamed = "".join(
+        e["choices"][0]["delta"].get("content") or ""
+        for e in events
+        if isinstance(e, dict) and e.get("choices")
+    )
+    assert streamed == text
+    generate = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    status, routed = router.post("/generate", generate)
+    assert status == 200, routed
+    alone_status, alone = decode.post("/generate", generate)
+    assert alone_status == 200, alone
+    assert routed["output_ids"] == alone["output_ids"]
+    assert routed["meta_info"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_sglangs_fake_bootstrap_host_needs_no_prefill(pd):
+    _, decode, _, _, _ = pd
+    before = decode.metric("tp_engine:prompt_tokens_computed_total")
+    body = completion(PROMPTS[1], bootstrap_host="2.2.2.2", bootstrap_room=7)
+    status, resp = decode.post("/v1/completions", body)
+    assert status == 200, resp
+    assert len(resp["choices"][0]["token_ids"]) == MAX_TOKENS
+    assert decode.metric("tp_engine:prompt_tokens_computed_total") == before
+
+
+class _StubBootstrap:
+    """A bootstrap server that answers as a prefill of another page size would."""
+
+    def __init__(self, facts: dict[str, Any]) -> None:
+        data = json.dumps(facts).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.http.server_address[1]
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+
+def test_faults_end_one_request_each_and_free_its_blocks(pd):
+    prefill, decode, _, bootstrap_port, tp = pd
+    stub = _StubBootstrap({"page_size": 32, "attn_tp_size": tp, "kv_requests": "tcp://127.0.0.1:1"})
+    cases = {
+        # The decode's pages never come: its prefill never gets the request.
+        "never": (decode, dict(bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port, bootstrap_room=101)),
+        # A prefill whose decode never asks for the pages.
+        "unasked": (prefill, dict(bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port, bootstrap_room=102)),
+        # Nothing listens at the bootstrap address.
+        "unreachable": (decode, dict(bootstrap_host="127.0.0.1", bootstrap_port=free_port("127.0.0.1"), bootstrap_room=103)),
+        # A prefill of another page size.
+        "mismatch": (decode, dict(bootstrap_host="127.0.0.1", bootstrap_port=stub.port, bootstrap_room=104)),
+    }  # fmt: skip
+    start = time.monotonic()
+    with ThreadPoolExecutor(len(cases)) as pool:
+        futures = {
+            name: pool.submit(server.post, "/v1/completions", completion(PROMPTS[0], **fields))
+            for name, (server, fields) in cases.items()
+        }
+        results = {name: f.result() for name, f in futures.items()}
+    elapsed = time.monotonic() - start
+    stub.http.shutdown()
+    for name, (status, body) in results.items():
+        assert status == 500, (name, body)
+    message = {name: body["error"]["message"] for name, (_, body) in results.items()}
+    assert f"did not arrive within {TIMEOUT_S} s" in message["never"]
+    assert "no decode asked for its pages" in message["unasked"]
+    assert "cannot be reached" in message["unreachable"]
+    assert "has page_size 32, this decode 16" in message["mismatch"]
+    assert elapsed < 4 * TIMEOUT_S
+    # Nothing left behind, and both still serve.
+    for server in (prefill, decode):
+        wait_until(lambda s=server: s.metric("vllm:kv_cache_usage_perc") == 0, 10, "blocks freed")
+        assert server.metric("vllm:num_requests_waiting") == 0
+        status, body = server.post("/v1/completions", completion(PROMPTS[2]))
+        assert status == 200, body

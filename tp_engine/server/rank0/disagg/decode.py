@@ -1,0 +1,256 @@
+"""A decode server's rooms: each request the router paired with a prefill waits outside the
+batch (`tp_engine.core.remote_prompts`) until the prefill's ranks have written its prompt's
+K/V into the blocks taken for it, then joins the batch with the prefill's first token.
+
+Per request (by `bootstrap_room`):
+
+    added (held) ──► the prefill's facts known (GET /route once per prefill, on a thread:
+        a bogus or unreachable host fails its requests within the timeout, never the loop)
+        ──► blocks free: taken, KVRequest(room, blocks, this server's ranks) sent
+        ──► KVStatus: the first token → the batch; an error → the request fails (500)
+    no KVStatus within SGLANG_DISAGGREGATION_WAITING_TIMEOUT: fails, blocks freed; an abort
+    (the client left, the router gave up) frees them at once.
+
+A prefill is refused, for all its requests, when its facts differ from this server's (page
+size, KV dtype, tensor-parallel size, layers, bytes per block): the message names both sides.
+With `--disaggregation-transfer-backend fake` (or SGLang's fake bootstrap host 2.2.2.2, its
+warm-up and health requests) nothing moves: the blocks are left as they are and the first
+token is made up from the request id, SGLang's way (a decode benchmark's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from shm_ipc import wire
+from shm_ipc.pd_wire import KVRequest, KVStatus, PeerRank, RankHello, decode_pd
+from tp_engine.core.outputs import SequenceOutput
+from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
+from tp_engine.server.disagg_flags import DisaggregationOptions
+from tp_engine.server.messages import AddRequest, Bootstrap
+from tp_engine.server.rank0.disagg.agents import AgentHub
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FAKE_BOOTSTRAP_HOST", "DecodeRooms"]
+
+# SGLang's bootstrap host of its warm-up and /health_generate requests: nothing to fetch.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+# How long one GET of a prefill's facts may take.
+_FETCH_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Room:
+    room: int
+    seq_id: str
+    peer: tuple[str, int] | None  # None: fake
+    deadline: float
+    asked: bool = False
+
+
+class DecodeRooms:
+    """See the module docstring. `facts`: this server's (what a prefill must match)."""
+
+    def __init__(
+        self, engine: Any, options: DisaggregationOptions, hub: AgentHub, facts: dict[str, Any]
+    ) -> None:
+        self.engine = engine
+        self.options = options
+        self.hub = hub
+        self.facts = facts
+        ctx = zmq.Context.instance()
+        self._status = ctx.socket(zmq.PULL)
+        self._status.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://{hub.host}:{self._status.bind_to_random_port(f'tcp://{hub.host}')}"
+        self._ranks: list[PeerRank] = []
+        self._peers: dict[tuple[str, int], Future[dict[str, Any]]] = {}
+        self._pushes: dict[str, zmq.Socket] = {}
+        self._rooms: dict[int, _Room] = {}
+        self._by_seq: dict[str, _Room] = {}
+        self._fetcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-bootstrap")
+
+    def start(self, hellos: list[RankHello]) -> None:
+        self._ranks = [PeerRank(h.session, h.region) for h in hellos]
+        logger.info("decode: KV statuses on %s", self.endpoint)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def added(self, msg: AddRequest, seq_id: str) -> None:
+        boot = msg.bootstrap
+        assert boot is not None
+        peer = (
+            None if self._is_fake(boot) else (boot.host, boot.port or self.options.bootstrap_port)
+        )
+        room = _Room(boot.room, seq_id, peer, time.monotonic() + self.options.waiting_timeout_s)
+        self._rooms[boot.room] = room
+        self._by_seq[seq_id] = room
+        if peer is not None and peer not in self._peers:
+            # Within half the request's own wait, so that its error says why.
+            timeout_s = min(_FETCH_TIMEOUT_S, self.options.waiting_timeout_s / 2)
+            self._peers[peer] = self._fetcher.submit(_fetch_facts, *peer, timeout_s)
+
+    def _is_fake(self, boot: Bootstrap) -> bool:
+        return self.options.backend == "fake" or boot.host == FAKE_BOOTSTRAP_HOST
+
+    def aborted(self, seq_id: str) -> None:
+        room = self._by_seq.pop(seq_id, None)
+        if room is not None:
+            self._rooms.pop(room.room, None)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._rooms)
+
+    def poll(self) -> list[tuple[SequenceOutput, str | None]]:
+        """Ask for pages, take statuses, end the timed out: the outputs to send (a first token,
+        or a failure and why)."""
+        outs: list[tuple[SequenceOutput, str | None]] = []
+        failed: set[tuple[str, int]] = set()  # prefills whose facts could not be had
+        remote = self.engine.core.intake.remote
+        for seq in remote.reserve():
+            room = self._by_seq.get(seq.seq_id)
+            if room is not None and room.peer is None:  # fake: nothing moves
+                outs += self._arrive(room, _made_up_token(seq.seq_id, self.engine.vocab_size))
+        for room in list(self._rooms.values()):
+            if room.asked or room.peer is None:
+                continue
+            seq = next((s for s in remote.held() if s.seq_id == room.seq_id), None)
+            if seq is None or not seq.block_table:
+                continue  # still waiting for blocks
+            facts = self._peers.get(room.peer)
+            if facts is None:  # its earlier fetch failed: try again for this one
+                timeout_s = min(_FETCH_TIMEOUT_S, self.options.waiting_timeout_s / 2)
+                facts = self._peers[room.peer] = self._fetcher.submit(
+                    _fetch_facts, *room.peer, timeout_s
+                )
+            if not facts.done():
+                continue
+            why = self._mismatch(room.peer, facts)
+            if why is not None:
+                if facts.exception() is not None:
+                    failed.add(room.peer)
+                outs += self._fail(room, why)
+                continue
+            self._ask(room, facts.result(), seq.num_prompt_tokens, seq.block_table)
+        for peer in failed:
+            self._peers.pop(peer, None)
+        while self._status.poll(0):
+            try:
+                status = decode_pd(self._status.recv(), "a prefill server's KVStatus")
+            except ValueError as exc:
+                logger.warning("decode: %s", exc)
+                continue
+            room = self._rooms.get(status.room) if isinstance(status, KVStatus) else None
+            if room is None:
+                continue  # aborted or timed out meanwhile
+            assert isinstance(status, KVStatus)
+            if status.error is not None:
+                outs += self._fail(room, f"the prefill failed: {status.error}")
+            else:
+                lp = None if status.logprobs is None else TokenLogprobs(*status.logprobs)
+                outs += self._arrive(room, status.token, lp)
+        now = time.monotonic()
+        for room in list(self._rooms.values()):
+            if now > room.deadline:
+                where = "" if room.peer is None else f" from {room.peer[0]}:{room.peer[1]}"
+                outs += self._fail(
+                    room,
+                    f"its KV pages{where} did not arrive within "
+                    f"{self.options.waiting_timeout_s:g} s (SGLANG_DISAGGREGATION_WAITING_TIMEOUT)",
+                )
+        return outs
+
+    def _mismatch(self, peer: tuple[str, int], facts: Future[dict[str, Any]]) -> str | None:
+        where = f"the prefill at {peer[0]}:{peer[1]}"
+        exc = facts.exception()
+        if exc is not None:
+            return f"{where} cannot be reached: {exc}"
+        theirs = facts.result()
+        if theirs.get("attn_tp_size") != len(self._ranks):
+            return (
+                f"{where} runs tensor parallel {theirs.get('attn_tp_size')}, this decode "
+                f"{len(self._ranks)} (both must be equal)"
+            )
+        for name, ours in self.facts.items():
+            if name in theirs and theirs[name] != ours:
+                return f"{where} has {name} {theirs[name]!r}, this decode {ours!r}"
+        return None
+
+    def _ask(self, room: _Room, facts: dict[str, Any], num_tokens: int, blocks: list[int]) -> None:
+        to = facts["kv_requests"]
+        sock = self._pushes.get(to)
+        if sock is None:
+            sock = self._pushes[to] = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(to)
+        ask = KVRequest(room.room, num_tokens, list(blocks), self._ranks, self.endpoint)
+        sock.send(wire.encode(ask))
+        room.asked = True
+
+    def _arrive(
+        self, room: _Room, token: int, logprobs: TokenLogprobs | None = None
+    ) -> list[tuple[SequenceOutput, str | None]]:
+        self._forget(room)
+        core = self.engine.core
+        seq = core.intake.remote.arrive(room.seq_id, token, logprobs)
+        if seq is None:
+            return []
+        return [(core.pipeline.output_of(seq), None)]
+
+    def _fail(self, room: _Room, why: str) -> list[tuple[SequenceOutput, str | None]]:
+        self._forget(room)
+        core = self.engine.core
+        seq = core.intake.remote.drop(room.seq_id, SequenceStatus.FINISHED_ABORTED)
+        logger.warning("decode: room %d failed: %s", room.room, why)
+        if seq is None:
+            return []
+        return [(core.pipeline.output_of(seq), why)]
+
+    def _forget(self, room: _Room) -> None:
+        self._rooms.pop(room.room, None)
+        self._by_seq.pop(room.seq_id, None)
+
+    def close(self) -> None:
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        for sock in self._pushes.values():
+            sock.close(linger=0)
+        self._status.close(linger=0)
+
+
+def _fetch_facts(host: str, port: int, timeout_s: float) -> dict[str, Any]:
+    """The prefill's facts from its bootstrap server (SGLang's all -1 route), retried while it
+    answers 503 or refuses (still starting), within `timeout_s`."""
+    host_part = f"[{host}]" if ":" in host else host
+    url = (
+        f"http://{host_part}:{port}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+        "&target_tp_rank=-1&target_pp_rank=-1"
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with urllib.request.urlopen(url, timeout=max(left, 0.1)) as reply:
+                return json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or left <= 0.5:
+                raise RuntimeError(f"its bootstrap server answered {exc.code}") from None
+        except (OSError, ValueError) as exc:
+            if left <= 0.5:
+                raise RuntimeError(f"its bootstrap server at {url}: {exc}") from None
+        time.sleep(0.5)
+
+
+def _made_up_token(seq_id: str, vocab_size: int) -> int:
+    """SGLang's first token for a fake transfer: a hash of the request id in the vocabulary."""
+    digest = hashlib.blake2b(seq_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % vocab_size

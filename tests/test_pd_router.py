@@ -11,12 +11,14 @@ one request with an error naming what went wrong, its blocks freed, the servers 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -202,6 +204,34 @@ def test_router_outputs_equal_the_decode_alone_and_transformers(pd, checkpoint):
     assert prefill.metric("tp_engine:prompt_tokens_computed_total") >= prompt_tokens
 
 
+def test_the_prefills_prefix_cache_computes_only_new_pages_and_sends_all(pd):
+    prefill, decode, router, _, _ = pd
+    shared = "a shared system prompt for every request of this test, " * 6
+    first = router.post("/v1/completions", completion(shared + "then one"))
+    assert first[0] == 200, first[1]
+    before = prefill.metric("tp_engine:prompt_tokens_computed_total")
+    status, body = router.post("/v1/completions", completion(shared + "then two"))
+    assert status == 200, body
+    computed = prefill.metric("tp_engine:prompt_tokens_computed_total") - before
+    prompt_tokens = body["usage"]["prompt_tokens"]
+    assert computed < prompt_tokens - 16  # the shared full blocks were hits on the prefill
+    alone = decode.post("/v1/completions", completion(shared + "then two"))[1]
+    assert body["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+
+
+def test_a_full_decode_pool_makes_requests_wait_not_fail(pd):
+    _, decode, router, _, _ = pd
+    # Eight prompts of ~300 tokens need more than the decode's 96 blocks of 16 at once.
+    prompts = [f"request {i}: " + "tell me more about it, " * 50 for i in range(8)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        routed = list(pool.map(lambda p: router.post("/v1/completions", completion(p)), prompts))
+    assert sum(r[1]["usage"]["prompt_tokens"] for r in routed) > 96 * 16
+    for prompt, (status, body) in zip(prompts, routed, strict=True):
+        assert status == 200, body
+        alone = decode.post("/v1/completions", completion(prompt))[1]
+        assert body["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+
+
 def test_chat_streaming_and_generate_through_the_router(pd):
     _, decode, router, _, _ = pd
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": MAX_TOKENS,
@@ -297,3 +327,43 @@ def test_faults_end_one_request_each_and_free_its_blocks(pd):
         assert server.metric("vllm:num_requests_waiting") == 0
         status, body = server.post("/v1/completions", completion(PROMPTS[2]))
         assert status == 200, body
+
+
+def test_a_client_that_leaves_frees_the_decodes_pages_at_once(pd):
+    _, decode, _, bootstrap_port, _ = pd
+    body = completion(PROMPTS[0], bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port,
+                      bootstrap_room=201)  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", decode.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    wait_until(lambda: decode.metric("vllm:kv_cache_usage_perc") > 0, 5, "the pages taken")
+    left = time.monotonic()
+    conn.close()
+    wait_until(lambda: decode.metric("vllm:kv_cache_usage_perc") == 0, 5, "the pages freed")
+    assert time.monotonic() - left < TIMEOUT_S  # the abort, not the waiting timeout
+    assert decode.metric("vllm:num_requests_waiting") == 0
+
+
+def test_zz_a_killed_prefill_fails_its_requests_and_leaves_no_orphan(pd):
+    """Last of its servers' tests: the prefill is gone afterwards."""
+    prefill, decode, router, bootstrap_port, _ = pd
+    body = completion(PROMPTS[0], bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port,
+                      bootstrap_room=301)  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        waiting = pool.submit(decode.post, "/v1/completions", body)
+        wait_until(lambda: decode.metric("vllm:kv_cache_usage_perc") > 0, 5, "the pages taken")
+        for pid in prefill.descendants() | {prefill.proc.pid}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        prefill.proc.wait()
+        # The router's retries with new rooms reach the decode too; each of them ends.
+        routed = pool.submit(router.post, "/v1/completions", completion(PROMPTS[1]))
+        status, resp = waiting.result()
+        assert status == 500 and "did not arrive" in resp["error"]["message"], resp
+        assert routed.result()[0] >= 500
+    wait_until(
+        lambda: decode.metric("vllm:num_requests_waiting") == 0
+        and decode.metric("vllm:kv_cache_usage_perc") == 0,
+        2 * TIMEOUT_S, "no orphan on the decode",
+    )  # fmt: skip
+    status, body = decode.post("/v1/completions", completion(PROMPTS[2]))
+    assert status == 200, body

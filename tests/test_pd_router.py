@@ -71,14 +71,12 @@ class Router:
     def __init__(self, cmd: list[str], port: int, log: Path) -> None:
         self.port = port
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        metrics = [
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port("127.0.0.1")),
-        ]
+        # Its metrics on a port of their own; two retries, not five (the killed prefill's test
+        # waits for each retry's decode half to time out).
+        extra = ["--prometheus-host", "127.0.0.1", "--prometheus-port",
+                 str(free_port("127.0.0.1")), "--retry-max-retries", "2"]  # fmt: skip
         self.proc = subprocess.Popen(
-            [*cmd, *metrics, "--log-level", "warn"], cwd=REPO_ROOT, stdout=self._log,
+            [*cmd, *extra, "--log-level", "warn"], cwd=REPO_ROOT, stdout=self._log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.log_path = log

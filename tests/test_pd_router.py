@@ -124,6 +124,7 @@ def pd(request, checkpoint, tmp_path_factory):
     env = dict(os.environ, TMPDIR=tmpdir)
     env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(TIMEOUT_S)
     env["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(TIMEOUT_S)
+    env["SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"] = "1"
     for name in ("TP_ENGINE_FAULT", "RANK", "WORLD_SIZE"):
         env.pop(name, None)
     logs = tmp_path_factory.mktemp("logs")
@@ -353,10 +354,13 @@ def test_zz_a_killed_prefill_fails_its_requests_and_leaves_no_orphan(pd):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         prefill.proc.wait()
+        killed = time.monotonic()
         # The router's retries with new rooms reach the decode too; each of them ends.
         routed = pool.submit(router.post, "/v1/completions", completion(PROMPTS[1]))
         status, resp = waiting.result()
-        assert status == 500 and "did not arrive" in resp["error"]["message"], resp
+        # Its heartbeats (every second here) found the prefill gone, well before the timeout.
+        assert status == 500 and "is gone" in resp["error"]["message"], resp
+        assert time.monotonic() - killed < TIMEOUT_S
         assert routed.result()[0] >= 500
     wait_until(
         lambda: decode.metric("vllm:num_requests_waiting") == 0

@@ -23,6 +23,8 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 # SGLang's environment variables and defaults (seconds).
 BOOTSTRAP_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
 WAITING_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
+HEARTBEAT_INTERVAL_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"
+HEARTBEAT_FAILURES_ENV = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"
 DEFAULT_TIMEOUT_S = 300.0
 
 ENVIRONMENT_HELP = f"""\
@@ -31,6 +33,9 @@ ENVIRONMENT_HELP = f"""\
                              says where they go (default 300)
   {WAITING_TIMEOUT_ENV}
                              seconds a decode waits for a request's pages (default 300)
+  {HEARTBEAT_INTERVAL_ENV}, {HEARTBEAT_FAILURES_ENV}
+                             a decode checks each prefill it waits on every 5 s; 2 failed
+                             checks in a row fail that prefill's requests at once
   MOONCAKE_PROTOCOL, MC_FORCE_TCP
                              Mooncake's transport ("tcp" or "rdma"; MC_FORCE_TCP=1: tcp)
 """
@@ -46,6 +51,8 @@ class DisaggregationOptions:
     ib_device: str = ""
     bootstrap_timeout_s: float = DEFAULT_TIMEOUT_S
     waiting_timeout_s: float = DEFAULT_TIMEOUT_S
+    heartbeat_interval_s: float = 5.0
+    heartbeat_failures: int = 2
 
     @property
     def enabled(self) -> bool:
@@ -106,13 +113,15 @@ def disaggregation_options(args: argparse.Namespace) -> DisaggregationOptions:
         ib_device=args.disaggregation_ib_device,
         bootstrap_timeout_s=_seconds(BOOTSTRAP_TIMEOUT_ENV),
         waiting_timeout_s=_seconds(WAITING_TIMEOUT_ENV),
+        heartbeat_interval_s=_seconds(HEARTBEAT_INTERVAL_ENV, 5.0),
+        heartbeat_failures=max(1, round(_seconds(HEARTBEAT_FAILURES_ENV, 2.0))),
     )
 
 
-def _seconds(name: str) -> float:
+def _seconds(name: str, default: float = DEFAULT_TIMEOUT_S) -> float:
     value = os.environ.get(name)
     if value is None:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         seconds = float(value)
     except ValueError:

@@ -78,6 +78,11 @@ class DecodeRooms:
         self._rooms: dict[int, _Room] = {}
         self._by_seq: dict[str, _Room] = {}
         self._fetcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-bootstrap")
+        # The heartbeats to the prefills rooms wait on: one check in flight per prefill, its
+        # misses in a row, and when the next is due.
+        self._beats: dict[tuple[str, int], Future[bool]] = {}
+        self._misses: dict[tuple[str, int], int] = {}
+        self._next_beat: dict[tuple[str, int], float] = {}
 
     def start(self, hellos: list[RankHello]) -> None:
         self._ranks = [PeerRank(h.session, h.region) for h in hellos]
@@ -114,7 +119,7 @@ class DecodeRooms:
     def poll(self) -> list[tuple[SequenceOutput, str | None]]:
         """Ask for pages, take statuses, end the timed out: the outputs to send (a first token,
         or a failure and why)."""
-        outs: list[tuple[SequenceOutput, str | None]] = []
+        outs = self._check_heartbeats()
         failed: set[tuple[str, int]] = set()  # prefills whose facts could not be had
         remote = self.engine.core.intake.remote
         for seq in remote.reserve():
@@ -168,6 +173,32 @@ class DecodeRooms:
                     f"its KV pages{where} did not arrive within "
                     f"{self.options.waiting_timeout_s:g} s (SGLANG_DISAGGREGATION_WAITING_TIMEOUT)",
                 )
+        return outs
+
+    def _check_heartbeats(self) -> list[tuple[SequenceOutput, str | None]]:
+        """SGLang's heartbeat: each prefill some room waits on is asked for its bootstrap
+        server's /health every `heartbeat_interval_s`; after `heartbeat_failures` failures in
+        a row its rooms fail at once (a dead prefill, long before the waiting timeout), and its
+        facts are fetched again for the next request."""
+        outs: list[tuple[SequenceOutput, str | None]] = []
+        now = time.monotonic()
+        waited_on = {room.peer for room in self._rooms.values() if room.asked}
+        for peer in waited_on:
+            beat = self._beats.get(peer)
+            if beat is not None and beat.done():
+                ok = beat.exception() is None and beat.result()
+                self._misses[peer] = 0 if ok else self._misses.get(peer, 0) + 1
+                del self._beats[peer]
+                if self._misses[peer] >= self.options.heartbeat_failures:
+                    self._misses.pop(peer)
+                    self._peers.pop(peer, None)
+                    why = (f"the prefill at {peer[0]}:{peer[1]} is gone: its bootstrap server "
+                           f"failed {self.options.heartbeat_failures} health checks")  # fmt: skip
+                    for room in [r for r in self._rooms.values() if r.peer == peer and r.asked]:
+                        outs += self._fail(room, why)
+            if peer not in self._beats and now >= self._next_beat.get(peer, 0.0):
+                self._next_beat[peer] = now + self.options.heartbeat_interval_s
+                self._beats[peer] = self._fetcher.submit(_healthy, *peer)
         return outs
 
     def _mismatch(self, peer: tuple[str, int], facts: Future[dict[str, Any]]) -> str | None:
@@ -248,6 +279,15 @@ def _fetch_facts(host: str, port: int, timeout_s: float) -> dict[str, Any]:
             if left <= 0.5:
                 raise RuntimeError(f"its bootstrap server at {url}: {exc}") from None
         time.sleep(0.5)
+
+
+def _healthy(host: str, port: int) -> bool:
+    host_part = f"[{host}]" if ":" in host else host
+    try:
+        with urllib.request.urlopen(f"http://{host_part}:{port}/health", timeout=2.0) as reply:
+            return reply.status == 200
+    except (OSError, ValueError):
+        return False
 
 
 def _made_up_token(seq_id: str, vocab_size: int) -> int:

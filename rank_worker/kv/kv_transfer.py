@@ -29,16 +29,17 @@ sides moves in `2 * num_layers` transfers however long it is.
 Mooncake facts this relies on (0.3.13, TCP transport; checked on this machine):
 - `batch_transfer_sync_write(peer, srcs, dsts, lengths)` returns 0 once all have landed, or
   -1; the peer refuses a destination outside memory it registered (-1, nothing written). The
-  GIL is released while it runs. A sender's source memory need not be registered over TCP,
-  but it is (RDMA needs it).
-- More than about a thousand queued transfers to one peer are refused outright
-  (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`, default 1024): `write` splits into batches of
-  `max_batch`.
+  GIL is released while it runs. Over TCP a sender's source memory need not be registered;
+  the sender registers its cache all the same, since RDMA needs it.
+- A batch well past the per-peer queue (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`, default 1024)
+  is refused whole (-1, "queue-full rejection"; 2048 in one call passed here, 3584 did not):
+  `write` splits into batches of `max_batch`, one after the other.
 - A peer that is gone (its port closed) fails fast: under a millisecond before the first
   handshake, about 0.5 to 1 s once a connection had been made (the lane's reconnect backoff).
   A peer that is alive but stuck (stopped, or its host silent) holds a write for 30 s once
-  connected (`MC_TCP_PROGRESS_TIMEOUT_SEC`) and for about 60 s in the first handshake (not
-  configurable in 0.3.13): the caller's own liveness check must notice a stuck peer sooner.
+  connected (`MC_TCP_PROGRESS_TIMEOUT_SEC`) and for about 60 s in the first handshake
+  (`MC_HANDSHAKE_CONNECT_TIMEOUT` does not shorten it): the caller's own liveness check must
+  notice a stuck peer sooner. Dropping an engine takes about a second (its threads stop).
 - Logging is glog, but Mooncake sets the level itself from `MC_LOG_LEVEL` (INFO, WARNING or
   ERROR, read once when `mooncake.engine` loads; `GLOG_minloglevel` is overridden). This module
   defaults it to WARNING, so warnings and errors stay; Mooncake logs a harmless "Local segment
@@ -65,9 +66,9 @@ __all__ = [
     "write_descriptors",
 ]
 
-# Transfers per `batch_transfer_sync_write` call: under Mooncake's TCP limit of 1024 queued
-# transfers per peer (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`), which refuses a bigger batch
-# whole rather than queueing it.
+# Transfers per `batch_transfer_sync_write` call: under Mooncake's TCP queue of 1024 transfers
+# per peer (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`), past which it refuses a batch whole rather
+# than queueing it. Smaller batches cost no throughput (benchmarks/results/cpu/pd-transfer).
 MAX_BATCH = 1000
 
 _TRUE = ("1", "true", "yes", "on")

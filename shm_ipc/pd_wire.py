@@ -44,6 +44,7 @@ class Region(wire.Record, frozen=True):
     layer_stride: int
     kv_stride: int
     block_bytes: int
+    num_blocks: int
 
 
 class RankHello(wire.Message, frozen=True):

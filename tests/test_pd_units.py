@@ -199,7 +199,7 @@ def test_bootstrap_server_answers_503_until_ready_then_sglangs_routes():
 
 
 def test_pd_messages_round_trip_and_refuse_strangers():
-    region = Region(1 << 40, 28, 4096, 2048, 512)
+    region = Region(1 << 40, 28, 4096, 2048, 512, 4)
     ask = KVRequest(7, 33, [4, 5, 9], [PeerRank("127.0.0.1:1234", region)], "tcp://h:1")
     assert decode_pd(wire.encode(ask), "peer") == ask
     status = KVStatus(7, None, 42, ([42, 3], [-0.1, -2.0], 1))

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import torch
 import zmq
 
@@ -37,17 +38,11 @@ __all__ = ["KVAgent", "region_of", "start_kv_agent"]
 
 
 def region_of(region: KVRegion) -> Region:
-    return Region(
-        region.base_ptr, region.num_layers, region.layer_stride, region.kv_stride,
-        region.block_bytes,
-    )  # fmt: skip
+    return Region(**region.to_wire())
 
 
 def kv_region(region: Region) -> KVRegion:
-    return KVRegion(
-        region.base_ptr, region.num_layers, region.layer_stride, region.kv_stride,
-        region.block_bytes,
-    )  # fmt: skip
+    return KVRegion.from_wire(msgspec.structs.asdict(region))
 
 
 class KVAgent:

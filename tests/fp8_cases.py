@@ -52,7 +52,8 @@ class Fp8Checkpoints:
     dequantized: Path  # the fp8 weights dequantized to fp32: the reference's weights
 
 
-def build_fp8_checkpoints(root: Path, moe: bool) -> Fp8Checkpoints:
+def build_fp8_checkpoints(root: Path, moe: bool, **overrides: Any) -> Fp8Checkpoints:
+    """`overrides`: fields of DENSE or MOE to change (e.g. `num_layers`)."""
     from tp_engine.testing import (
         build_random_qwen3,
         build_random_qwen3_moe,
@@ -61,6 +62,7 @@ def build_fp8_checkpoints(root: Path, moe: bool) -> Fp8Checkpoints:
     )
 
     build, shape = (build_random_qwen3_moe, MOE) if moe else (build_random_qwen3, DENSE)
+    shape = {**shape, **overrides}
     src = build(root / "bf16", max_position_embeddings=MAX_MODEL_LEN, dtype="bfloat16", **shape)
     fp8 = quantize_checkpoint_fp8(src, root / "fp8")
     return Fp8Checkpoints(src, fp8, dequantize_checkpoint_fp8(fp8, root / "dequantized"))

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -117,9 +118,7 @@ class Router:
         self._log.close()
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def pd(request, checkpoint, tmp_path_factory):
-    tp = request.param
+def pd_env() -> tuple[dict[str, str], str]:
     tmpdir = tempfile.mkdtemp(prefix="pd-")
     env = dict(os.environ, TMPDIR=tmpdir)
     env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(TIMEOUT_S)
@@ -127,11 +126,19 @@ def pd(request, checkpoint, tmp_path_factory):
     env["SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"] = "1"
     for name in ("TP_ENGINE_FAULT", "RANK", "WORLD_SIZE"):
         env.pop(name, None)
-    logs = tmp_path_factory.mktemp("logs")
+    return env, tmpdir
+
+
+@contextlib.contextmanager
+def pd_servers(
+    checkpoint: Path, tp: int, logs: Path
+) -> Iterator[tuple[Server, Server, Router, int]]:
+    """The page's prefill, decode and router on `checkpoint` at TP `tp` (ports of their own)."""
+    env, tmpdir = pd_env()
     prefill_cmd, decode_cmd, router_cmd = doc_commands()
     bootstrap_port = free_port("127.0.0.1")
-    ours = ["--model", str(checkpoint), "--served-model-name", MODEL, "--tensor-parallel-size", str(tp), "--num-kv-blocks",
-            "96", "--disable-uvicorn-access-log"]  # fmt: skip
+    ours = ["--model", str(checkpoint), "--served-model-name", MODEL, "--tensor-parallel-size",
+            str(tp), "--num-kv-blocks", "96", "--disable-uvicorn-access-log"]  # fmt: skip
     ports = {"30000": "0", "30001": "0", "8998": str(bootstrap_port)}
     prefill = Server([*swap(prefill_cmd, ports), *ours], env, logs / "prefill.log")
     decode = Server([*swap(decode_cmd, ports), *ours], env, logs / "decode.log")
@@ -147,7 +154,7 @@ def pd(request, checkpoint, tmp_path_factory):
         }  # fmt: skip
         router = Router(swap(router_cmd, urls), router_port, logs / "router.log")
         router.wait_ready()
-        yield prefill, decode, router, bootstrap_port, tp
+        yield prefill, decode, router, bootstrap_port
     finally:
         if router is not None:
             router.stop()
@@ -156,6 +163,12 @@ def pd(request, checkpoint, tmp_path_factory):
         shutil.rmtree(tmpdir, ignore_errors=True)
     for server in (prefill, decode):
         assert "Traceback" not in server.log(), server.log_tail()
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def pd(request, checkpoint, tmp_path_factory):
+    with pd_servers(checkpoint, request.param, tmp_path_factory.mktemp("logs")) as servers:
+        yield (*servers, request.param)
 
 
 def hf_greedy(checkpoint: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -369,3 +382,47 @@ def test_zz_a_killed_prefill_fails_its_requests_and_leaves_no_orphan(pd):
     )  # fmt: skip
     status, body = decode.post("/v1/completions", completion(PROMPTS[2]))
     assert status == 200, body
+
+
+def test_moe_at_tp2_through_the_router_equals_the_decode_alone(tmp_path_factory):
+    """Qwen3-MoE, its experts sliced over the two ranks of each server."""
+    from tests.moe_cases import MOE_CHECKPOINTS
+    from tp_engine.testing import build_random_qwen3_moe
+
+    shape = dict(MOE_CHECKPOINTS["moe_e8k3_mixed"], max_position_embeddings=256)
+    moe = build_random_qwen3_moe(tmp_path_factory.mktemp("moe"), **shape)
+    with pd_servers(moe, 2, tmp_path_factory.mktemp("moe-logs")) as (_, decode, router, _):
+        for prompt in PROMPTS[:2]:
+            status, body = router.post("/v1/completions", completion(prompt))
+            assert status == 200, body
+            alone = decode.post("/v1/completions", completion(prompt))[1]
+            assert body["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+            usage = body["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
+
+
+def test_a_fake_backend_decode_moves_nothing_and_makes_up_the_first_token(
+    checkpoint, tmp_path_factory
+):
+    """SGLang's `fake` backend (decode benchmarks): no prefill, no agents, the first token a
+    hash of the request's engine id."""
+    from tp_engine.server.rank0.disagg.decode import _made_up_token
+
+    env, tmpdir = pd_env()
+    _, decode_cmd, _ = doc_commands()
+    cmd = [*swap(decode_cmd, {"30001": "0"}), "--model", str(checkpoint), "--served-model-name",
+           MODEL, "--disaggregation-transfer-backend", "fake", "--num-kv-blocks", "32"]  # fmt: skip
+    decode = Server(cmd, env, tmp_path_factory.mktemp("fake") / "decode.log").wait_ready()
+    try:
+        body = completion(PROMPTS[0], bootstrap_host="127.0.0.1", bootstrap_port=1,
+                          bootstrap_room=5)  # fmt: skip
+        status, resp = decode.post("/v1/completions", body)
+        assert status == 200, resp
+        tokens = resp["choices"][0]["token_ids"]
+        assert len(tokens) == MAX_TOKENS
+        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+        assert tokens[0] == _made_up_token(f"{resp['id']}-0", vocab)
+        assert decode.metric("tp_engine:prompt_tokens_computed_total") == 0
+    finally:
+        decode.stop()
+        shutil.rmtree(tmpdir, ignore_errors=True)

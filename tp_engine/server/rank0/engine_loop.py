@@ -359,8 +359,11 @@ class EngineLoop:
     def _take_pd(self) -> bool:
         """Send what the server's role released (first tokens, answers, failures); whether it
         waits on anything."""
-        for out, error in self._pd.poll():
+        released = self._pd.poll()
+        for out, error in released:
             self._emit(out, error)
+        if released:
+            self._flush()  # now, not after the next step: a router waits on a prefill's answer
         return self._pd.busy
 
     def _take_compile_verdicts(self) -> None:

@@ -272,6 +272,15 @@ def test_chat_streaming_and_generate_through_the_router(pd):
     assert routed["meta_info"]["completion_tokens"] == MAX_TOKENS
 
 
+def test_each_server_reports_its_role_to_the_router(pd):
+    prefill, decode, _, _, tp = pd
+    for server, mode in ((prefill, "prefill"), (decode, "decode")):
+        status, body = server.get("/get_server_info")
+        assert status == 200
+        info = json.loads(body)
+        assert info["disaggregation_mode"] == mode and info["tp_size"] == tp
+
+
 def test_sglangs_fake_bootstrap_host_needs_no_prefill(pd):
     _, decode, _, _, _ = pd
     before = decode.metric("tp_engine:prompt_tokens_computed_total")
@@ -306,6 +315,7 @@ class _StubBootstrap:
 def test_faults_end_one_request_each_and_free_its_blocks(pd):
     prefill, decode, _, bootstrap_port, tp = pd
     stub = _StubBootstrap({"page_size": 32, "attn_tp_size": tp, "kv_requests": "tcp://127.0.0.1:1"})
+    other_tp = _StubBootstrap({"page_size": 16, "attn_tp_size": tp + 1})
     cases = {
         # The decode's pages never come: its prefill never gets the request.
         "never": (decode, dict(bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port, bootstrap_room=101)),
@@ -315,6 +325,8 @@ def test_faults_end_one_request_each_and_free_its_blocks(pd):
         "unreachable": (decode, dict(bootstrap_host="127.0.0.1", bootstrap_port=free_port("127.0.0.1"), bootstrap_room=103)),
         # A prefill of another page size.
         "mismatch": (decode, dict(bootstrap_host="127.0.0.1", bootstrap_port=stub.port, bootstrap_room=104)),
+        # A prefill of another tensor-parallel size.
+        "tp": (decode, dict(bootstrap_host="127.0.0.1", bootstrap_port=other_tp.port, bootstrap_room=105)),
     }  # fmt: skip
     start = time.monotonic()
     with ThreadPoolExecutor(len(cases)) as pool:
@@ -325,6 +337,7 @@ def test_faults_end_one_request_each_and_free_its_blocks(pd):
         results = {name: f.result() for name, f in futures.items()}
     elapsed = time.monotonic() - start
     stub.http.shutdown()
+    other_tp.http.shutdown()
     for name, (status, body) in results.items():
         assert status == 500, (name, body)
     message = {name: body["error"]["message"] for name, (_, body) in results.items()}
@@ -332,6 +345,7 @@ def test_faults_end_one_request_each_and_free_its_blocks(pd):
     assert "no decode asked for its pages" in message["unasked"]
     assert "cannot be reached" in message["unreachable"]
     assert "has page_size 32, this decode 16" in message["mismatch"]
+    assert f"runs tensor parallel {tp + 1}, this decode {tp} (both must be equal)" in message["tp"]
     assert elapsed < 4 * TIMEOUT_S
     # Nothing left behind, and both still serve.
     for server in (prefill, decode):

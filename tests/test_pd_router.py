@@ -362,6 +362,9 @@ def test_a_client_that_leaves_frees_the_decodes_pages_at_once(pd):
     conn = http.client.HTTPConnection("127.0.0.1", decode.port, timeout=30)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     wait_until(lambda: decode.metric("vllm:kv_cache_usage_perc") > 0, 5, "the pages taken")
+    # A room is one request's: another request of the same room is refused.
+    status, again = decode.post("/v1/completions", body)
+    assert status == 400 and "bootstrap_room 201 is in use" in again["error"]["message"], again
     left = time.monotonic()
     conn.close()
     wait_until(lambda: decode.metric("vllm:kv_cache_usage_perc") == 0, 5, "the pages freed")

@@ -104,6 +104,9 @@ class DecodeRooms:
             timeout_s = min(_FETCH_TIMEOUT_S, self.options.waiting_timeout_s / 2)
             self._peers[peer] = self._fetcher.submit(_fetch_facts, *peer, timeout_s)
 
+    def in_use(self, room_id: int) -> bool:
+        return room_id in self._rooms
+
     def _is_fake(self, boot: Bootstrap) -> bool:
         return self.options.backend == "fake" or boot.host == FAKE_BOOTSTRAP_HOST
 

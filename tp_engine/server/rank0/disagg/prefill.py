@@ -105,13 +105,14 @@ class PrefillRooms:
         """The request's sampling fields as the prefill runs them: one token."""
         return {**msg.sampling_params, "max_tokens": 1}
 
+    def in_use(self, room_id: int) -> bool:
+        """Whether a request holds room `room_id` already (a decode's ask alone does not)."""
+        room = self._rooms.get(room_id)
+        return room is not None and room.seq_id is not None
+
     def added(self, msg: AddRequest, seq_id: str) -> None:
         assert msg.bootstrap is not None
         room = self._room(msg.bootstrap.room)
-        if room.seq_id is not None:
-            logger.warning(
-                "prefill: room %d is used twice; the later request replaces it", room.room
-            )
         room.seq_id = seq_id
         self._by_seq[seq_id] = room
 

@@ -93,6 +93,8 @@ class Disaggregation(NoRole):
             return super().add(engine, msg, params, lora)
         if getattr(params, "n", 1) != 1:
             raise ValueError("n > 1 is not supported with prefill/decode disaggregation yet")
+        if rooms.in_use(msg.bootstrap.room):
+            raise ValueError(f"bootstrap_room {msg.bootstrap.room} is in use by another request")
         if isinstance(rooms, PrefillRooms):
             params = type(params)(**rooms.params(msg))
         role = "prefill" if isinstance(rooms, PrefillRooms) else "decode"

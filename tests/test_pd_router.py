@@ -231,6 +231,25 @@ def test_the_prefills_prefix_cache_computes_only_new_pages_and_sends_all(pd):
     assert body["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
 
 
+def test_logprobs_and_min_tokens_through_the_router(pd):
+    """The first token's logprobs are the prefill's; `min_tokens` holds on both halves."""
+    _, decode, router, _, _ = pd
+    body = completion(PROMPTS[2], logprobs=2, min_tokens=3)
+    status, routed = router.post("/v1/completions", body)
+    assert status == 200, routed
+    alone = decode.post("/v1/completions", body)[1]
+    got, want = routed["choices"][0], alone["choices"][0]
+    assert got["token_ids"] == want["token_ids"]
+    assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    for a, b in zip(
+        got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"], strict=True
+    ):
+        assert a == pytest.approx(b, abs=1e-4)
+    got_top, want_top = got["logprobs"]["top_logprobs"], want["logprobs"]["top_logprobs"]
+    assert [sorted(t) for t in got_top] == [sorted(t) for t in want_top]
+    assert got_top[0] == pytest.approx(want_top[0], abs=1e-4)  # the prefill's entry
+
+
 def test_a_full_decode_pool_makes_requests_wait_not_fail(pd):
     _, decode, router, _, _ = pd
     # Eight prompts of ~300 tokens need more than the decode's 96 blocks of 16 at once.

@@ -82,12 +82,7 @@ class PrefillRooms:
 
     def start(self, hellos: list[RankHello]) -> None:
         """Every rank's agent reported: the bootstrap server answers from now on."""
-        ranks = [
-            {"rank_ip": self.hub.host, "rank_port": int(h.orders.rsplit(":", 1)[1]) if h.orders
-             else 0, "session": h.session, "block_bytes": h.region.block_bytes,
-             "num_layers": h.region.num_layers}
-            for h in hellos
-        ]  # fmt: skip
+        ranks = [_rank_entry(self.hub.host, hello) for hello in hellos]
         info = {
             **self._facts, "attn_tp_size": self.tp_size, "attn_cp_size": 1, "dp_size": 1,
             "pp_size": 1, "kv_requests": self.endpoint, "follow_bootstrap_room": True,
@@ -102,8 +97,12 @@ class PrefillRooms:
     # -- requests ---------------------------------------------------------------------------
 
     def params(self, msg: AddRequest) -> dict[str, Any]:
-        """The request's sampling fields as the prefill runs them: one token."""
-        return {**msg.sampling_params, "max_tokens": 1}
+        """The request's sampling fields as the prefill runs them: one token (which honours
+        `min_tokens` as the first of the decode's would)."""
+        fields = dict(msg.sampling_params)
+        fields["max_tokens"] = 1
+        fields["min_tokens"] = min(int(fields.get("min_tokens") or 0), 1)
+        return fields
 
     def in_use(self, room_id: int) -> bool:
         """Whether a request holds room `room_id` already (a decode's ask alone does not)."""
@@ -249,3 +248,15 @@ class PrefillRooms:
         for sock in self._status.values():
             sock.close(linger=0)
         self._requests.close(linger=0)
+
+
+def _rank_entry(host: str, hello: RankHello) -> dict[str, Any]:
+    """One rank in the bootstrap server's answer (SGLang's `rank_ip`, `rank_port`)."""
+    port = int(hello.orders.rsplit(":", 1)[1]) if hello.orders else 0
+    return {
+        "rank_ip": host,
+        "rank_port": port,
+        "session": hello.session,
+        "block_bytes": hello.region.block_bytes,
+        "num_layers": hello.region.num_layers,
+    }

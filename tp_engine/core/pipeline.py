@@ -16,16 +16,17 @@ Step t's decodes read step t-1's tokens on the device (placeholder input ids, se
 `plan_builder`). A step whose tokens will never be applied (an exception on the way) is undone
 with `Scheduler.discard`.
 
-One exception keeps the time to first token from paying for the overlap: a step in flight that
-computes the last token of a prompt (its outputs hold a sequence's first token, or a
-prompt-only sequence's end; `LaunchedStep.ends_prompt`) is applied by the next `step()` before
-anything more is launched, and that call returns its outputs and launches nothing. Overlapped,
-the first token would wait for step t+1's schedule, plan and launch (about 1 ms with a CUDA
-graph, the whole host-bound forward pass for an eager mixed step, the whole forward on a CPU);
-applied first, the GPU idles for rank 0's update, schedule and plan once per step that ends a
-prompt, not once per token (`benchmarks/results/cpu/first-token/`). SGLang makes the same trade
-for a prefill followed by a prefill. The rule depends on the batch only, never on timing, so
-the order of steps stays reproducible.
+One exception keeps the time to first token from paying for the overlap: a step that computes
+the last token of a prompt (its outputs hold a sequence's first token, or a prompt-only
+sequence's end; `LaunchedStep.ends_prompt`) is applied by the call that launched it, as
+synchronously: that call returns its first tokens, and the next call launches with nothing in
+flight. Overlapped, the first token would wait for step t+1's schedule, plan and launch (about
+1 ms with a CUDA graph, the whole host-bound forward pass for an eager mixed step, the whole
+forward on a CPU). The price: the GPU idles for rank 0's update, schedule and plan once per
+step that ends a prompt, not once per token, and the step's other outputs (step t-1's, applied
+before it) wait for it too (`benchmarks/results/cpu/first-token/README.md`). SGLang makes the
+same trade for a prefill followed by a prefill. The rule depends on the batch alone, never on
+timing, so which call returns which token stays reproducible.
 
 Sampling stays on rank 0: `SamplingBatchBuilder` turns the running batch's parameter arrays and
 its logits processors' per-row state (it follows the batch's rows) into one step's tensors, and
@@ -88,8 +89,8 @@ class LaunchedStep:
     # [layout.num_rows, V] on rank 0's device.
     logits: torch.Tensor
     layout: LogitsLayout
-    # The step computes a prompt's last token (see the module docstring): asynchronously, the
-    # next `step()` applies it before launching anything.
+    # The step computes a prompt's last token (see the module docstring): asynchronously too,
+    # the call that launched it applies it.
     ends_prompt: bool
 
 
@@ -111,8 +112,6 @@ class SampledStep:
     prompt_logprobs: LogprobsTensors | None
     # [P, head width] fp32 on the host once waited for: the head's rows of `layout.pooled_rows`.
     pooled: torch.Tensor | None = None
-    # `LaunchedStep.ends_prompt`.
-    ends_prompt: bool = False
 
 
 class StepPipeline:
@@ -155,11 +154,10 @@ class StepPipeline:
 
         With asynchronous scheduling the outputs are those of the step launched by the
         previous call (see the module docstring); a call that launches nothing applies the
-        step in flight, so stepping while `has_unfinished()` finishes every request. A step in
-        flight that ends a prompt is applied before anything is launched: that call returns
-        its outputs (the first tokens) and launches nothing. A call interrupted by an
-        exception loses nothing: steps whose tokens were not applied are undone, and outputs
-        already made are returned by the next call.
+        step in flight, so stepping while `has_unfinished()` finishes every request; a step that
+        ends a prompt is applied by the call that launches it (its first tokens are that call's
+        outputs). A call interrupted by an exception loses nothing: steps whose tokens were not
+        applied are undone, and outputs already made are returned by the next call.
         """
         self.runner.check_usable()
         if self.hooks.before_step and self.scheduler.gate.admitting:
@@ -174,9 +172,6 @@ class StepPipeline:
         previous, self.in_flight = self.in_flight, None
         pending: list[ScheduledStep] = [previous.scheduled] if previous else []
         try:
-            if previous is not None and previous.ends_prompt:
-                # Its first tokens go out now, not after the next step's launch.
-                return outputs.then(self._apply(previous))
             launched = self._launch(previous)
             if launched is not None:
                 pending.append(launched.scheduled)
@@ -186,7 +181,7 @@ class StepPipeline:
             if launched is not None:
                 # After `_apply`: penalties and min_tokens see the tokens it appended.
                 sampled = self._sample(launched)
-                if self.async_scheduling:
+                if self.async_scheduling and not launched.ends_prompt:
                     self.in_flight = sampled
                 else:
                     outputs = outputs.then(self._apply(sampled))
@@ -308,7 +303,7 @@ class StepPipeline:
             host.record()
         return SampledStep(
             step.step_id, scheduled, layout, token_ids, host, host_token_ids,
-            logprobs, logprob_seqs, prompt_logprobs, pooled, step.ends_prompt,
+            logprobs, logprob_seqs, prompt_logprobs, pooled,
         )  # fmt: skip
 
     def _apply(self, step: SampledStep) -> StepOutputs:

@@ -204,6 +204,54 @@ def test_n_samples_and_asynchronous_scheduling_give_the_same_tokens(async_schedu
     core.shutdown()
 
 
+def test_asynchronously_the_call_that_launches_a_prompts_last_chunk_returns_its_first_token():
+    # Overlapped, a first token would come out only after the next step's launch; the step
+    # that ends a prompt is applied by the call that launched it instead, as synchronously
+    # (`tp_engine.core.pipeline`), and every other step still overlaps: the middle chunk of
+    # b's prompt, and every decode.
+    core, executor = make_core(num_kv_blocks=16, async_scheduling=True)
+    a_prompt, b_prompt = [3, 1, 4, 1, 5], [1 + i % 30 for i in range(40)]
+    a_out, b_out = expected_output(a_prompt, 6), expected_output(b_prompt, 2)
+    core.add_request("a", a_prompt, greedy(6))
+    calls = []
+    for call in range(7):
+        if call == 2:
+            core.add_request("b", b_prompt, greedy(2))  # 40 tokens: two chunks of the 32 budget
+        outputs = [(o.seq_id, list(o.new_token_ids)) for o in core.step().outputs]
+        core.scheduler.check_integrity()
+        last = executor.plans[-1]
+        calls.append((outputs, len(executor.plans), bool((last.input_ids < 0).any())))
+    # (outputs in order, plans sent so far, whether the latest plan reads the step in flight's
+    # samples)
+    expected = [
+        ([("a", a_out[0:1])], 1, False),  # a's prompt: launched and applied
+        ([], 2, False),  # a's decode, nothing in flight
+        ([("a", a_out[1:2])], 3, True),  # a's decode + b's first chunk, overlapped
+        # a's decode + b's last chunk, launched over b's middle one, then applied too
+        ([("a", a_out[2:3]), ("a", a_out[3:4]), ("b", b_out[0:1])], 4, True),
+        ([], 5, False),
+        ([("a", a_out[4:5]), ("b", b_out[1:2])], 6, True),
+        ([("a", a_out[5:6])], 6, True),
+    ]
+    assert calls == expected
+    assert not core.has_unfinished() and not core.has_work()
+    core.shutdown()
+
+
+def test_asynchronously_a_prompt_only_request_ends_with_the_call_that_computes_its_prompt():
+    # max_tokens=0 samples nothing; its end is its only output, and it goes out as a first
+    # token does.
+    core, executor = make_core(num_kv_blocks=16, async_scheduling=True)
+    core.add_request("a", [3, 1, 4, 1, 5], greedy(4))
+    for _ in range(2):  # a's prompt and first token, its first decode launched
+        core.step()
+    core.add_request("p", [2, 7, 1], greedy(0))
+    outputs = core.step().outputs
+    assert [(o.seq_id, o.finished) for o in outputs] == [("a", False), ("a", False), ("p", True)]
+    assert len(executor.plans) == 3 and core.pipeline.in_flight is None
+    core.shutdown()
+
+
 def test_importing_the_core_loads_no_rank_worker_module():
     code = (
         "import sys; import tp_engine.core, tp_engine.core.engine_core, tp_engine.executor.base;"

@@ -16,6 +16,18 @@ Step t's decodes read step t-1's tokens on the device (placeholder input ids, se
 `plan_builder`). A step whose tokens will never be applied (an exception on the way) is undone
 with `Scheduler.discard`.
 
+One exception keeps the time to first token from paying for the overlap: a step that computes
+the last token of a prompt (its outputs hold a sequence's first token, or a prompt-only
+sequence's end; `LaunchedStep.ends_prompt`) is applied by the call that launched it, as
+synchronously: that call returns its first tokens, and the next call launches with nothing in
+flight. Overlapped, the first token would wait for step t+1's schedule, plan and launch (about
+1 ms with a CUDA graph, the whole host-bound forward pass for an eager mixed step, the whole
+forward on a CPU). The price: the GPU idles for rank 0's update, schedule and plan once per
+step that ends a prompt, not once per token, and the step's other outputs (step t-1's, applied
+before it) wait for it too (`benchmarks/results/cpu/first-token/README.md`). SGLang makes the
+same trade for a prefill followed by a prefill. The rule depends on the batch alone, never on
+timing, so which call returns which token stays reproducible.
+
 Sampling stays on rank 0: `SamplingBatchBuilder` turns the running batch's parameter arrays and
 its logits processors' per-row state (it follows the batch's rows) into one step's tensors, and
 `tp_engine.core.sampling` draws from the executor's logits rows. Logprobs (raw: log_softmax of the
@@ -61,6 +73,7 @@ if TYPE_CHECKING:
     from tp_engine.core.hooks import CoreHooks
     from tp_engine.core.intake import RequestIntake
     from tp_engine.core.plan_runner import PlanRunner
+    from tp_engine.core.running_batch import RunningBatch
     from tp_engine.core.sampling.batch import SamplingBatchBuilder
     from tp_engine.core.scheduled_step import DraftProposer
     from tp_engine.core.scheduler import Scheduler
@@ -76,6 +89,9 @@ class LaunchedStep:
     # [layout.num_rows, V] on rank 0's device.
     logits: torch.Tensor
     layout: LogitsLayout
+    # The step computes a prompt's last token (see the module docstring): asynchronously too,
+    # the call that launched it applies it.
+    ends_prompt: bool
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,9 +154,10 @@ class StepPipeline:
 
         With asynchronous scheduling the outputs are those of the step launched by the
         previous call (see the module docstring); a call that launches nothing applies the
-        step in flight, so stepping while `has_unfinished()` finishes every request. A call
-        interrupted by an exception loses nothing: steps whose tokens were not applied are
-        undone, and outputs already made are returned by the next call.
+        step in flight, so stepping while `has_unfinished()` finishes every request; a step that
+        ends a prompt is applied by the call that launches it (its first tokens are that call's
+        outputs). A call interrupted by an exception loses nothing: steps whose tokens were not
+        applied are undone, and outputs already made are returned by the next call.
         """
         self.runner.check_usable()
         if self.hooks.before_step and self.scheduler.gate.admitting:
@@ -164,7 +181,7 @@ class StepPipeline:
             if launched is not None:
                 # After `_apply`: penalties and min_tokens see the tokens it appended.
                 sampled = self._sample(launched)
-                if self.async_scheduling:
+                if self.async_scheduling and not launched.ends_prompt:
                     self.in_flight = sampled
                 else:
                     outputs = outputs.then(self._apply(sampled))
@@ -240,12 +257,14 @@ class StepPipeline:
                 values = encode_block_copies(copies, scheduled.reads_copies_up)
                 plan = plan.with_sections(block_copies=values)
         self.runner.take_step_id()
+        # Before anything is applied: the prompt lengths are those of the rows as scheduled.
+        ends_prompt = self.async_scheduling and _ends_prompt(scheduled, self.scheduler.batch)
         try:
             logits = self._run_forward(plan, in_flight)
         except BaseException:
             self.scheduler.discard(scheduled)
             raise
-        return LaunchedStep(step_id, scheduled, logits, layout)
+        return LaunchedStep(step_id, scheduled, logits, layout, ends_prompt)
 
     def _run_forward(self, plan: StepPlan, in_flight: SampledStep | None) -> torch.Tensor:
         """Run `plan` on every rank through the executor; its logits rows."""
@@ -368,6 +387,16 @@ class StepPipeline:
             pooled=seq.pooled,
             scheduled_at=seq.scheduled_at if first else None,
         )
+
+
+def _ends_prompt(step: ScheduledStep, batch: RunningBatch) -> bool:
+    """Whether `step` computes the last token of some entry's prompt and so reports on it:
+    its first token, or the end of a prompt-only sequence. A recomputation after preemption
+    ends past the prompt (its outputs count), so it does not; a decode starts past it."""
+    rows = step.rows
+    ends = step.starts + step.num_scheduled  # [B]
+    reports = (step.samples | batch.prompt_only[rows]) if batch.num_prompt_only else step.samples
+    return bool(np.any(reports & (ends == batch.prompt_len[rows])))
 
 
 def _drafts_per_row(

@@ -7,7 +7,9 @@ Builds the real app (`tp_engine.server.api.app.build_app`) with Qwen3's tokenize
 it as uvicorn would, one ASGI call per request, one request at a time, with
 `TP_ENGINE_REQUEST_TRACE` set. Rank 0 is played in this process: the stub pipes decode each
 AddRequest the app sends and answer, through the `EngineClient`'s own dispatcher, with
-`accepted`, then 1 ms later the first token, then a token every 0.2 ms until `--output-len`,
+`accepted` at once (as `rank0.engine_loop` sends its verdicts before the step; with
+`--accept-with-first-token` together with the first token, as it did before), the first token
+1 ms later, then a token every 0.2 ms until `--output-len`,
 the last with finish_reason "length"; every answer is an encoded `EngineOutputs` frame, so the
 client's decode runs as it does in the server. The body is the serving client's
 (`benchmarks.serving_client.send_request`): a streamed completion of token ids with continuous
@@ -44,15 +46,24 @@ _STATS = dict(
 class LoopbackPipes:
     """Rank 0's side of the two pipes, in this process: every frame is encoded and decoded."""
 
-    def __init__(self, output_len: int) -> None:
+    def __init__(self, output_len: int, accept_with_first_token: bool = False) -> None:
         self.output_len = output_len
+        # Rank 0 before it sent its verdicts ahead of the step: `accepted` came with the first
+        # token, so the response's set-up fell inside `api_out`.
+        self.accept_with_first_token = accept_with_first_token
         self._inbox: asyncio.Queue[bytes] = asyncio.Queue()
 
     # The API process's calls (`ApiPipes`).
     def send(self, msg: Any) -> None:
-        from tp_engine.server.messages import AddRequest, decode, encode
+        from tp_engine.server.messages import encode
 
-        msg = decode(encode(msg))  # what rank 0 would read
+        # Encoded here, as `ApiPipes.send` does; read by "rank 0" once the sender has yielded.
+        asyncio.get_running_loop().call_soon(self._read, encode(msg))
+
+    def _read(self, frame: bytes) -> None:
+        from tp_engine.server.messages import AddRequest, decode
+
+        msg = decode(frame)
         if isinstance(msg, AddRequest):
             asyncio.get_running_loop().create_task(self._serve(msg.request_id))
 
@@ -66,12 +77,14 @@ class LoopbackPipes:
         from tp_engine.server.messages import Delta, EngineOutputs, EngineStats, encode
 
         stats = EngineStats(**_STATS)
-        self._inbox.put_nowait(encode(EngineOutputs([request_id], [], [], stats)))
+        if not self.accept_with_first_token:
+            self._inbox.put_nowait(encode(EngineOutputs([request_id], [], [], stats)))
         await asyncio.sleep(1e-3)
         for i in range(self.output_len):
             last = i == self.output_len - 1
             delta = Delta(request_id, 0, [1000 + i], "length" if last else None)
-            self._inbox.put_nowait(encode(EngineOutputs([], [], [delta], stats)))
+            accepted = [request_id] if i == 0 and self.accept_with_first_token else []
+            self._inbox.put_nowait(encode(EngineOutputs(accepted, [], [delta], stats)))
             await asyncio.sleep(2e-4)
 
 
@@ -134,7 +147,7 @@ async def drive(args: argparse.Namespace, tokenizer_dir: Path) -> None:
 
     tokenizer = load_tokenizer(str(tokenizer_dir))
     hello = Hello(str(tokenizer_dir), ["m"], 4096, MODEL["vocab_size"], {}, None, 1)
-    pipes = LoopbackPipes(args.output_len)
+    pipes = LoopbackPipes(args.output_len, args.accept_with_first_token)
     client = EngineClient(pipes, hello, ServerMetrics("m"), str(tokenizer_dir), os.getpid())
     app = build_app(client, tokenizer)
     client.start()
@@ -181,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", action="store_true", help="/v1/chat/completions, one message")
     p.add_argument("--text", action="store_true", help="a text prompt of --input-len words")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--accept-with-first-token", action="store_true",
+        help="answer `accepted` with the first token, as rank 0 did before it sent verdicts early",
+    )  # fmt: skip
     p.add_argument("--label", default=None)
     p.add_argument("--profile", default=None, help="a cProfile of the event loop's thread")
     p.add_argument("--output-json", type=Path, required=True)

@@ -12,8 +12,8 @@ two thread pools:
                   nesting checks, then parsing (no tokenizer)        a slower check is a 400
 
 One exception: a completion whose body is at most `INLINE_BODY_BYTES` and that needs no
-tokenizer (token-id prompts, no bad_words) is parsed and built on the loop: its work, under
-0.1 ms, is about what a trip to the pool costs the loop itself, and the trip's two thread
+tokenizer (token-id prompts, no bad_words) is parsed and built on the loop: its work, 0.1 ms
+warm for a short prompt, is about what a trip to the pool costs the loop itself, and the trip's two thread
 switches (0.15-0.2 ms on a loaded 2-core machine, `benchmarks/results/cpu/api-hops`) would be
 most of its time to rank 0.
 
@@ -38,7 +38,8 @@ T = TypeVar("T")
 
 _CONSTRAINT_WORKERS = 2
 # The largest body parsed on the event loop (see the module docstring): 8 KiB of JSON holds
-# some 1k token ids, which pydantic reads and the checks pass in about 0.1 ms here.
+# some 1k token ids, which pydantic reads and the checks pass in 0.1 ms here (0.3 ms with the
+# caches cold, as between requests: still no more than the pool trip's own latency).
 INLINE_BODY_BYTES = 8192
 
 

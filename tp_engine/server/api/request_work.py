@@ -12,10 +12,10 @@ two thread pools:
                   nesting checks, then parsing (no tokenizer)        a slower check is a 400
 
 One exception: a completion whose body is at most `INLINE_BODY_BYTES` and that needs no
-tokenizer (token-id prompts, no bad_words) is parsed and built on the loop: its work, 0.1 ms
-warm for a short prompt, is about what a trip to the pool costs the loop itself, and the trip's two thread
-switches (0.15-0.2 ms on a loaded 2-core machine, `benchmarks/results/cpu/api-hops`) would be
-most of its time to rank 0.
+tokenizer (token-id prompts, no bad_words) is parsed and built on the loop: its work (0.1 ms
+warm for a short prompt) is about what a trip to the pool costs the loop itself, and the trip's
+two thread switches (0.15-0.2 ms on a loaded 2-core machine, `benchmarks/results/cpu/api-hops`)
+would be most of its time to rank 0.
 
 The fast tokenizers release the GIL while they encode. A check that runs out of time keeps its
 thread until it ends (a thread cannot be stopped); the constraints pool is small, so hostile

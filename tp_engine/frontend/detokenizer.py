@@ -24,9 +24,25 @@ sampled; `convert_ids_to_tokens` gives None for them, which the window drops, an
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from tp_engine.frontend.stop_strings import find_stop_string
+
+# Each tokenizer's special token ids, read once: transformers rebuilds `all_special_ids` from the
+# special-token map on every access (tens of microseconds for Qwen3's), and
+# `convert_ids_to_tokens(..., skip_special_tokens=True)` reads it on every call, that is, once
+# per streamed token. Weak keys: a tokenizer that goes away takes its entry with it.
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """`tokenizer.all_special_ids` as a set, computed once per tokenizer (the server and `LLM`
+    add no special tokens once they serve)."""
+    ids = _SPECIAL_IDS.get(tokenizer)
+    if ids is None:
+        ids = _SPECIAL_IDS[tokenizer] = frozenset(tokenizer.all_special_ids)
+    return ids
 
 
 class IncrementalDetokenizer:
@@ -41,6 +57,8 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # What `skip_special_tokens` drops, looked up once (see `special_ids`).
+        self._skipped = special_ids(tokenizer) if skip_special_tokens else frozenset()
         self._stop = list(stop or [])
         self._include_stop = include_stop_str_in_output
         self._min_tokens = min_tokens
@@ -105,11 +123,10 @@ class IncrementalDetokenizer:
 
     def _append(self, token_id: int) -> None:
         self._text_ids.append(token_id)
-        tokens = self._tokenizer.convert_ids_to_tokens(
-            [token_id], skip_special_tokens=self._skip_special
-        )
-        # None: an id past the tokenizer's vocabulary (padding rows of the LM head).
-        self._tokens += [t for t in tokens if t is not None]
+        if token_id not in self._skipped:  # what skip_special_tokens=True would drop
+            tokens = self._tokenizer.convert_ids_to_tokens([token_id])
+            # None: an id past the tokenizer's vocabulary (padding rows of the LM head).
+            self._tokens += [t for t in tokens if t is not None]
         convert = self._tokenizer.convert_tokens_to_string
         prefix_text = convert(self._tokens[self._prefix_offset : self._read_offset])
         new_text = convert(self._tokens[self._prefix_offset :])

@@ -48,8 +48,6 @@ from tp_engine.server.api.pooling_inputs import PairTokens, PoolingInputs
 from tp_engine.server.api.pooling_routes import PoolingServing, build_pooling_router
 from tp_engine.server.api.prompts import PromptBuilder
 from tp_engine.server.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     parse_body,
@@ -151,15 +149,13 @@ def build_app(
         async def completions(request: Request) -> Response:
             if client.trace is not None:
                 request_trace.route_started()
-            req = await work.run(parse_body, CompletionRequest, await request.body())
-            return await serving.completion(req, request)
+            return await serving.completion_body(await request.body(), request)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:
             if client.trace is not None:
                 request_trace.route_started()
-            req = await work.run(parse_body, ChatCompletionRequest, await request.body())
-            return await serving.chat(req, request)
+            return await serving.chat_body(await request.body(), request)
 
     app.include_router(build_pooling_router(pooling))
 

@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -93,10 +94,11 @@ class EngineClient:
         prefill/decode pairing (a router's)."""
         self._owners[request_id] = queue
         if self.trace is not None:
+            now = time.monotonic()  # before the first write: the marks are not the request's
             route_start = request_trace.route_start()
             if route_start is not None:
                 self.trace.mark("api_route", request_id, t=route_start)
-            self.trace.mark("api_add", request_id)
+            self.trace.mark("api_add", request_id, t=now)
         self.pipes.send(
             AddRequest(
                 request_id,

@@ -5,7 +5,7 @@ A request with P prompts and `n` choices per prompt becomes P engine requests (i
 the prompt's KV blocks; choice `p * n + i` is sample i of prompt p, as OpenAI numbers them.
 Their life:
 
-    start(): Add each → wait until every one is accepted or one is rejected
+    start(): Add each (`send`) → wait until every one is accepted or one is rejected
              (a rejection aborts the others and becomes this request's 400 / 503)
     updates(): each Delta → detokenize, match stop strings, record metrics → ChoiceUpdate;
              a stop string ends the choice here and tells rank 0 to stop that sample
@@ -128,6 +128,7 @@ class Generation:
         # Per prompt, when prompt_logprobs were asked for (from sample 0's first Delta).
         self.prompt_logprobs: list[list[TokenLogprobs | None] | None] = [None] * len(prompts)
         self._early: list[tuple[str, Any]] = []
+        self._sent = False  # whether `send` has handed the prompts to rank 0
 
     def deliver(self, engine_id: str, event: Any) -> None:
         """Hand this request an event as if rank 0 had sent it (SGLang's /abort_request ends
@@ -136,13 +137,19 @@ class Generation:
 
     # -- life --------------------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Hand every prompt to rank 0 and wait for its verdict; raises APIError if refused."""
+    def send(self) -> None:
+        """Hand every prompt to rank 0 (once; `start` does it if it was not done): a caller
+        about to wait for the verdict in a task of its own sends first, so that the
+        AddRequest leaves without waiting a turn of the event loop. APIError (503) when the
+        engine cannot take it."""
+        if self._sent:
+            return
         client = self.client
         if client.dead is not None:
             raise APIError(503, f"the engine is dead: {client.dead}", code="engine_dead")
         if client.draining:
             raise APIError(503, "the server is shutting down; retry elsewhere")
+        self._sent = True
         for p, engine_id in enumerate(self.engine_ids):
             params = self._params_for(p).as_fields()
             client.add(
@@ -154,6 +161,11 @@ class Generation:
                 constraint_checks=self.constraint_checks,
                 bootstrap=None if self.bootstrap is None else self.bootstrap[p],
             )
+
+    async def start(self) -> None:
+        """Hand every prompt to rank 0 (`send`) and wait for its verdict; raises APIError if
+        refused."""
+        self.send()
         pending = set(self.engine_ids)
         rejection: Rejected | None = None
         while pending:

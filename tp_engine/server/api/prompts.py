@@ -176,6 +176,8 @@ class PromptBuilder:
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
         if not ids:
             raise bad_request(f"{param} must not be empty", param)
+        if min(ids) >= 0 and max(ids) < self.vocab_size:  # C loops: the common case, fast
+            return list(ids)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(

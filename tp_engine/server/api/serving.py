@@ -1,10 +1,13 @@
 """/v1/completions and /v1/chat/completions: validate, generate, shape OpenAI's responses.
 
-Both run the same way: check the output constraint (`constraints.py`, on the constraints pool,
-within its time limit), build prompts and parameters (`prompts.py`, on the request pool: see
-`request_work`; any problem is a 400 before rank 0 sees the request), start a `Generation`
-(rank 0 may still refuse: a 400 or 503 for this request only), then either collect every choice
-into one response or stream chunks as tokens arrive (`streaming.py`).
+Both run the same way: parse the body and check the request, build prompts and parameters
+(`prompts.py`, on the request pool: see `request_work`; any problem is a 400 before rank 0 sees
+the request), start a `Generation` (rank 0 may still refuse: a 400 or 503 for this request
+only), then either collect every choice into one response or stream chunks as tokens arrive
+(`streaming.py`). A request without an output constraint or tools (almost all) takes one trip to
+the request pool for all of it, since each thread hop costs more than parsing a short body; one
+with a constraint goes there, then to the constraints pool (within its time limit), then back
+for its prompts. The checked `SamplingParams` are built once, in the pool, and sent as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from tp_engine.common.thinking import ThinkingState
 from tp_engine.features.structured.grammar import StructuredOutputsParams
 from tp_engine.lora_request import LoRARequest
+from tp_engine.sampling_params import SamplingParams
 from tp_engine.server.api.chat_output import ChatOutputParser
 from tp_engine.server.api.constraints import gives_constraint, output_constraint
 from tp_engine.server.api.disagg_fields import bootstrap_of
@@ -38,8 +42,8 @@ from tp_engine.server.api.prompts import (
     check_max_tokens,
     refuse_unsupported,
 )
-from tp_engine.server.api.protocol import ChatCompletionRequest, CompletionRequest
-from tp_engine.server.api.request_work import RequestWork
+from tp_engine.server.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from tp_engine.server.api.request_work import INLINE_BODY_BYTES, RequestWork
 from tp_engine.server.api.responses import (
     CancellableStream,
     ClientGone,
@@ -59,6 +63,11 @@ logger = logging.getLogger(__name__)
 # A client that has gone away never reads this status; it only shows in the access log.
 _CLIENT_CLOSED = 499
 
+# What the request pool made of a request: the adapter its `model` picks, the output
+# constraint's parses for rank 0, and its prompt(s) with the checked SamplingParams; None there
+# while an output constraint (or tools) is still to be checked on the constraints pool.
+_Prepared = tuple[LoRARequest | None, dict[str, dict[str, Any]], tuple[Any, SamplingParams] | None]
+
 
 class OpenAIServing:
     def __init__(
@@ -77,6 +86,18 @@ class OpenAIServing:
 
     # -- completions -------------------------------------------------------------------------------
 
+    async def completion_body(self, body: bytes, request: Request) -> Response:
+        """/v1/completions: the body parsed, checked and (without an output constraint) turned
+        into prompts in one trip to the request pool (`_checked_completion`), or none for a
+        small one that needs no tokenizer (`request_work.INLINE_BODY_BYTES`)."""
+        if len(body) <= INLINE_BODY_BYTES:
+            req = parse_body(CompletionRequest, body)
+            prepared = None if _tokenizes(req) else self._checked_completion(req)
+        else:
+            req, prepared = await self.work.run(self._parsed_completion, body)
+        gen = await self.completion_generation(req, headers=request.headers, prepared=prepared)
+        return await self._respond(gen, req, request, chat=False)
+
     async def completion(self, req: CompletionRequest, request: Request) -> Response:
         gen = await self.completion_generation(req, headers=request.headers)
         return await self._respond(gen, req, request, chat=False)
@@ -86,68 +107,115 @@ class OpenAIServing:
         req: CompletionRequest,
         request_id: str | None = None,
         headers: Mapping[str, str] | None = None,
+        prepared: _Prepared | None = None,
     ) -> Generation:
         """A checked completion request, ready to start (SGLang's /generate runs these too);
-        `headers`: the HTTP request's (a router's bootstrap overrides)."""
-        adapter = self.check_model(req.model)
-        refuse_unsupported(req)
-        check_max_tokens(req)
-        checks: dict[str, dict[str, Any]] = {}  # parsed on rank 0 (`constraints`)
-        limits = self.work.limits
-        if gives_constraint(req):
+        `headers`: the HTTP request's (a router's bootstrap overrides); `prepared`: what
+        `_checked_completion` already made of it."""
+        if prepared is None:  # one hop to the request pool, or none before the constraints'
+            if gives_constraint(req):
+                prepared = self._checked_completion(req)
+            else:
+                prepared = await self.work.run(self._checked_completion, req)
+        adapter, checks, inputs = prepared
+        if inputs is None:  # an output constraint: checked on its own pool, in its time limit
+            limits = self.work.limits
             constraint = await self.work.constraint(output_constraint, req, None, limits, checks)
-        else:  # nothing to parse: the same check inline (see `gives_constraint`)
-            constraint = output_constraint(req, None, limits, checks)
-        prompts, max_tokens, extra = await self.work.run(self._completion_inputs, req, constraint)
+            inputs = await self.work.run(self._completion_inputs, req, constraint)
+        prompts, params = inputs
         return self._generation(
             "cmpl",
             req,
             prompts,
-            lambda p: self.builder.sampling_params(req, max_tokens, extra),
+            lambda p: params,
             adapter,
             request_id,
             checks,
             bootstrap_of(req, headers, len(prompts)),
         )
 
+    def _parsed_completion(self, body: bytes) -> tuple[CompletionRequest, _Prepared]:
+        """(request pool) The body, validated, then `_checked_completion`."""
+        req = parse_body(CompletionRequest, body)
+        return req, self._checked_completion(req)
+
+    def _checked_completion(self, req: CompletionRequest) -> _Prepared:
+        """(request pool) The request's checks, in the order they answer; its prompts and
+        parameters too unless it gives an output constraint (`gives_constraint`), which goes
+        to the constraints pool first."""
+        adapter = self.check_model(req.model)
+        refuse_unsupported(req)
+        check_max_tokens(req)
+        checks: dict[str, dict[str, Any]] = {}  # parsed on rank 0 (`constraints`)
+        if gives_constraint(req):
+            return adapter, checks, None
+        # Nothing to parse: the constraints pool's check, inline.
+        constraint = output_constraint(req, None, self.work.limits, checks)
+        return adapter, checks, self._completion_inputs(req, constraint)
+
     def _completion_inputs(
         self, req: CompletionRequest, constraint: StructuredOutputsParams | None
-    ) -> tuple[list[PromptInput], int, dict[str, Any]]:
-        """Tokenized prompts, max_tokens and the extra SamplingParams fields (request pool)."""
+    ) -> tuple[list[PromptInput], SamplingParams]:
+        """(request pool) Tokenized prompts and the checked SamplingParams, which every prompt
+        sends (each as its own AddRequest fields)."""
         prompts = self.builder.completion_prompts(req)
         check_choices(len(prompts), req.n)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
         extra = {"structured_outputs": constraint}
         # Validate once, before any length check.
-        self.builder.sampling_params(req, max_tokens, extra)
+        params = self.builder.sampling_params(req, max_tokens, extra)
         for prompt in prompts:
             self.builder.check_fits(len(prompt.token_ids), max_tokens, "prompt")
-        return prompts, max_tokens, extra
+        return prompts, params
 
     # -- chat --------------------------------------------------------------------------------------
 
-    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
-        adapter = self.check_model(req.model)
-        refuse_unsupported(req)
-        check_max_tokens(req)
-        check_choices(1, req.n)
-        checks: dict[str, dict[str, Any]] = {}  # parsed on rank 0 (`constraints`)
-        if gives_constraint(req):
+    async def chat_body(self, body: bytes, request: Request) -> Response:
+        """/v1/chat/completions: parsed, checked and (without tools or an output constraint)
+        rendered and tokenized in one trip to the request pool."""
+        req, prepared = await self.work.run(self._parsed_chat, body)
+        return await self.chat(req, request, prepared)
+
+    async def chat(
+        self, req: ChatCompletionRequest, request: Request, prepared: _Prepared
+    ) -> Response:
+        """A chat request, once `_checked_chat` has run."""
+        adapter, checks, inputs = prepared
+        if inputs is None:  # tools or an output constraint: checked on their own pool
             tools, constraint = await self.work.constraint(self._chat_constraint, req, checks)
-        else:  # nothing to parse: the same check inline (see `gives_constraint`)
-            tools, constraint = self._chat_constraint(req, checks)
-        prompt, max_tokens, extra = await self.work.run(self._chat_inputs, req, constraint)
+            prompt, params = await self.work.run(self._chat_inputs, req, constraint)
+        else:
+            tools, (prompt, params) = None, inputs
         gen = self._generation(
             "chatcmpl",
             req,
             [prompt],
-            lambda p: self.builder.sampling_params(req, max_tokens, extra),
+            lambda p: params,
             adapter,
             constraint_checks=checks,
             bootstrap=bootstrap_of(req, request.headers, 1),
         )
         output = self._chat_output(req, prompt, tools)
         return await self._respond(gen, req, request, chat=True, chat_output=output)
+
+    def _parsed_chat(self, body: bytes) -> tuple[ChatCompletionRequest, _Prepared]:
+        """(request pool) The body, validated, then `_checked_chat`."""
+        req = parse_body(ChatCompletionRequest, body)
+        return req, self._checked_chat(req)
+
+    def _checked_chat(self, req: ChatCompletionRequest) -> _Prepared:
+        """(request pool) As `_checked_completion`: tools count as a constraint (their schemas
+        are checked on the constraints pool)."""
+        adapter = self.check_model(req.model)
+        refuse_unsupported(req)
+        check_max_tokens(req)
+        check_choices(1, req.n)
+        checks: dict[str, dict[str, Any]] = {}  # parsed on rank 0 (`constraints`)
+        if gives_constraint(req):
+            return adapter, checks, None
+        # Nothing to parse: the constraints pool's check, inline.
+        _, constraint = self._chat_constraint(req, checks)  # no tools (else it gives one)
+        return adapter, checks, self._chat_inputs(req, constraint)
 
     def _chat_constraint(
         self, req: ChatCompletionRequest, checks: dict[str, dict[str, Any]]
@@ -159,9 +227,8 @@ class OpenAIServing:
 
     def _chat_inputs(
         self, req: ChatCompletionRequest, constraint: StructuredOutputsParams | None
-    ) -> tuple[PromptInput, int, dict[str, Any]]:
-        """The rendered and tokenized prompt, max_tokens and the extra SamplingParams fields
-        (request pool)."""
+    ) -> tuple[PromptInput, SamplingParams]:
+        """(request pool) The rendered and tokenized prompt and the checked SamplingParams."""
         prompt = self.builder.chat_prompt(req)
         # With --reasoning-parser the constraint applies after the thinking.
         extra = {
@@ -172,12 +239,12 @@ class OpenAIServing:
         if requested is None:
             requested = req.max_tokens
         # Validate before any length check (1 stands in for "whatever room is left").
-        self.builder.sampling_params(req, 1 if requested is None else requested, extra)
+        params = self.builder.sampling_params(req, 1 if requested is None else requested, extra)
         self.builder.check_fits(len(prompt.token_ids), requested, "messages")
-        max_tokens = requested
-        if max_tokens is None:
+        if requested is None:
             max_tokens = self.builder.default_max_tokens(len(prompt.token_ids))
-        return prompt, max_tokens, extra
+            params = self.builder.sampling_params(req, max_tokens, extra)
+        return prompt, params
 
     def _chat_output(
         self, req: ChatCompletionRequest, prompt: PromptInput, tools: ToolPlan | None
@@ -230,6 +297,7 @@ class OpenAIServing:
         created = now_s()
         if req.stream:
             try:
+                gen.send()  # now, not once the task below first runs
                 await until_disconnect(request, gen.start())
             except ClientGone:
                 gen.close()
@@ -329,3 +397,11 @@ class OpenAIServing:
         if prompt.text is None:
             prompt.text = self.builder.tokenizer.decode(prompt.token_ids)
         return prompt.text
+
+
+def _tokenizes(req: CompletionRequest) -> bool:
+    """Whether building `req` calls the tokenizer (a text prompt, bad_words): milliseconds for
+    a long text, so never on the event loop."""
+    prompt = req.prompt
+    text = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], str))
+    return text or bool(req.bad_words)

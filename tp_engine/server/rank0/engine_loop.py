@@ -3,8 +3,9 @@
 Ownership: this loop is the only user of the `LLMEngine` (one thread; the engine is not
 thread-safe). Per iteration:
 
-    poll the inbox (no wait while work is queued) → apply every Add / Abort → step once →
-    send one EngineOutputs (acceptances, rejections, deltas, stats) if anything changed
+    poll the inbox (no wait while work is queued) → apply every Add / Abort (their verdicts
+    go out at once: the API process sets up each accepted response while the step computes
+    its first token) → step once → send one EngineOutputs (deltas, stats) if anything changed
 
 An Add with pooling params runs as `PoolingParams` (its one Delta carries the pooled vector as
 little-endian float32 bytes); one with bootstrap fields takes the server's prefill/decode role.
@@ -170,6 +171,8 @@ class EngineLoop:
                 except Exception as exc:  # a malformed frame or a bug: fail loudly, never hang
                     logger.exception("engine loop: reading the API's messages failed")
                     return self._die(f"rank 0 failed: {type(exc).__name__}: {exc}")
+                if self._accepted or self._rejected:  # the verdicts now: see the docstring
+                    self._flush()
             if self._stop_signal is not None and self._drain_deadline is None:
                 self._begin_drain()
             if self.api_proc.poll() is not None:

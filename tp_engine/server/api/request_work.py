@@ -11,12 +11,6 @@ two thread pools:
     constraints   output constraints and tool schemas: size and      --structured-outputs-timeout:
                   nesting checks, then parsing (no tokenizer)        a slower check is a 400
 
-One exception: a completion whose body is at most `INLINE_BODY_BYTES` and that needs no
-tokenizer (token-id prompts, no bad_words) is parsed and built on the loop: its work (0.1 ms
-warm for a short prompt) is about what a trip to the pool costs the loop itself, and the trip's
-two thread switches (0.15-0.2 ms on a loaded 2-core machine, `benchmarks/results/cpu/api-hops`)
-would be most of its time to rank 0.
-
 The fast tokenizers release the GIL while they encode. A check that runs out of time keeps its
 thread until it ends (a thread cannot be stopped); the constraints pool is small, so hostile
 constraints queue behind each other and time out, while requests without one never wait for
@@ -37,10 +31,6 @@ from tp_engine.server.api.http_errors import bad_request
 T = TypeVar("T")
 
 _CONSTRAINT_WORKERS = 2
-# The largest body parsed on the event loop (see the module docstring): 8 KiB of JSON holds
-# some 1k token ids, which pydantic reads and the checks pass in 0.1 ms here (0.3 ms with the
-# caches cold, as between requests: still no more than the pool trip's own latency).
-INLINE_BODY_BYTES = 8192
 
 
 class RequestWork:

@@ -43,7 +43,7 @@ from tp_engine.server.api.prompts import (
     refuse_unsupported,
 )
 from tp_engine.server.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from tp_engine.server.api.request_work import INLINE_BODY_BYTES, RequestWork
+from tp_engine.server.api.request_work import RequestWork
 from tp_engine.server.api.responses import (
     CancellableStream,
     ClientGone,
@@ -88,13 +88,9 @@ class OpenAIServing:
 
     async def completion_body(self, body: bytes, request: Request) -> Response:
         """/v1/completions: the body parsed, checked and (without an output constraint) turned
-        into prompts in one trip to the request pool (`_checked_completion`), or none for a
-        small one that needs no tokenizer (`request_work.INLINE_BODY_BYTES`)."""
-        if len(body) <= INLINE_BODY_BYTES:
-            req = parse_body(CompletionRequest, body)
-            prepared = None if _tokenizes(req) else self._checked_completion(req)
-        else:
-            req, prepared = await self.work.run(self._parsed_completion, body)
+        into prompts in one trip to the request pool (`_checked_completion`): never on the
+        event loop, however small the body."""
+        req, prepared = await self.work.run(self._parsed_completion, body)
         gen = await self.completion_generation(req, headers=request.headers, prepared=prepared)
         return await self._respond(gen, req, request, chat=False)
 
@@ -397,11 +393,3 @@ class OpenAIServing:
         if prompt.text is None:
             prompt.text = self.builder.tokenizer.decode(prompt.token_ids)
         return prompt.text
-
-
-def _tokenizes(req: CompletionRequest) -> bool:
-    """Whether building `req` calls the tokenizer (a text prompt, bad_words): milliseconds for
-    a long text, so never on the event loop."""
-    prompt = req.prompt
-    text = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], str))
-    return text or bool(req.bad_words)

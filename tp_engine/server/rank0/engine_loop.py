@@ -3,9 +3,8 @@
 Ownership: this loop is the only user of the `LLMEngine` (one thread; the engine is not
 thread-safe). Per iteration:
 
-    poll the inbox (no wait while work is queued) → apply every Add / Abort (their verdicts
-    go out at once: the API process sets up each accepted response while the step computes
-    its first token) → step once → send one EngineOutputs (deltas, stats) if anything changed
+    poll the inbox → apply every Add / Abort (verdicts sent at once: the API process sets up
+    each response while the step runs) → step once → send one EngineOutputs if anything changed
 
 An Add with pooling params runs as `PoolingParams` (its one Delta carries the pooled vector as
 little-endian float32 bytes); one with bootstrap fields takes the server's prefill/decode role.
@@ -360,8 +359,7 @@ class EngineLoop:
         self._deltas.append(delta if error is None else msgspec.structs.replace(delta, error=error))
 
     def _take_pd(self) -> bool:
-        """Send what the server's role released (first tokens, answers, failures); whether it
-        waits on anything."""
+        """Send what the server's role released (first tokens, answers, failures); busy?"""
         released = self._pd.poll()
         for out, error in released:
             self._emit(out, error)

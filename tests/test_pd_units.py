@@ -35,7 +35,9 @@ def test_an_arrived_prompt_computes_only_its_first_token_and_decodes_as_if_compu
     expected = expected_output(prompt, 4, 64)
     seq = make_seq("a", prompt, max_tokens=4)
     remote.hold(seq)
+    assert remote.reserved("a") is None  # held, no blocks yet
     assert remote.reserve() == [seq] and len(seq.block_table) == 3
+    assert remote.reserved("a") is seq
     assert sched.block_manager.num_free_blocks == 13
     assert not sched.has_unfinished()  # held outside the scheduler: no step is owed to it
     assert remote.arrive("a", expected[0], None) is seq

@@ -51,6 +51,10 @@ class RemotePrompts:
         yield from self._pending.values()
         yield from self._reserved.values()
 
+    def reserved(self, seq_id: str) -> Sequence | None:
+        """The held sequence `seq_id` once it has its blocks (None before, or if not held)."""
+        return self._reserved.get(seq_id)
+
     def hold(self, seq: Sequence) -> None:
         """A new sequence whose prompt another server computes (checked to fit already)."""
         self._pending[seq.seq_id] = seq

@@ -15,7 +15,29 @@ import zmq
 from shm_ipc import wire
 from shm_ipc.pd_wire import RankDone, RankHello, SendOrder, decode_pd
 
-__all__ = ["AgentHub"]
+__all__ = ["AgentHub", "Pushes"]
+
+
+class Pushes:
+    """ZeroMQ PUSH sockets by the address they send to, made on first use (a rank's orders,
+    a peer server's requests or statuses); never blocking on a slow peer's queue."""
+
+    def __init__(self) -> None:
+        self._socks: dict[str, zmq.Socket] = {}
+
+    def send(self, to: str, msg: object) -> None:
+        sock = self._socks.get(to)
+        if sock is None:
+            sock = self._socks[to] = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(to)
+        sock.send(wire.encode(msg))
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()
 
 
 class AgentHub:
@@ -29,7 +51,7 @@ class AgentHub:
         self._pull.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}"
         self.hellos: dict[int, RankHello] = {}
-        self._orders: dict[int, zmq.Socket] = {}
+        self._orders = Pushes()
         self._dones: list[RankDone] = []
 
     def settings(self, mode: str, ib_device: str) -> dict[str, str]:
@@ -48,14 +70,9 @@ class AgentHub:
         return [self.hellos[r] for r in range(world_size)]
 
     def order(self, rank: int, order: SendOrder) -> None:
-        sock = self._orders.get(rank)
-        if sock is None:
-            orders = self.hellos[rank].orders
-            assert orders is not None, f"rank {rank}'s agent takes no orders (a decode's)"
-            sock = self._orders[rank] = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(orders)
-        sock.send(wire.encode(order))
+        orders = self.hellos[rank].orders
+        assert orders is not None, f"rank {rank}'s agent takes no orders (a decode's)"
+        self._orders.send(orders, order)
 
     def take_dones(self) -> list[RankDone]:
         """The write answers that arrived (never blocks)."""
@@ -72,6 +89,5 @@ class AgentHub:
             self._dones.append(msg)
 
     def close(self) -> None:
-        for sock in self._orders.values():
-            sock.close(linger=0)
+        self._orders.close()
         self._pull.close(linger=0)

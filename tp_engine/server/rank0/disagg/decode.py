@@ -31,13 +31,12 @@ from typing import Any
 
 import zmq
 
-from shm_ipc import wire
 from shm_ipc.pd_wire import KVRequest, KVStatus, PeerRank, RankHello, decode_pd
 from tp_engine.core.outputs import SequenceOutput
 from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
 from tp_engine.server.disagg_flags import DisaggregationOptions
 from tp_engine.server.messages import AddRequest, Bootstrap
-from tp_engine.server.rank0.disagg.agents import AgentHub
+from tp_engine.server.rank0.disagg.agents import AgentHub, Pushes
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class DecodeRooms:
         self.endpoint = f"tcp://{hub.host}:{self._status.bind_to_random_port(f'tcp://{hub.host}')}"
         self._ranks: list[PeerRank] = []
         self._peers: dict[tuple[str, int], Future[dict[str, Any]]] = {}
-        self._pushes: dict[str, zmq.Socket] = {}
+        self._pushes = Pushes()
         self._rooms: dict[int, _Room] = {}
         self._by_seq: dict[str, _Room] = {}
         self._fetcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-bootstrap")
@@ -100,9 +99,14 @@ class DecodeRooms:
         self._rooms[boot.room] = room
         self._by_seq[seq_id] = room
         if peer is not None and peer not in self._peers:
-            # Within half the request's own wait, so that its error says why.
-            timeout_s = min(_FETCH_TIMEOUT_S, self.options.waiting_timeout_s / 2)
-            self._peers[peer] = self._fetcher.submit(_fetch_facts, *peer, timeout_s)
+            self._fetch(peer)
+
+    def _fetch(self, peer: tuple[str, int]) -> Future[dict[str, Any]]:
+        """Ask `peer`'s bootstrap server for its facts, on a thread, within half a request's
+        own wait (so that its error says why)."""
+        timeout_s = min(_FETCH_TIMEOUT_S, self.options.waiting_timeout_s / 2)
+        self._peers[peer] = self._fetcher.submit(_fetch_facts, *peer, timeout_s)
+        return self._peers[peer]
 
     def in_use(self, room_id: int) -> bool:
         return room_id in self._rooms
@@ -132,15 +136,12 @@ class DecodeRooms:
         for room in list(self._rooms.values()):
             if room.asked or room.peer is None:
                 continue
-            seq = next((s for s in remote.held() if s.seq_id == room.seq_id), None)
-            if seq is None or not seq.block_table:
+            seq = remote.reserved(room.seq_id)
+            if seq is None:
                 continue  # still waiting for blocks
             facts = self._peers.get(room.peer)
             if facts is None:  # its earlier fetch failed: try again for this one
-                timeout_s = min(_FETCH_TIMEOUT_S, self.options.waiting_timeout_s / 2)
-                facts = self._peers[room.peer] = self._fetcher.submit(
-                    _fetch_facts, *room.peer, timeout_s
-                )
+                facts = self._fetch(room.peer)
             if not facts.done():
                 continue
             why = self._mismatch(room.peer, facts)
@@ -221,14 +222,8 @@ class DecodeRooms:
         return None
 
     def _ask(self, room: _Room, facts: dict[str, Any], num_tokens: int, blocks: list[int]) -> None:
-        to = facts["kv_requests"]
-        sock = self._pushes.get(to)
-        if sock is None:
-            sock = self._pushes[to] = zmq.Context.instance().socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(to)
         ask = KVRequest(room.room, num_tokens, list(blocks), self._ranks, self.endpoint)
-        sock.send(wire.encode(ask))
+        self._pushes.send(facts["kv_requests"], ask)
         room.asked = True
 
     def _arrive(
@@ -256,8 +251,7 @@ class DecodeRooms:
 
     def close(self) -> None:
         self._fetcher.shutdown(wait=False, cancel_futures=True)
-        for sock in self._pushes.values():
-            sock.close(linger=0)
+        self._pushes.close()
         self._status.close(linger=0)
 
 

@@ -27,12 +27,11 @@ from typing import Any
 
 import zmq
 
-from shm_ipc import wire
 from shm_ipc.pd_wire import KVRequest, KVStatus, RankDone, RankHello, SendOrder, decode_pd
 from tp_engine.core.outputs import SequenceOutput
 from tp_engine.server.disagg_flags import DisaggregationOptions
 from tp_engine.server.messages import AddRequest
-from tp_engine.server.rank0.disagg.agents import AgentHub
+from tp_engine.server.rank0.disagg.agents import AgentHub, Pushes
 from tp_engine.server.rank0.disagg.bootstrap import BootstrapServer
 
 logger = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class PrefillRooms:
         self._requests.setsockopt(zmq.LINGER, 0)
         port = self._requests.bind_to_random_port(f"tcp://{hub.host}")
         self.endpoint = f"tcp://{hub.host}:{port}"
-        self._status: dict[str, zmq.Socket] = {}
+        self._status = Pushes()
         self._rooms: dict[int, _Room] = {}
         self._by_seq: dict[str, _Room] = {}
         self.bootstrap = BootstrapServer(bind_host, options.bootstrap_port)
@@ -227,26 +226,16 @@ class PrefillRooms:
                 status = KVStatus(room.room, None, out.new_token_ids[0], entry)
             elif error is None:
                 status = KVStatus(room.room, "the prefill sampled no token")
-            self._send_status(room.asked.status_to, status)
+            self._status.send(room.asked.status_to, status)
         if error is not None:
             logger.warning("prefill: room %d failed: %s", room.room, error)
         if out is None:
             return []
         return [(dataclasses.replace(out, finish_reason="abort") if error else out, error)]
 
-    def _send_status(self, to: str, status: KVStatus) -> None:
-        sock = self._status.get(to)
-        if sock is None:
-            sock = self._status[to] = zmq.Context.instance().socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.connect(to)
-        sock.send(wire.encode(status))
-
     def close(self) -> None:
         self.bootstrap.close()
-        for sock in self._status.values():
-            sock.close(linger=0)
+        self._status.close()
         self._requests.close(linger=0)
 
 

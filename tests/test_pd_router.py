@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation end to end: the real `sglang-router --pd-disaggregation` in
 front of a prefill server and a decode server (`launch/serve.py --disaggregation-mode`), the KV
-pages moved between their ranks by Mooncake's transfer engine over TCP, at TP 1 and TP 2.
+pages moved between their ranks by Mooncake's transfer engine over TCP, at TP 1 and TP 2. The
+decode runs as another machine would: in its own namespaces, /dev/shm and /tmp.
 
 Greedy outputs through the router equal the decode server answering the same requests alone
 (a request without bootstrap fields is computed whole there) and transformers; the decode
@@ -32,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from tests.multinode_harness import start_node1
 from tests.server_harness import REPO_ROOT, Server, parse_sse, wait_until
 from tp_engine.server.rank0.replicas import free_port
 
@@ -141,7 +143,11 @@ def pd_servers(
             str(tp), "--num-kv-blocks", "96", "--disable-uvicorn-access-log"]  # fmt: skip
     ports = {"30000": "0", "30001": "0", "8998": str(bootstrap_port)}
     prefill = Server([*swap(prefill_cmd, ports), *ours], env, logs / "prefill.log")
-    decode = Server([*swap(decode_cmd, ports), *ours], env, logs / "decode.log")
+    # The decode is another "machine": its own mount, IPC and pid namespaces, /dev/shm and
+    # /tmp (`multinode_harness`); only loopback TCP joins the two servers, as a network would.
+    decode_env = {k: v for k, v in env.items() if k != "TMPDIR"}
+    decode = start_node1([*swap(decode_cmd, ports), *ours], checkpoint, logs / "decode.log",
+                         decode_env)  # fmt: skip
     router = None
     try:
         prefill.wait_ready()

@@ -76,7 +76,8 @@ class RunnerConfig:
     # Prefill/decode disaggregation (the server's --disaggregation-mode): what each rank's KV
     # agent needs (`rank_worker.kv.pd_agent`): "mode" (prefill, decode), "host" (this node's
     # address for the transfer engine), "endpoint" (rank 0's ZeroMQ address for the agents),
-    # "ib_device". None: off.
+    # "ib_device", "host_staging" and "staging_tokens" (`--disaggregation-host-staging*`).
+    # None: off.
     disaggregation: dict[str, str] | None = None
     enable_expert_parallel: bool = False
     # Run the GPU's data paths on a CPU device: a separate device block table read by a row

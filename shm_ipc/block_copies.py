@@ -21,6 +21,7 @@ __all__ = [
     "DEVICE_TIER",
     "FILE_TIER",
     "HOST_TIER",
+    "STAGING_TIER",
     "TIER_IDS",
     "BlockCopy",
     "decode_block_copies",
@@ -34,6 +35,9 @@ HOST_TIER = "host"
 # Files, one per block and rank (`shm_ipc.kv_files`): named by key, so a copy names its file
 # blocks by key (`BlockCopy.keys`) and their ids are only positions.
 FILE_TIER = "file"
+# A prefill/decode decode rank's host staging pool (`rank_worker.kv.pd_staging`): where a
+# prefill writes a prompt's pages when the device cache cannot be registered for transfers.
+STAGING_TIER = "staging"
 # A file key on the wire: 16 bytes as 8 values (`kv_files.key_values`).
 KEY_VALUES = 8
 
@@ -69,7 +73,7 @@ class BlockCopy:
 
 
 # Tier names on the wire (the `block_copies` StepPlan section); never renumbered.
-TIER_IDS = {DEVICE_TIER: 0, HOST_TIER: 1, FILE_TIER: 2}
+TIER_IDS = {DEVICE_TIER: 0, HOST_TIER: 1, FILE_TIER: 2, STAGING_TIER: 3}
 _TIER_NAMES = {wire_id: name for name, wire_id in TIER_IDS.items()}
 
 

@@ -48,13 +48,15 @@ class Region(wire.Record, frozen=True):
 
 
 class RankHello(wire.Message, frozen=True):
-    """A rank's agent is up: its transfer engine's session ("host:port"), its registered cache,
+    """A rank's agent is up: its transfer engine's session ("host:port"), its registered cache
+    (or, `staged`, the host staging pool it registered instead: `rank_worker.kv.pd_staging`),
     and (prefill) where it takes orders."""
 
     rank: int
     session: str
     region: Region
     orders: str | None = None
+    staged: bool = False
 
 
 class RankDone(wire.Message, frozen=True):

@@ -133,21 +133,26 @@ def pd_env() -> tuple[dict[str, str], str]:
 
 @contextlib.contextmanager
 def pd_servers(
-    checkpoint: Path, tp: int, logs: Path
+    checkpoint: Path,
+    tp: int,
+    logs: Path,
+    prefill_flags: tuple[str, ...] = (),
+    decode_flags: tuple[str, ...] = (),
 ) -> Iterator[tuple[Server, Server, Router, int]]:
-    """The page's prefill, decode and router on `checkpoint` at TP `tp` (ports of their own)."""
+    """The page's prefill, decode and router on `checkpoint` at TP `tp` (ports of their own),
+    each server with its `*_flags` besides."""
     env, tmpdir = pd_env()
     prefill_cmd, decode_cmd, router_cmd = doc_commands()
     bootstrap_port = free_port("127.0.0.1")
     ours = ["--model", str(checkpoint), "--served-model-name", MODEL, "--tensor-parallel-size",
             str(tp), "--num-kv-blocks", "96", "--disable-uvicorn-access-log"]  # fmt: skip
     ports = {"30000": "0", "30001": "0", "8998": str(bootstrap_port)}
-    prefill = Server([*swap(prefill_cmd, ports), *ours], env, logs / "prefill.log")
+    prefill = Server([*swap(prefill_cmd, ports), *ours, *prefill_flags], env, logs / "prefill.log")
     # The decode is another "machine": its own mount, IPC and pid namespaces, /dev/shm and
     # /tmp (`multinode_harness`); only loopback TCP joins the two servers, as a network would.
     decode_env = {k: v for k, v in env.items() if k != "TMPDIR"}
-    decode = start_node1([*swap(decode_cmd, ports), *ours], checkpoint, logs / "decode.log",
-                         decode_env)  # fmt: skip
+    decode = start_node1([*swap(decode_cmd, ports), *ours, *decode_flags], checkpoint,
+                         logs / "decode.log", decode_env)  # fmt: skip
     router = None
     try:
         prefill.wait_ready()
@@ -441,6 +446,46 @@ def test_moe_at_tp2_through_the_router_equals_the_decode_alone(tmp_path_factory)
             assert body["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
             usage = body["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
+
+
+def test_host_staging_pools_on_both_servers_at_tp2(checkpoint, tmp_path_factory):
+    """Every rank of both servers moves its pages through a host staging pool (the path of a
+    device cache that cannot be registered, forced with `--disaggregation-host-staging on`):
+    the prefill's pool holds two pages, so each write is several gathers; the decode's holds
+    eight, fewer than the requests sent at once need, so they wait for slots. The outputs equal
+    the decode's alone and transformers', the decode computes no prompt, and a prompt longer
+    than the decode's pool fails at once with a message naming the flag."""
+
+    def staging(tokens: int) -> tuple[str, ...]:
+        return ("--disaggregation-host-staging", "on",
+                "--disaggregation-host-staging-tokens", str(tokens))  # fmt: skip
+
+    logs = tmp_path_factory.mktemp("staging-logs")
+    with pd_servers(checkpoint, 2, logs, staging(32), staging(128)) as servers:
+        prefill, decode, router, bootstrap_port = servers
+        assert "host staging pool of 2 blocks" in prefill.log()
+        assert "host staging pool of 8 blocks" in decode.log()
+        prompts = [f"request {i}: " + "tell me more, " * 10 for i in range(4)]
+        computed_before = decode.metric("tp_engine:prompt_tokens_computed_total")
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            routed = list(
+                pool.map(lambda p: router.post("/v1/completions", completion(p)), prompts)
+            )
+        assert all(status == 200 for status, _ in routed), routed
+        lengths = [body["usage"]["prompt_tokens"] for _, body in routed]
+        assert max(lengths) <= 128 < sum(lengths), lengths  # each fits; not all at once
+        assert decode.metric("tp_engine:prompt_tokens_computed_total") == computed_before
+        for prompt, (_, body) in zip(prompts, routed, strict=True):
+            choice = body["choices"][0]
+            alone = decode.post("/v1/completions", completion(prompt))[1]
+            assert choice["token_ids"] == alone["choices"][0]["token_ids"]
+            assert choice["token_ids"] == hf_greedy(checkpoint, choice["prompt_token_ids"],
+                                                    MAX_TOKENS)  # fmt: skip
+        long = completion("tell me more about it, " * 40, bootstrap_host="127.0.0.1",
+                          bootstrap_port=bootstrap_port, bootstrap_room=401)  # fmt: skip
+        status, body = decode.post("/v1/completions", long)
+        assert status == 500 and "--disaggregation-host-staging-tokens" in body["error"]["message"]
+        wait_until(lambda: decode.metric("vllm:kv_cache_usage_perc") == 0, 10, "blocks freed")
 
 
 def test_a_fake_backend_decode_moves_nothing_and_makes_up_the_first_token(

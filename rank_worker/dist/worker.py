@@ -69,7 +69,7 @@ def run_worker(
         runner = ModelRunner(boot.model_dir, boot.runner_config, tp, tp.device)
         runner.init_kv_cache(runner.determine_num_kv_blocks())
         # Held for the loop's life: its transfer engine holds the cache registered.
-        kv_agent = start_kv_agent(runner.kv_caches, tp.rank, runner.config.disaggregation)
+        kv_agent = start_kv_agent(runner, tp.rank)
         executor = StepExecutor(runner, tp, fault)
         while True:
             message = receiver.recv()

@@ -35,11 +35,23 @@ __all__ = [
     "BlockFiles",
     "DeviceBlockCopier",
     "HostBlockCopier",
+    "PlanCopier",
     "host_pool_blocks",
     "queue_plan_copies",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class PlanCopier(Protocol):
+    """What runs a plan's block copies on a rank (`queue_plan_copies`): the host KV tier's
+    pool, or a prefill/decode staging pool in front of it (`rank_worker.kv.pd_staging`)."""
+
+    def rebind(self, kv_caches: list[KVCachePair]) -> None: ...
+
+    def before_forward(self, copies: Sequence[BlockCopy], reads_copies_up: bool) -> None: ...
+
+    def after_forward(self) -> None: ...
 
 
 class BlockCopier(Protocol):
@@ -299,11 +311,11 @@ class BlockFiles:
 
 
 def queue_plan_copies(
-    pool: HostBlockCopier | None, kv_caches: list[KVCachePair], plan: StepPlan
+    pool: PlanCopier | None, kv_caches: list[KVCachePair], plan: StepPlan
 ) -> None:
     """`plan`'s KV block copies between tiers, queued before its forward pass (which waits for
     what it reads: `HostBlockCopier.before_forward`); ValueError for copies on a rank without
-    a host pool."""
+    a pool for them."""
     copies, reads_copies_up = decode_block_copies(plan.section("block_copies"))
     if pool is None:
         if copies:

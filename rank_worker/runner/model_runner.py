@@ -38,7 +38,7 @@ from rank_worker.kv.cache import (
     KVCacheSpec,
     allocate_kv_cache,
 )
-from rank_worker.kv.copies import HostBlockCopier, queue_plan_copies
+from rank_worker.kv.copies import HostBlockCopier, PlanCopier, queue_plan_copies
 from rank_worker.kv.device_memory import CudaMemory, DeviceMemory, add_cuda_user, drop_cuda_user
 from rank_worker.lora.manager import LoraManager, plan_runs_adapters
 from rank_worker.models.architectures import build_model
@@ -171,9 +171,10 @@ class ModelRunner:
             device_copy=gpu_paths,
         )
         self.kv_caches: list[KVCachePair] | None = None
-        # The host-memory KV tier's pool (`rank_worker.kv.copies`), made with the first cache; kept across
-        # sleep (the device cache is allocated again, the host blocks stay).
+        # The host KV tier's pool (`rank_worker.kv.copies`), kept across sleep; a PD decode's
+        # staging pool in front of it (`rank_worker.kv.pd_staging`, set by its KV agent).
         self.host_pool: HostBlockCopier | None = None
+        self.kv_staging: PlanCopier | None = None
         self.num_kv_blocks: int | None = None
         self.graph_runner: DecodeGraphRunner | None = None
         # Sleep mode: releases and restores the weights' and the cache's device memory.
@@ -256,11 +257,9 @@ class ModelRunner:
             self.eagle3.allocate(num_blocks)
         if self.config.kv_offloading_size is not None and self.host_pool is None:
             self.host_pool = HostBlockCopier.of_size(
-                self.config.kv_offloading_size,
-                self.kv_caches,
-                self.config.kv_offloading_dir,
+                self.config.kv_offloading_size, self.kv_caches, self.config.kv_offloading_dir,
                 self.world,
-            )
+            )  # fmt: skip
         self.startup_s["kv_cache"] = time.perf_counter() - start
         if self.uses_triton or (draft is not None and draft.uses_triton):
             start = time.perf_counter()
@@ -358,7 +357,7 @@ class ModelRunner:
         if self.kv_caches is None:
             raise RuntimeError("execute before init_kv_cache, or after release")
         self._check_awake(plan)
-        queue_plan_copies(self.host_pool, self.kv_caches, plan)
+        queue_plan_copies(self.kv_staging or self.host_pool, self.kv_caches, plan)
         inputs = self._prepare(plan, last_sampled)
         if self.graph_runner is not None and self.graph_runner.can_run(plan):
             base_only = self.lora is not None and self.lora.batch.skip

@@ -144,6 +144,8 @@ class StepPipeline:
         self.async_scheduling = async_scheduling
         # Prompt tokens the applied steps computed, since start (metrics).
         self.prompt_tokens_computed = 0
+        # The last step whose sampled tokens were waited for: its plan ran on every rank.
+        self.applied_step_id = -1
         # The step launched and sampled by the last `step()` call, not applied yet, and outputs
         # of a call that an exception interrupted (the next call returns them).
         self.in_flight: SampledStep | None = None
@@ -317,6 +319,7 @@ class StepPipeline:
         with self.runner.phase("update", step.step_id):
             with self.runner.failures_named(f"step {step.step_id}"):
                 step.host.wait()  # a failure of the step on the GPU surfaces here
+            self.applied_step_id = step.step_id
             tokens = (
                 np.zeros(0, dtype=np.int64)
                 if step.host_token_ids is None

@@ -83,7 +83,7 @@ class TPExecutor:
                 runner = ModelRunner(model_dir, runner_config, tp, tp.device)
                 num_kv_blocks = runner.determine_num_kv_blocks(sampler_profile)
                 runner.init_kv_cache(num_kv_blocks)
-                kv_agent = start_kv_agent(runner.kv_caches, tp.rank, runner_config.disaggregation)
+                kv_agent = start_kv_agent(runner, tp.rank)
             step_executor = StepExecutor(runner, tp, fault)
         except BaseException:
             if channel is not None:

@@ -20,6 +20,9 @@ MODES = ("null", "prefill", "decode")
 # always) and `fake` (decode only: no KV moves, the first token made up; for decode benchmarks).
 BACKENDS = ("mooncake", "mooncake_tcp", "fake")
 DEFAULT_BOOTSTRAP_PORT = 8998
+# Where a rank's device cache cannot be registered with the transfer engine, its pages go
+# through a host staging pool (`rank_worker.kv.pd_staging`): auto (there only), on, off.
+HOST_STAGING = ("auto", "on", "off")
 # SGLang's environment variables and defaults (seconds).
 BOOTSTRAP_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
 WAITING_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
@@ -53,6 +56,8 @@ class DisaggregationOptions:
     waiting_timeout_s: float = DEFAULT_TIMEOUT_S
     heartbeat_interval_s: float = 5.0
     heartbeat_failures: int = 2
+    host_staging: str = "auto"
+    staging_tokens: int = 0  # 0: two of the longest prompts
 
     @property
     def enabled(self) -> bool:
@@ -91,6 +96,16 @@ def add_disaggregation_flags(p: argparse.ArgumentParser) -> None:
         "--disaggregation-ib-device", default="", metavar="NAME",
         help="the RDMA device Mooncake uses (default: found, or TCP without one)",
     )  # fmt: skip
+    g.add_argument(
+        "--disaggregation-host-staging", choices=HOST_STAGING, default="auto",
+        help="move KV pages through a host staging pool: auto (where the device cache "
+        "cannot be registered with the transfer engine), on, or off",
+    )  # fmt: skip
+    g.add_argument(
+        "--disaggregation-host-staging-tokens", type=int, default=0, metavar="N",
+        help="the staging pool's size in tokens, on each rank (default: twice "
+        "--max-model-len); a decode's requests wait for room in it",
+    )  # fmt: skip
 
 
 def disaggregation_options(args: argparse.Namespace) -> DisaggregationOptions:
@@ -106,6 +121,8 @@ def disaggregation_options(args: argparse.Namespace) -> DisaggregationOptions:
         raise ValueError(
             "--disaggregation-mode is not supported with --pipeline-parallel-size > 1 yet"
         )
+    if args.disaggregation_host_staging_tokens < 0:
+        raise ValueError("--disaggregation-host-staging-tokens must be >= 0")
     return DisaggregationOptions(
         mode=mode,
         backend=backend,
@@ -115,6 +132,8 @@ def disaggregation_options(args: argparse.Namespace) -> DisaggregationOptions:
         waiting_timeout_s=_seconds(WAITING_TIMEOUT_ENV),
         heartbeat_interval_s=_seconds(HEARTBEAT_INTERVAL_ENV, 5.0),
         heartbeat_failures=max(1, round(_seconds(HEARTBEAT_FAILURES_ENV, 2.0))),
+        host_staging=args.disaggregation_host_staging,
+        staging_tokens=args.disaggregation_host_staging_tokens,
     )
 
 

@@ -103,6 +103,10 @@ class KVTier(Protocol):
         """Block copies between tiers decided since the last call, in the order every rank must
         run them before the next plan's forward pass (the step pipeline sends them)."""
 
+    def copy_in(self, copy: BlockCopy) -> None:
+        """Queue a copy up into device blocks a caller holds (a prefill/decode staging pool's):
+        it leaves with the next `take_copies`, and those blocks count as loading until then."""
+
     def check_integrity(
         self, sequences: Iterable[Sequence] = (), num_computed: Iterable[int] | None = None
     ) -> None:

@@ -333,6 +333,10 @@ class BlockManager:
             self.lower.reset()
         return len(dropped)
 
+    def copy_in(self, copy: BlockCopy) -> None:
+        self._up.append(copy)
+        self._loading.update(copy.dst_blocks.tolist())
+
     def take_copies(self) -> list[BlockCopy]:
         """The block copies decided since the last call, in the order the ranks must run them:
         down (evicted blocks, read before anything overwrites them), then up (hits below)."""

@@ -14,6 +14,7 @@ import zmq
 
 from shm_ipc import wire
 from shm_ipc.pd_wire import RankDone, RankHello, SendOrder, decode_pd
+from tp_engine.server.disagg_flags import DisaggregationOptions
 
 __all__ = ["AgentHub", "Pushes"]
 
@@ -54,9 +55,13 @@ class AgentHub:
         self._orders = Pushes()
         self._dones: list[RankDone] = []
 
-    def settings(self, mode: str, ib_device: str) -> dict[str, str]:
+    def settings(self, options: DisaggregationOptions) -> dict[str, str]:
         """What each rank's agent is told (`RunnerConfig.disaggregation`)."""
-        return {"mode": mode, "host": self.host, "endpoint": self.endpoint, "ib_device": ib_device}
+        return {
+            "mode": options.mode, "host": self.host, "endpoint": self.endpoint,
+            "ib_device": options.ib_device, "host_staging": options.host_staging,
+            "staging_tokens": str(options.staging_tokens),
+        }  # fmt: skip
 
     def wait_for_ranks(self, world_size: int, timeout_s: float) -> list[RankHello]:
         """Every rank's hello, by rank (RuntimeError naming the missing after `timeout_s`)."""

@@ -11,6 +11,10 @@ Per request (by `bootstrap_room`):
     no KVStatus within SGLANG_DISAGGREGATION_WAITING_TIMEOUT: fails, blocks freed; an abort
     (the client left, the router gave up) frees them at once.
 
+Where the ranks registered host staging pools instead of their caches
+(`--disaggregation-host-staging`), the prefill writes into staging slots (`staging`), and the
+pages reach the request's blocks by a copy in the next step plan once the status has come.
+
 A prefill is refused, for all its requests, when its facts differ from this server's (page
 size, KV dtype, tensor-parallel size, layers, bytes per block): the message names both sides.
 With `--disaggregation-transfer-backend fake` (or SGLang's fake bootstrap host 2.2.2.2, its
@@ -29,14 +33,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import zmq
 
+from shm_ipc.block_copies import DEVICE_TIER, STAGING_TIER, BlockCopy
 from shm_ipc.pd_wire import KVRequest, KVStatus, PeerRank, RankHello, decode_pd
 from tp_engine.core.outputs import SequenceOutput
 from tp_engine.core.sequence import SequenceStatus, TokenLogprobs
 from tp_engine.server.disagg_flags import DisaggregationOptions
 from tp_engine.server.messages import AddRequest, Bootstrap
 from tp_engine.server.rank0.disagg.agents import AgentHub, Pushes
+from tp_engine.server.rank0.disagg.staging import StagingSlots
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +62,7 @@ class _Room:
     peer: tuple[str, int] | None  # None: fake
     deadline: float
     asked: bool = False
+    slots: list[int] | None = None  # where the prefill writes, with host staging
 
 
 class DecodeRooms:
@@ -72,6 +80,7 @@ class DecodeRooms:
         self._status.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://{hub.host}:{self._status.bind_to_random_port(f'tcp://{hub.host}')}"
         self._ranks: list[PeerRank] = []
+        self._slots: StagingSlots | None = None
         self._peers: dict[tuple[str, int], Future[dict[str, Any]]] = {}
         self._pushes = Pushes()
         self._rooms: dict[int, _Room] = {}
@@ -85,6 +94,13 @@ class DecodeRooms:
 
     def start(self, hellos: list[RankHello]) -> None:
         self._ranks = [PeerRank(h.session, h.region) for h in hellos]
+        staged = [h.rank for h in hellos if h.staged]
+        if staged and len(staged) != len(hellos):
+            raise RuntimeError(
+                f"ranks {staged} stage KV pages through host memory, the others register "
+                "their caches: every rank must do the same (--disaggregation-host-staging)"
+            )
+        self._slots = StagingSlots(hellos[0].region.num_blocks) if staged else None
         logger.info("decode: KV statuses on %s", self.endpoint)
 
     # -- requests ---------------------------------------------------------------------------
@@ -115,9 +131,9 @@ class DecodeRooms:
         return self.options.backend == "fake" or boot.host == FAKE_BOOTSTRAP_HOST
 
     def aborted(self, seq_id: str) -> None:
-        room = self._by_seq.pop(seq_id, None)
+        room = self._by_seq.get(seq_id)
         if room is not None:
-            self._rooms.pop(room.room, None)
+            self._forget(room)
 
     @property
     def busy(self) -> bool:
@@ -129,6 +145,8 @@ class DecodeRooms:
         outs = self._check_heartbeats()
         failed: set[tuple[str, int]] = set()  # prefills whose facts could not be had
         remote = self.engine.core.intake.remote
+        if self._slots is not None:
+            self._slots.steps_applied(self.engine.core.pipeline.applied_step_id)
         for seq in remote.reserve():
             room = self._by_seq.get(seq.seq_id)
             if room is not None and room.peer is None:  # fake: nothing moves
@@ -150,7 +168,13 @@ class DecodeRooms:
                     failed.add(room.peer)
                 outs += self._fail(room, why)
                 continue
-            self._ask(room, facts.result(), seq.num_prompt_tokens, seq.block_table)
+            blocks = self._staging_slots(room, len(seq.block_table), seq.block_table)
+            if blocks is None:
+                continue  # waiting for staging slots
+            if not blocks:
+                outs += self._fail(room, self._too_long(len(seq.block_table)))
+                continue
+            self._ask(room, facts.result(), seq.num_prompt_tokens, blocks)
         for peer in failed:
             self._peers.pop(peer, None)
         while self._status.poll(0):
@@ -221,6 +245,23 @@ class DecodeRooms:
                 return f"{where} has {name} {theirs[name]!r}, this decode {ours!r}"
         return None
 
+    def _staging_slots(self, room: _Room, count: int, blocks: list[int]) -> list[int] | None:
+        """Where the prefill writes: the request's blocks, or staging slots for them (None:
+        not free yet; []: more than the pool holds)."""
+        if self._slots is None:
+            return blocks
+        if count > self._slots.num_slots:
+            return []
+        room.slots = self._slots.take(count)
+        return room.slots
+
+    def _too_long(self, count: int) -> str:
+        assert self._slots is not None
+        return (
+            f"its prompt needs {count} KV pages, more than the {self._slots.num_slots} of this "
+            "decode's host staging pool (--disaggregation-host-staging-tokens)"
+        )
+
     def _ask(self, room: _Room, facts: dict[str, Any], num_tokens: int, blocks: list[int]) -> None:
         ask = KVRequest(room.room, num_tokens, list(blocks), self._ranks, self.endpoint)
         self._pushes.send(facts["kv_requests"], ask)
@@ -229,9 +270,21 @@ class DecodeRooms:
     def _arrive(
         self, room: _Room, token: int, logprobs: TokenLogprobs | None = None
     ) -> list[tuple[SequenceOutput, str | None]]:
+        slots, room.slots = room.slots, None
         self._forget(room)
         core = self.engine.core
         seq = core.intake.remote.arrive(room.seq_id, token, logprobs)
+        if slots is not None and seq is not None and not seq.is_finished:
+            # The pages reach its blocks in the next plan, before its forward pass; the slots
+            # are free once that step is applied.
+            assert self._slots is not None
+            copy = BlockCopy(STAGING_TIER, DEVICE_TIER, np.asarray(slots, np.int32),
+                             np.asarray(seq.block_table[: len(slots)], np.int32))  # fmt: skip
+            core.scheduler.block_manager.copy_in(copy)
+            self._slots.give_after(core.pipeline.runner.step_id, slots)
+        elif slots is not None:
+            assert self._slots is not None
+            self._slots.give(slots)
         if seq is None:
             return []
         return [(core.pipeline.output_of(seq), None)]
@@ -248,6 +301,10 @@ class DecodeRooms:
     def _forget(self, room: _Room) -> None:
         self._rooms.pop(room.room, None)
         self._by_seq.pop(room.seq_id, None)
+        if room.slots is not None:
+            assert self._slots is not None
+            self._slots.give(room.slots)
+            room.slots = None
 
     def close(self) -> None:
         self._fetcher.shutdown(wait=False, cancel_futures=True)

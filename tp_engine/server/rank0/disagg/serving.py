@@ -67,7 +67,7 @@ class Disaggregation(NoRole):
         """`EngineConfig.disaggregation`: what every rank's agent is told."""
         if not self.options.moves_kv:
             return None
-        return self.hub.settings(self.options.mode, self.options.ib_device)
+        return self.hub.settings(self.options)
 
     def start(self, engine: Any) -> None:
         """The engine is up: wait for the ranks' agents, then serve the role."""

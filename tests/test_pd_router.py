@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -400,6 +401,67 @@ def test_a_client_that_leaves_frees_the_decodes_pages_at_once(pd):
     wait_until(lambda: decode.metric("vllm:kv_cache_usage_perc") == 0, 5, "the pages freed")
     assert time.monotonic() - left < TIMEOUT_S  # the abort, not the waiting timeout
     assert decode.metric("vllm:num_requests_waiting") == 0
+
+
+def test_a_client_that_leaves_a_prefill_gives_its_kept_pages_back_at_once(pd):
+    """Computed and waiting for a decode that has not asked: its kept blocks go back when its
+    client leaves, not after the bootstrap timeout."""
+    prefill, _, _, bootstrap_port, _ = pd
+    body = completion(PROMPTS[1], bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port,
+                      bootstrap_room=202)  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", prefill.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    wait_until(lambda: prefill.metric("vllm:kv_cache_usage_perc") > 0, 5, "the pages kept")
+    wait_until(lambda: prefill.metric("vllm:num_requests_running") == 0, 5, "its token computed")
+    left = time.monotonic()
+    conn.close()
+    wait_until(lambda: prefill.metric("vllm:kv_cache_usage_perc") == 0, 5, "the pages freed")
+    assert time.monotonic() - left < TIMEOUT_S  # the abort, not the bootstrap timeout
+
+
+def test_a_write_to_a_decode_that_is_gone_fails_the_prefills_request(pd):
+    """A decode that asked for the pages and died before they were written (its ranks'
+    transfer engines closed): every prefill rank's write fails fast, the prefill's client gets
+    500 naming the peer, the decode's status says why, and the kept blocks go back."""
+    import zmq
+
+    from shm_ipc import wire
+    from shm_ipc.pd_wire import KVRequest, KVStatus, PeerRank, Region, decode_pd
+
+    prefill, _, _, bootstrap_port, tp = pd
+    facts = json.loads(urllib.request.urlopen(
+        f"http://127.0.0.1:{bootstrap_port}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+        "&target_tp_rank=-1&target_pp_rank=-1", timeout=10).read())  # fmt: skip
+    gone = f"127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there any more
+    region = Region(0, facts["num_layers"], 1 << 20, 1 << 19, facts["block_bytes"], 64)
+    ctx = zmq.Context.instance()
+    status_sock = ctx.socket(zmq.PULL)
+    status_port = status_sock.bind_to_random_port("tcp://127.0.0.1")
+    ask_sock = ctx.socket(zmq.PUSH)
+    ask_sock.connect(facts["kv_requests"])
+    plain = prefill.post("/v1/completions", completion(PROMPTS[0]))[1]
+    num_tokens = len(plain["choices"][0]["prompt_token_ids"])
+    try:
+        body = completion(PROMPTS[0], bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port,
+                          bootstrap_room=203)  # fmt: skip
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(prefill.post, "/v1/completions", body)
+            wait_until(lambda: prefill.metric("vllm:kv_cache_usage_perc") > 0, 5, "pages kept")
+            blocks = list(range(-(-num_tokens // 16)))
+            ask = KVRequest(203, num_tokens, blocks, [PeerRank(gone, region)] * tp,
+                            f"tcp://127.0.0.1:{status_port}")  # fmt: skip
+            ask_sock.send(wire.encode(ask))
+            status, resp = answer.result(timeout=30)
+        assert status == 500, resp
+        assert f"KV transfer to {gone} failed" in resp["error"]["message"], resp
+        assert status_sock.poll(10_000), "no KVStatus came"
+        kv_status = decode_pd(status_sock.recv(), "the prefill")
+        assert isinstance(kv_status, KVStatus) and kv_status.room == 203
+        assert kv_status.error is not None and gone in kv_status.error
+        wait_until(lambda: prefill.metric("vllm:kv_cache_usage_perc") == 0, 5, "the pages freed")
+    finally:
+        ask_sock.close(linger=0)
+        status_sock.close(linger=0)
 
 
 def test_zz_a_killed_prefill_fails_its_requests_and_leaves_no_orphan(pd):

@@ -132,12 +132,17 @@ class PrefillRooms:
         return True
 
     def aborted(self, seq_id: str) -> None:
-        """The client left while its request computed: its blocks were freed with it."""
+        """The client left (the router gave up on the pair): while its request computed, its
+        blocks were freed with it; once computed and not yet being written, its kept blocks go
+        back now, not after the bootstrap timeout. A write under way runs to its end (the
+        ranks read those blocks), and its answer goes nowhere."""
         room = self._by_seq.get(seq_id)
-        if room is not None and room.output is None:
+        if room is None or room.writing:
+            return
+        if room.output is None:
             room.seq_id = None  # nothing kept to give back
             self._by_seq.pop(seq_id)
-            self._finish(room, "the prefill's request was aborted")
+        self._finish(room, "the prefill's request was aborted")
 
     def poll(self) -> list[tuple[SequenceOutput, str | None]]:
         """Take the decodes' requests and the ranks' answers; end timed-out rooms. Returns the

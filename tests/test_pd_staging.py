@@ -117,11 +117,12 @@ def test_the_staging_copier_writes_only_the_named_blocks_and_hands_the_rest_on()
     copies = [
         BlockCopy(HOST_TIER, DEVICE_TIER, ids([1]), ids([2])),
         BlockCopy(STAGING_TIER, DEVICE_TIER, ids([3, 0]), ids([5, 9])),
+        BlockCopy(STAGING_TIER, DEVICE_TIER, ids([1, 2]), ids([7, 3])),  # a run of slots
     ]
     copier.before_forward(copies, reads_copies_up=True)
     copier.after_forward()
     expected = before.clone()
-    expected[:, :, [5, 9]] = staging.pool[:, :, [3, 0]]
+    expected[:, :, [5, 9, 7, 3]] = staging.pool[:, :, [3, 0, 1, 2]]
     expected[:, :, 2] = host.host[1]  # the host tier's pool: [blocks, layers, 2, ...]
     assert torch.equal(storage, expected)
     # A slot past the pool, or a copy into another tier: refused before anything is copied.

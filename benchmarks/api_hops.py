@@ -53,12 +53,13 @@ class LoopbackPipes:
         self.accept_with_first_token = accept_with_first_token
         self._inbox: asyncio.Queue[bytes] = asyncio.Queue()
 
-    # The API process's calls (`ApiPipes`).
+    # The API process's calls (`ApiPipes`), from the loop or a request-pool thread.
     def send(self, msg: Any) -> None:
         from tp_engine.server.messages import encode
 
-        # Encoded here, as `ApiPipes.send` does; read by "rank 0" once the sender has yielded.
-        asyncio.get_running_loop().call_soon(self._read, encode(msg))
+        # Encoded here, as `ApiPipes.send` does; read by "rank 0" on the loop once the sender
+        # has yielded (or, from a thread, at the loop's next turn).
+        self._loop.call_soon_threadsafe(self._read, encode(msg))
 
     def _read(self, frame: bytes) -> None:
         from tp_engine.server.messages import AddRequest, decode
@@ -68,6 +69,7 @@ class LoopbackPipes:
             asyncio.get_running_loop().create_task(self._serve(msg.request_id))
 
     def async_inbox(self) -> LoopbackPipes:
+        self._loop = asyncio.get_running_loop()  # the dispatcher's: before any request
         return self
 
     async def recv(self) -> bytes:

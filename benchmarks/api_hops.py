@@ -52,6 +52,7 @@ class LoopbackPipes:
         # token, so the response's set-up fell inside `api_out`.
         self.accept_with_first_token = accept_with_first_token
         self._inbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()  # made on the loop, before any request
 
     # The API process's calls (`ApiPipes`), from the loop or a request-pool thread.
     def send(self, msg: Any) -> None:
@@ -69,7 +70,6 @@ class LoopbackPipes:
             asyncio.get_running_loop().create_task(self._serve(msg.request_id))
 
     def async_inbox(self) -> LoopbackPipes:
-        self._loop = asyncio.get_running_loop()  # the dispatcher's: before any request
         return self
 
     async def recv(self) -> bytes:

@@ -420,6 +420,8 @@ class OpenAIServing:
             raise APIError(500, f"the engine died: {exc}", code="engine_dead") from None
         except RequestFailedError as exc:
             raise APIError(500, str(exc), code="request_failed") from None
+        finally:  # also when `_collect` was cancelled before it ran: the pool had sent it
+            gen.close()
         return JSONResponse(body)
 
     async def _collect(

@@ -215,3 +215,28 @@ def test_a_pool_thread_sees_a_dead_engine_and_adds_nothing(tokenizer):
     pipes = asyncio.run(main())
     work.shutdown()
     assert pipes.sent == []
+
+
+def test_what_a_cancelled_handler_had_sent_is_aborted(tokenizer):
+    """`serving._close_sent` finds the Generation in what each route's pool call returns (a
+    completion's `(req, prepared, gen)`, a chat's `(req, prepared, (gen, parsers))`)."""
+    from tp_engine.server.api.serving import _close_sent
+
+    async def main() -> list[Any]:
+        pipes = RecordingPipes()
+        client = EngineClient(pipes, HELLO, ServerMetrics("m"), "/nonexistent", os.getpid())  # type: ignore[arg-type]
+        stop = StopOptions([], False, True, 0)
+        for i, shape in enumerate((lambda g: g, lambda g: ("req", None, g),
+                                   lambda g: ("req", None, (g, "parsers")))):  # fmt: skip
+            gen = Generation(
+                client, tokenizer, f"c{i}", [PromptInput([1])], lambda p: SamplingParams(), 1, stop
+            )
+            gen.send()
+            _close_sent(shape(gen))
+        _close_sent(("req", None, None))  # a constraint still to check: nothing was sent
+        return [msg for _, msg in pipes.sent]
+
+    sent = asyncio.run(main())
+    assert [(type(m).__name__, m.request_id) for m in sent] == [
+        (kind, f"c{i}-0") for i in range(3) for kind in ("AddRequest", "AbortRequest")
+    ]

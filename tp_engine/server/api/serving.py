@@ -85,10 +85,12 @@ def _sent(gen: Generation) -> Generation:
 
 def _close_sent(result: object) -> None:
     """What the pool made for a handler cancelled meanwhile: the Generation it sent (alone or
-    in a tuple) is aborted on rank 0."""
-    for part in result if isinstance(result, tuple) else (result,):
-        if isinstance(part, Generation):
-            part.close()
+    in tuples) is aborted on rank 0."""
+    if isinstance(result, Generation):
+        result.close()
+    elif isinstance(result, tuple):
+        for part in result:
+            _close_sent(part)
 
 
 class OpenAIServing:
@@ -294,7 +296,8 @@ class OpenAIServing:
             constraint_checks=checks,
             bootstrap=bootstrap_of(req, headers, 1),
         )
-        return _sent(gen), self._chat_output(req, prompt, tools)
+        output = self._chat_output(req, prompt, tools)  # first: nothing may fail once sent
+        return _sent(gen), output
 
     def _checked_chat(self, req: ChatCompletionRequest) -> _Prepared:
         """(request pool) As `_checked_completion`: tools count as a constraint (their schemas

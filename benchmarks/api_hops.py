@@ -52,13 +52,15 @@ class LoopbackPipes:
         # token, so the response's set-up fell inside `api_out`.
         self.accept_with_first_token = accept_with_first_token
         self._inbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()  # made on the loop, before any request
 
-    # The API process's calls (`ApiPipes`).
+    # The API process's calls (`ApiPipes`), from the loop or a request-pool thread.
     def send(self, msg: Any) -> None:
         from tp_engine.server.messages import encode
 
-        # Encoded here, as `ApiPipes.send` does; read by "rank 0" once the sender has yielded.
-        asyncio.get_running_loop().call_soon(self._read, encode(msg))
+        # Encoded here, as `ApiPipes.send` does; read by "rank 0" on the loop once the sender
+        # has yielded (or, from a thread, at the loop's next turn).
+        self._loop.call_soon_threadsafe(self._read, encode(msg))
 
     def _read(self, frame: bytes) -> None:
         from tp_engine.server.messages import AddRequest, decode

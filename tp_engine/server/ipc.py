@@ -129,16 +129,25 @@ class EnginePipes:
 
 
 class ApiPipes:
-    """The API process's ends. `inbox` is a zmq.asyncio socket once `start_async` ran."""
+    """The API process's ends. `inbox` is a zmq.asyncio socket once `start_async` ran. `send`
+    may be called from the event loop and from the request pool's threads (which send a
+    request's AddRequest themselves: `EngineClient`)."""
 
     def __init__(self, run_dir: str) -> None:
         run = RunDir(run_dir)
         self._ctx = zmq.Context()
         self._outbox = _push(self._ctx, f"ipc://{run.socket(TO_ENGINE)}", bind=False)
         self.inbox = _pull(self._ctx, f"ipc://{run.socket(TO_API)}", bind=False)
+        # One socket for every sender, so rank 0 reads the messages in the order they were
+        # sent (two PUSH sockets are fair-queued: an abort could overtake its AddRequest).
+        # ZeroMQ sockets are not thread-safe; the lock also gives the memory barrier that
+        # moving a socket between threads needs.
+        self._send_lock = threading.Lock()
 
     def send(self, msg: Message) -> None:
-        self._outbox.send(encode(msg), zmq.NOBLOCK)
+        frame = encode(msg)  # outside the lock: the loop never waits on another's encode
+        with self._send_lock:
+            self._outbox.send(frame, zmq.NOBLOCK)
 
     def recv(self, timeout_s: float) -> Message | None:
         """Blocking receive for start-up (before the event loop runs); None on timeout."""
@@ -153,6 +162,7 @@ class ApiPipes:
         return zmq.asyncio.Socket.from_socket(self.inbox)
 
     def close(self) -> None:
-        self._outbox.close()
+        with self._send_lock:
+            self._outbox.close()
         self.inbox.close()
         term_context(self._ctx, "API pipes")

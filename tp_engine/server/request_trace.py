@@ -25,7 +25,8 @@ gaps between them):
     api_chunk      the API process hands the first SSE chunk to the server to write
     step           rank 0, per loop step: `start`, `end` (`t` = end), `outputs`
 
-The writer is for measurement runs: a line-buffered file, one write per event.
+The writer is for measurement runs: a line-buffered file, one write per event, under a lock (the
+API process marks `api_route` and `api_add` on the request-pool thread that sends the request).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import contextvars
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,10 +56,13 @@ class RequestTrace:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
         self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
 
     def mark(self, stage: str, request_id: str, t: float | None = None, **fields: Any) -> None:
         t = time.monotonic() if t is None else t
-        self._file.write(json.dumps({"t": t, "stage": stage, "id": request_id, **fields}) + "\n")
+        line = json.dumps({"t": t, "stage": stage, "id": request_id, **fields}) + "\n"
+        with self._lock:
+            self._file.write(line)
 
     def mark_once(self, stage: str, request_id: str, **fields: Any) -> None:
         key = (stage, request_id)

@@ -1,11 +1,24 @@
 """The API process's view of rank 0: send requests and aborts, route what comes back.
 
-Ownership: one `EngineClient` per API process, used only from the asyncio event loop. Each
-in-flight HTTP request registers its engine request ids (one per prompt) with one
-`asyncio.Queue`; the dispatcher task reads rank 0's messages and puts `(request_id, event)` on
-the owner's queue, where an event is `ACCEPTED`, a `Rejected`, a `Delta` (of one sample) or an
-`EngineDied`. Messages for ids no longer registered (the client left) are dropped. The owner
-releases its ids when it is done (`Generation.close`).
+Ownership: one `EngineClient` per API process, used from the asyncio event loop, except `add`
+(and `admitting`), which a request-pool thread calls too: a completion is parsed, checked and
+sent to rank 0 by the thread that parsed it, so that the AddRequest does not wait for a second
+thread switch, back to the loop (`serving`). Each in-flight HTTP request registers its engine
+request ids (one per prompt) with one `asyncio.Queue`; the dispatcher task reads rank 0's
+messages and puts `(request_id, event)` on the owner's queue, where an event is `ACCEPTED`, a
+`Rejected`, a `Delta` (of one sample) or an `EngineDied`. Messages for ids no longer registered
+(the client left) are dropped. The owner releases its ids when it is done (`Generation.close`).
+
+Order, with senders on two threads:
+
+- an id is registered before its AddRequest is sent, so no verdict finds it missing;
+- every message goes through the one socket, under its lock (`ApiPipes.send`), so rank 0 reads
+  them in the order they were sent; an abort comes from the loop after the thread that sent
+  the AddRequest has handed the `Generation` back (the future's result), so it never overtakes
+  it;
+- `admitting` is held from the check for a dead or draining engine to the last AddRequest's
+  send, and by the loop while it marks the engine dead or draining and fails what is
+  registered: a request either sees the flag (503) or is registered in time to be failed.
 
 Sending never blocks or awaits (see `ipc`), so an abort can be sent from the `finally` of a
 coroutine that is being cancelled because its client disconnected.
@@ -20,6 +33,7 @@ import asyncio
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,9 +79,11 @@ class EngineClient:
         self._run_dir = run_dir
         self._parent = ProcessWatch(parent_pid)
         self._owners: dict[str, asyncio.Queue] = {}
-        # Why the engine cannot serve any more; None while it can.
+        # Why the engine cannot serve any more; None while it can. Both flags are set under
+        # `admitting`, which a sender holds from its check of them to its last AddRequest.
         self.dead: str | None = None
         self.draining = False
+        self.admitting = threading.RLock()
         self.exit_code: int | None = None
         self.on_exit: Callable[[int], None] = lambda code: None
         self._tasks: list[asyncio.Task] = []
@@ -91,25 +107,25 @@ class EngineClient:
     ) -> None:
         """Send one engine request; its events go to `queue`. With `pooling_params` it pools
         its prompt instead of sampling (`sampling_params` is then empty); `bootstrap`: its
-        prefill/decode pairing (a router's)."""
-        self._owners[request_id] = queue
-        if self.trace is not None:
-            now = time.monotonic()  # before the first write: the marks are not the request's
-            route_start = request_trace.route_start()
-            if route_start is not None:
-                self.trace.mark("api_route", request_id, t=route_start)
-            self.trace.mark("api_add", request_id, t=now)
-        self.pipes.send(
-            AddRequest(
-                request_id,
-                prompt_token_ids,
-                sampling_params,
-                pooling_params=pooling_params,
-                lora_request=lora_request,
-                constraint_checks=constraint_checks or {},
-                bootstrap=bootstrap,
-            )
+        prefill/decode pairing (a router's). From the loop or a request-pool thread."""
+        msg = AddRequest(
+            request_id,
+            prompt_token_ids,
+            sampling_params,
+            pooling_params=pooling_params,
+            lora_request=lora_request,
+            constraint_checks=constraint_checks or {},
+            bootstrap=bootstrap,
         )
+        with self.admitting:
+            self._owners[request_id] = queue  # before the send: its verdict finds it
+            if self.trace is not None:
+                now = time.monotonic()  # before the first write: the marks are not the request's
+                route_start = request_trace.route_start()
+                if route_start is not None:
+                    self.trace.mark("api_route", request_id, t=route_start)
+                self.trace.mark("api_add", request_id, t=now)
+            self.pipes.send(msg)
 
     def abort(
         self, request_id: str, sample_indices: list[int] | None = None, *, stopped: bool = False
@@ -190,16 +206,18 @@ class EngineClient:
                 call.set_result(msg)
         elif isinstance(msg, Drain):
             logger.info("shutting down: refusing new requests, %d in flight", len(self._owners))
-            self.draining = True
+            with self.admitting:
+                self.draining = True
         elif isinstance(msg, Dead):
             logger.error("engine dead: %s", msg.message)
             self._fail_all(msg.message)
         elif isinstance(msg, Exit):
-            if self._owners:  # rank 0 left with requests in flight: end them with an error
-                self._fail_all(f"the server is exiting (code {msg.code})")
+            with self.admitting:
+                self.draining = True
+                if self._owners:  # rank 0 left with requests in flight: end them with an error
+                    self._fail_all(f"the server is exiting (code {msg.code})")
             self._fail_calls(f"the server is exiting (code {msg.code})")
             self.exit_code = msg.code
-            self.draining = True
             self.on_exit(msg.code)
             return True
         else:
@@ -207,11 +225,13 @@ class EngineClient:
         return False
 
     def _fail_all(self, message: str) -> None:
-        self.dead = message
+        with self.admitting:  # no request registers between the flag and the clear
+            self.dead = message
+            owners = list(self._owners.items())
+            self._owners.clear()
         self._fail_calls(message)
-        for rid in list(self._owners):
-            self._deliver(rid, EngineDied(message))
-        self._owners.clear()
+        for rid, queue in owners:
+            queue.put_nowait((rid, EngineDied(message)))
 
     def _fail_calls(self, message: str) -> None:
         for call_id, call in list(self._calls.items()):

@@ -138,29 +138,31 @@ class Generation:
     # -- life --------------------------------------------------------------------------------------
 
     def send(self) -> None:
-        """Hand every prompt to rank 0 (once; `start` does it if it was not done): a caller
+        """Hand every prompt to rank 0 (once; `start` does it if it was not done): the
+        request-pool thread that built this Generation sends it (`serving`), and a caller
         about to wait for the verdict in a task of its own sends first, so that the
         AddRequest leaves without waiting a turn of the event loop. APIError (503) when the
-        engine cannot take it."""
+        engine cannot take it. From the loop or a request-pool thread (`EngineClient`)."""
         if self._sent:
             return
         client = self.client
-        if client.dead is not None:
-            raise APIError(503, f"the engine is dead: {client.dead}", code="engine_dead")
-        if client.draining:
-            raise APIError(503, "the server is shutting down; retry elsewhere")
-        self._sent = True
-        for p, engine_id in enumerate(self.engine_ids):
-            params = self._params_for(p).as_fields()
-            client.add(
-                self._queue,
-                engine_id,
-                self.prompts[p].token_ids,
-                params,
-                lora_request=self.adapter,
-                constraint_checks=self.constraint_checks,
-                bootstrap=None if self.bootstrap is None else self.bootstrap[p],
-            )
+        fields = [self._params_for(p).as_fields() for p in range(len(self.prompts))]
+        with client.admitting:  # the engine is not marked dead between the check and the adds
+            if client.dead is not None:
+                raise APIError(503, f"the engine is dead: {client.dead}", code="engine_dead")
+            if client.draining:
+                raise APIError(503, "the server is shutting down; retry elsewhere")
+            self._sent = True
+            for p, engine_id in enumerate(self.engine_ids):
+                client.add(
+                    self._queue,
+                    engine_id,
+                    self.prompts[p].token_ids,
+                    fields[p],
+                    lora_request=self.adapter,
+                    constraint_checks=self.constraint_checks,
+                    bootstrap=None if self.bootstrap is None else self.bootstrap[p],
+                )
 
     async def start(self) -> None:
         """Hand every prompt to rank 0 (`send`) and wait for its verdict; raises APIError if

@@ -8,6 +8,12 @@ only), then either collect every choice into one response or stream chunks as to
 the request pool for all of it, since each thread hop costs more than parsing a short body; one
 with a constraint goes there, then to the constraints pool (within its time limit), then back
 for its prompts. The checked `SamplingParams` are built once, in the pool, and sent as they are.
+
+The pool's last trip also builds the `Generation` and sends its AddRequest (`_sent`), so the
+request reaches rank 0 one thread switch after the loop handed the body over, not two; the loop
+then waits for the verdict. Should the handler be cancelled meanwhile, what the thread sent is
+aborted when it hands the Generation back (`RequestWork.run`'s `orphaned`). SGLang's /generate
+(`completion_generation` without `send`) builds and sends on the loop, as before.
 """
 
 from __future__ import annotations
@@ -67,6 +73,24 @@ _CLIENT_CLOSED = 499
 # constraint's parses for rank 0, and its prompt(s) with the checked SamplingParams; None there
 # while an output constraint (or tools) is still to be checked on the constraints pool.
 _Prepared = tuple[LoRARequest | None, dict[str, dict[str, Any]], tuple[Any, SamplingParams] | None]
+# A chat request as the pool sent it: its Generation and its choices' output parsers.
+_SentChat = tuple[Generation, Callable[[], ChatOutputParser]]
+
+
+def _sent(gen: Generation) -> Generation:
+    """(request pool) `gen`, its AddRequests sent."""
+    gen.send()
+    return gen
+
+
+def _close_sent(result: object) -> None:
+    """What the pool made for a handler cancelled meanwhile: the Generation it sent (alone or
+    in tuples) is aborted on rank 0."""
+    if isinstance(result, Generation):
+        result.close()
+    elif isinstance(result, tuple):
+        for part in result:
+            _close_sent(part)
 
 
 class OpenAIServing:
@@ -88,10 +112,16 @@ class OpenAIServing:
 
     async def completion_body(self, body: bytes, request: Request) -> Response:
         """/v1/completions: the body parsed, checked and (without an output constraint) turned
-        into prompts in one trip to the request pool (`_checked_completion`): never on the
-        event loop, however small the body."""
-        req, prepared = await self.work.run(self._parsed_completion, body)
-        gen = await self.completion_generation(req, headers=request.headers, prepared=prepared)
+        into prompts and sent to rank 0 in one trip to the request pool (`_parsed_completion`):
+        never on the event loop, however small the body."""
+        headers = request.headers
+        req, prepared, gen = await self.work.run(
+            self._parsed_completion, body, headers, orphaned=_close_sent
+        )
+        if gen is None:  # an output constraint to check first
+            gen = await self.completion_generation(
+                req, headers=headers, prepared=prepared, send=True
+            )
         return await self._respond(gen, req, request, chat=False)
 
     async def completion(self, req: CompletionRequest, request: Request) -> Response:
@@ -104,10 +134,12 @@ class OpenAIServing:
         request_id: str | None = None,
         headers: Mapping[str, str] | None = None,
         prepared: _Prepared | None = None,
+        send: bool = False,
     ) -> Generation:
         """A checked completion request, ready to start (SGLang's /generate runs these too);
         `headers`: the HTTP request's (a router's bootstrap overrides); `prepared`: what
-        `_checked_completion` already made of it."""
+        `_checked_completion` already made of it; `send`: the pool's last trip sends it too
+        (`_sent`), as an OpenAI route's does."""
         if prepared is None:  # one hop to the request pool, or none before the constraints'
             if gives_constraint(req):
                 prepared = self._checked_completion(req)
@@ -117,7 +149,23 @@ class OpenAIServing:
         if inputs is None:  # an output constraint: checked on its own pool, in its time limit
             limits = self.work.limits
             constraint = await self.work.constraint(output_constraint, req, None, limits, checks)
+            if send:
+                return await self.work.run(
+                    self._completion_sent, req, constraint, headers, adapter, checks,
+                    orphaned=_close_sent,
+                )  # fmt: skip
             inputs = await self.work.run(self._completion_inputs, req, constraint)
+        return self._completion(req, inputs, request_id, headers, adapter, checks)
+
+    def _completion(
+        self,
+        req: CompletionRequest,
+        inputs: tuple[list[PromptInput], SamplingParams],
+        request_id: str | None,
+        headers: Mapping[str, str] | None,
+        adapter: LoRARequest | None,
+        checks: dict[str, dict[str, Any]],
+    ) -> Generation:
         prompts, params = inputs
         return self._generation(
             "cmpl",
@@ -130,10 +178,29 @@ class OpenAIServing:
             bootstrap_of(req, headers, len(prompts)),
         )
 
-    def _parsed_completion(self, body: bytes) -> tuple[CompletionRequest, _Prepared]:
-        """(request pool) The body, validated, then `_checked_completion`."""
+    def _parsed_completion(
+        self, body: bytes, headers: Mapping[str, str]
+    ) -> tuple[CompletionRequest, _Prepared, Generation | None]:
+        """(request pool) The body, validated, then `_checked_completion`; without an output
+        constraint, its Generation too, sent to rank 0 (None: the constraint is to check)."""
         req = parse_body(CompletionRequest, body)
-        return req, self._checked_completion(req)
+        prepared = self._checked_completion(req)
+        adapter, checks, inputs = prepared
+        if inputs is None:
+            return req, prepared, None
+        return req, prepared, _sent(self._completion(req, inputs, None, headers, adapter, checks))
+
+    def _completion_sent(
+        self,
+        req: CompletionRequest,
+        constraint: StructuredOutputsParams | None,
+        headers: Mapping[str, str] | None,
+        adapter: LoRARequest | None,
+        checks: dict[str, dict[str, Any]],
+    ) -> Generation:
+        """(request pool) A constrained completion's prompts, then its Generation, sent."""
+        inputs = self._completion_inputs(req, constraint)
+        return _sent(self._completion(req, inputs, None, headers, adapter, checks))
 
     def _checked_completion(self, req: CompletionRequest) -> _Prepared:
         """(request pool) The request's checks, in the order they answer; its prompts and
@@ -168,20 +235,58 @@ class OpenAIServing:
 
     async def chat_body(self, body: bytes, request: Request) -> Response:
         """/v1/chat/completions: parsed, checked and (without tools or an output constraint)
-        rendered and tokenized in one trip to the request pool."""
-        req, prepared = await self.work.run(self._parsed_chat, body)
-        return await self.chat(req, request, prepared)
-
-    async def chat(
-        self, req: ChatCompletionRequest, request: Request, prepared: _Prepared
-    ) -> Response:
-        """A chat request, once `_checked_chat` has run."""
-        adapter, checks, inputs = prepared
-        if inputs is None:  # tools or an output constraint: checked on their own pool
+        rendered, tokenized and sent to rank 0 in one trip to the request pool."""
+        headers = request.headers
+        req, prepared, sent = await self.work.run(
+            self._parsed_chat, body, headers, orphaned=_close_sent
+        )
+        if sent is None:  # tools or an output constraint: checked on their own pool
+            adapter, checks, _ = prepared
             tools, constraint = await self.work.constraint(self._chat_constraint, req, checks)
-            prompt, params = await self.work.run(self._chat_inputs, req, constraint)
-        else:
-            tools, (prompt, params) = None, inputs
+            sent = await self.work.run(
+                self._chat_sent, req, (constraint, tools), headers, adapter, checks,
+                orphaned=_close_sent,
+            )  # fmt: skip
+        gen, output = sent
+        return await self._respond(gen, req, request, chat=True, chat_output=output)
+
+    def _parsed_chat(
+        self, body: bytes, headers: Mapping[str, str]
+    ) -> tuple[ChatCompletionRequest, _Prepared, _SentChat | None]:
+        """(request pool) The body, validated, then `_checked_chat`; without tools or an
+        output constraint, its Generation too, sent (None: they are to check)."""
+        req = parse_body(ChatCompletionRequest, body)
+        prepared = self._checked_chat(req)
+        adapter, checks, inputs = prepared
+        if inputs is None:
+            return req, prepared, None
+        return req, prepared, self._chat_generation(req, inputs, None, headers, adapter, checks)
+
+    def _chat_sent(
+        self,
+        req: ChatCompletionRequest,
+        checked: tuple[StructuredOutputsParams | None, ToolPlan | None],
+        headers: Mapping[str, str],
+        adapter: LoRARequest | None,
+        checks: dict[str, dict[str, Any]],
+    ) -> _SentChat:
+        """(request pool) A chat request with tools or a constraint: its prompt, then its
+        Generation, sent."""
+        constraint, tools = checked
+        inputs = self._chat_inputs(req, constraint)
+        return self._chat_generation(req, inputs, tools, headers, adapter, checks)
+
+    def _chat_generation(
+        self,
+        req: ChatCompletionRequest,
+        inputs: tuple[PromptInput, SamplingParams],
+        tools: ToolPlan | None,
+        headers: Mapping[str, str],
+        adapter: LoRARequest | None,
+        checks: dict[str, dict[str, Any]],
+    ) -> _SentChat:
+        """(request pool) The Generation, sent, and the choices' output parsers."""
+        prompt, params = inputs
         gen = self._generation(
             "chatcmpl",
             req,
@@ -189,15 +294,10 @@ class OpenAIServing:
             lambda p: params,
             adapter,
             constraint_checks=checks,
-            bootstrap=bootstrap_of(req, request.headers, 1),
+            bootstrap=bootstrap_of(req, headers, 1),
         )
-        output = self._chat_output(req, prompt, tools)
-        return await self._respond(gen, req, request, chat=True, chat_output=output)
-
-    def _parsed_chat(self, body: bytes) -> tuple[ChatCompletionRequest, _Prepared]:
-        """(request pool) The body, validated, then `_checked_chat`."""
-        req = parse_body(ChatCompletionRequest, body)
-        return req, self._checked_chat(req)
+        output = self._chat_output(req, prompt, tools)  # first: nothing may fail once sent
+        return _sent(gen), output
 
     def _checked_chat(self, req: ChatCompletionRequest) -> _Prepared:
         """(request pool) As `_checked_completion`: tools count as a constraint (their schemas
@@ -323,6 +423,8 @@ class OpenAIServing:
             raise APIError(500, f"the engine died: {exc}", code="engine_dead") from None
         except RequestFailedError as exc:
             raise APIError(500, str(exc), code="request_failed") from None
+        finally:  # also when `_collect` was cancelled before it ran: the pool had sent it
+            gen.close()
         return JSONResponse(body)
 
     async def _collect(

@@ -25,6 +25,8 @@ from tp_engine.server.ipc import ApiPipes, EnginePipes, RunDir
 from tp_engine.server.messages import (
     AbortRequest,
     AddRequest,
+    Control,
+    ControlReply,
     Delta,
     EngineOutputs,
     EngineStats,
@@ -57,6 +59,9 @@ class RecordingPipes:
         self.sent.append((threading.get_ident(), decode(encode(msg))))
         if isinstance(msg, AddRequest):
             self._loop.call_soon_threadsafe(self._answer, msg.request_id)
+        elif isinstance(msg, Control):  # /generate asks for the weights' version
+            reply = ControlReply(msg.call_id, 200, "", {"weight_version": "default"})
+            self._inbox.put_nowait(encode(reply))
 
     def _answer(self, request_id: str) -> None:
         done = Delta(request_id, 0, [5], "length")
@@ -119,6 +124,38 @@ def test_request_work_runs_on_a_pool_thread_that_sends_the_add(tokenizer, monkey
         return len(parsed_on)
 
     assert asyncio.run(main()) == len(bodies)
+
+
+def test_sglangs_generate_parses_and_checks_its_body_on_a_pool_thread(tokenizer, monkeypatch):
+    from tp_engine.server.api import sglang_routes
+    from tp_engine.server.api.app import build_app
+
+    parsed_on: list[int] = []
+    convert = sglang_routes._completion_request
+
+    def recorded(*args: Any) -> Any:
+        parsed_on.append(threading.get_ident())
+        return convert(*args)
+
+    monkeypatch.setattr(sglang_routes, "_completion_request", recorded)
+
+    async def main() -> None:
+        pipes = RecordingPipes()
+        client = EngineClient(pipes, HELLO, ServerMetrics("m"), "/nonexistent", os.getpid())  # type: ignore[arg-type]
+        app = build_app(client, tokenizer)
+        client.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+            resp = await http.post("/generate", json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["output_ids"] == [5]
+            bad = await http.post("/generate", json={"input_ids": [1], "model": "m", "bogus": 1})
+            assert bad.status_code == 400, bad.text  # refused as before, from the pool
+        await client.stop()
+        assert len(parsed_on) == 1 and threading.get_ident() not in parsed_on
+
+    asyncio.run(main())
 
 
 def test_an_abort_right_after_the_pools_add_reaches_rank_0_after_it(tokenizer):

@@ -144,6 +144,23 @@ def _completion_request(req: GenerateRequest) -> tuple[CompletionRequest, int]:
         raise APIError(400, f"sampling_params.{where}: {first.get('msg')}") from None
 
 
+def _parsed_generate(body: bytes) -> tuple[GenerateRequest, CompletionRequest, int]:
+    """(request pool) The body, validated and its fields refused as SGLang's refuses them, as
+    the completion request it runs (`_completion_request`); APIError (400) naming what is
+    wrong."""
+    try:
+        req = GenerateRequest.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"{where}: {first.get('msg')}", param=where) from None
+    refused = refused_extra(req.model_extra or {})
+    if refused is not None:
+        raise APIError(400, refused, param=refused.split()[0].rstrip(":"))
+    creq, num_prompts = _completion_request(req)
+    return req, creq, num_prompts
+
+
 def _request_ids(req: GenerateRequest, num_prompts: int) -> list[str] | None:
     """Each prompt's `rid`. A batch is one request here, whose id is its first rid; /abort_request
     with any of its rids aborts all of it."""
@@ -239,16 +256,8 @@ def build_sglang_router(
 
     @router.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
-        try:
-            req = GenerateRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            raise APIError(400, f"{where}: {first.get('msg')}", param=where) from None
-        refused = refused_extra(req.model_extra or {})
-        if refused is not None:
-            raise APIError(400, refused, param=refused.split()[0].rstrip(":"))
-        creq, num_prompts = _completion_request(req)
+        body = await request.body()
+        req, creq, num_prompts = await serving.work.run(_parsed_generate, body)
         rids = _request_ids(req, num_prompts)
         busy = [r for r in rids or [] if r in running.by_id]
         if busy:

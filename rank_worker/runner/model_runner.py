@@ -3,18 +3,19 @@
 Every rank (rank 0 included) owns a ModelRunner and calls `execute` with the same plan for
 every step; the forward's collectives keep the ranks in lock-step, and the logits arrive on
 rank 0 only. Under pipeline parallelism a runner holds its stage's layers and cache only, and
-its forward pass receives from and sends to the neighbouring stages (`rank_worker.pp`). The runner holds no request state: what a step needs is in the plan, and what it
-leaves behind is K/V in cache slots that rank 0's block manager accounts for.
+its forward pass receives from and sends to the neighbouring stages (`rank_worker.pp`). The
+runner holds no request state: what a step needs is in the plan, and what it leaves behind is
+K/V in cache slots that rank 0's block manager accounts for.
 
 Life cycle: construct (load weights) → `determine_num_kv_blocks()` (every rank, collective) →
 `init_kv_cache(n)` with the agreed n (where Triton kernels run, this also launches each of them
 once on a small mixed step, so that every binary a step can need is compiled before serving;
-on GPU it then captures the decode CUDA graphs, a collective too) → `execute(plan,
-last_sampled)` per step. `startup_s` records how long each start-up phase took. Each step's
-inputs reach the device in one copy through buffers the runner keeps for its life
-(`rank_worker.inputs.input_prep`).
+on GPU it then captures the CUDA graphs, a collective too) → `execute(plan, last_sampled)` per
+step. `startup_s` records how long each start-up phase took. Each step's inputs reach the
+device in one copy through buffers the runner keeps for its life (`rank_worker.inputs.input_prep`).
 Decode steps, and verify steps with as many drafts in every sequence, replay a graph when one
-fits (`rank_worker.runner.cuda_graphs`); every other step runs eagerly.
+fits (`rank_worker.runner.cuda_graphs`); any other step of at most `cuda_graph_max_tokens` tokens
+a mixed-step graph (`rank_worker.runner.mixed_graphs`); the rest runs eagerly.
 """
 
 from __future__ import annotations
@@ -47,14 +48,10 @@ from rank_worker.models.model_spec import HeadSpec, load_hf_config
 from rank_worker.models.qwen3 import KVCachePair
 from rank_worker.models.weight_map import WeightMap
 from rank_worker.pp import PipelineInfo, StageHandoff
-from rank_worker.runner.cuda_graphs import (
-    PADDED_NOTE,
-    DecodeGraphRunner,
-    disabled_reason,
-    graph_runner_for,
-    padded_without_capture,
-)
+from rank_worker.runner.cuda_graphs import DecodeGraphRunner
 from rank_worker.runner.device_sleep import DeviceSleep
+from rank_worker.runner.graph_setup import build_graphs
+from rank_worker.runner.mixed_graphs import MixedGraphRunner
 from rank_worker.runner.startup import (
     ProfileSampling,
     check_max_model_len,
@@ -177,6 +174,8 @@ class ModelRunner:
         self.kv_staging: PlanCopier | None = None
         self.num_kv_blocks: int | None = None
         self.graph_runner: DecodeGraphRunner | None = None
+        self.mixed_graphs: MixedGraphRunner | None = None
+        self.graph_memory_bytes: int | None = None  # what capture took of the device
         # Sleep mode: releases and restores the weights' and the cache's device memory.
         self.device_sleep = DeviceSleep(self)
         # Speculative decoding with a draft model: a runner of its own (weights, cache, no
@@ -194,7 +193,7 @@ class ModelRunner:
         self.eagle3 = Eagle3Runner.for_runner(self) if config.eagle3_head is not None else None
         # Seconds per start-up phase: "load" (config, model, weights), "profile" (the memory
         # warm-up and sizing), "kv_cache" (allocation), "kernel_warmup" (first launch of every
-        # Triton kernel: compiles on a GPU), "capture" (decode CUDA graphs).
+        # Triton kernel: compiles on a GPU), "capture" (CUDA graphs).
         self.startup_s: dict[str, float] = {"load": time.perf_counter() - start}
 
     @property
@@ -271,39 +270,33 @@ class ModelRunner:
         self.capture_graphs()
 
     def capture_graphs(self) -> None:
-        """Capture the decode and verify CUDA graphs where they are on (a collective: every rank
-        captures the same graphs in the same order). At start-up, and again after a wake from
-        sleep, since a graph holds the addresses of the weights and the cache (`device_sleep`)."""
-        reason = disabled_reason(
-            self.device, self.config.enforce_eager, self.attention_backend, self.tp, self.pipe
-        )
-        # Tests: the graphs' padded path, uncaptured, where only the CPU device says no.
-        padded = padded_without_capture(reason, self.device, self.config)
-        if reason is not None:
-            note = PADDED_NOTE if padded else ""
-            logger.info("rank %d: no CUDA graphs: %s%s", self.world.rank, reason, note)
-            if not padded:
-                return
+        """Capture the decode, verify and mixed-step CUDA graphs where they are on (a collective:
+        every rank captures the same graphs in the same order). At start-up, and again after a
+        wake from sleep, since a graph holds the addresses of the weights and the cache."""
         set_lora = None if self.lora is None else self.lora.batch.capture_mode
-        self.graph_runner = graph_runner_for(
-            self.model, self.kv_caches, self.config, self.device, set_lora
-        )
         start = time.perf_counter()
-        if not padded:
-            self.graph_runner.capture()
+        graphs = build_graphs(
+            self.model, self.kv_caches, self.config, self.device, self.attention_backend,
+            self.tp, self.pipe, set_lora, self.memory, self.world.rank,
+        )  # fmt: skip
+        if graphs is None:
+            return
+        self.graph_runner, self.mixed_graphs = graphs.decode, graphs.mixed
+        self.graph_memory_bytes = graphs.memory_bytes
         k = self.config.num_speculative_tokens
         if self.eagle3 is not None and k > 0:  # the draft chain's graphs, after the target's
-            self.eagle3.build_chain_graphs(k, self.config.max_num_seqs, capture=not padded)
-        if not padded:
+            self.eagle3.build_chain_graphs(k, self.config.max_num_seqs, capture=graphs.captured)
+        if graphs.captured:
             self.startup_s["capture"] = time.perf_counter() - start
 
     def release_graphs(self) -> bool:
         """Drop every CUDA graph (the target's and the EAGLE-3 chain's) and their memory;
         whether there were any. Sleep drops them before it gives back what they hold."""
-        had = self.graph_runner is not None
-        if had:
-            self.graph_runner.release()
-            self.graph_runner = None
+        had = self.graph_runner is not None or self.mixed_graphs is not None
+        for graphs in (self.graph_runner, self.mixed_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graph_runner = self.mixed_graphs = None
         if self.eagle3 is not None:
             self.eagle3.release_chain_graphs()
         return had
@@ -359,9 +352,12 @@ class ModelRunner:
         self._check_awake(plan)
         queue_plan_copies(self.kv_staging or self.host_pool, self.kv_caches, plan)
         inputs = self._prepare(plan, last_sampled)
-        if self.graph_runner is not None and self.graph_runner.can_run(plan):
+        # A uniform step the decode graphs hold, else a step within the largest mixed bucket.
+        runners = (self.graph_runner, self.mixed_graphs)
+        graphs = next((g for g in runners if g is not None and g.can_run(plan)), None)
+        if graphs is not None:
             base_only = self.lora is not None and self.lora.batch.skip
-            hidden = self.graph_runner.run(inputs, base_only)  # [T, hidden], as eager
+            hidden = graphs.run(inputs, base_only)  # [T, hidden], as eager
             logits = self._logits(hidden, inputs.logits_indices)
         else:
             logits = self._forward(inputs, self.kv_caches)

@@ -1,0 +1,152 @@
+"""CUDA graphs for mixed steps (prompt tokens, alone or beside decodes), by token bucket
+(`rank_worker.runner.mixed_graphs`): the buckets, the padded layout of the static buffers, which
+step takes which path, and that the padded path computes what the eager one does.
+
+CPU: the layout exactly; the padded path end to end with the runner built by
+`TP_ENGINE_DECODE_GRAPHS=padded` (uncaptured: the model runs eagerly on the same static buffers
+a graph reads), with the torch backend (host lengths read back from the buffers) and the Triton
+one interpreted (the capture's host bounds, device lengths: what a GPU captures); planted errors
+(a padding slot that writes a real block, a metadata buffer left stale from the step before)
+that those checks catch; and the engine against transformers at TP 1 and 2. GPU (`gpu`
+marker): capture and replay against eager execution, and the same planted errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first `import kernels` (tests/conftest too)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from rank_worker.inputs.block_tables import BlockTables
+from rank_worker.inputs.graph_sizes import token_buckets
+from rank_worker.inputs.input_prep import prepare_inputs
+from rank_worker.runner.mixed_graphs import MixedGraphRunner, StaticMixedBuffers
+from rank_worker.runner_config import RunnerConfig
+from shm_ipc.step_plan import StepPlan
+from tests.test_cuda_graphs import make_plan
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 64
+NUM_KV_BLOCKS = 40
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CPU = torch.device("cpu")
+
+
+# -- buckets and layout ----------------------------------------------------------------------
+
+
+def test_token_buckets():
+    assert token_buckets(2) == [2]
+    assert token_buckets(40) == [8, 16, 32, 40]
+    assert token_buckets(512) == [8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    buckets = token_buckets(8192)
+    assert buckets[-3:] == [7680, 7936, 8192] and len(buckets) == 41
+    assert token_buckets(1000)[-3:] == [512, 768, 1000]
+    with pytest.raises(ValueError, match=">= 2 tokens"):
+        token_buckets(1)
+
+
+def test_config_bounds_the_largest_bucket():
+    from tp_engine.config import EngineConfig
+    from tp_engine.executor.rank_config import runner_config_for
+
+    config = RunnerConfig(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
+    assert config.resolved_cuda_graph_max_tokens == 512
+    small = dataclasses.replace(config, max_num_batched_tokens=100)
+    assert small.resolved_cuda_graph_max_tokens == 100  # never past the token budget
+    assert dataclasses.replace(config, cuda_graph_max_tokens=0).resolved_cuda_graph_max_tokens == 0
+    engine = EngineConfig(max_model_len=MAX_MODEL_LEN, cuda_graph_max_tokens=96)
+    assert runner_config_for(engine).cuda_graph_max_tokens == 96
+    with pytest.raises(ValueError, match="cuda_graph_max_tokens must be 0"):
+        EngineConfig(cuda_graph_max_tokens=1)
+
+
+def prepare(plan: StepPlan, width: int = 16):
+    return prepare_inputs(plan, BlockTables(8, width, BLOCK_SIZE, "cpu"))
+
+
+def test_static_buffers_pad_a_mixed_step():
+    """Two decodes, a prefill and a chunk after a cached prefix (13 tokens) in the bucket of 16:
+    tokens 13..15 belong to a padding sequence (row 4) that reads 3 keys of block 0 and stores
+    nothing; the rows after it are empty."""
+    buffers = StaticMixedBuffers(32, 6, MAX_MODEL_LEN, BLOCK_SIZE, CPU)
+    assert (buffers.rows(16), buffers.rows(2), buffers.width) == (7, 3, 16)
+    plan = make_plan(0, [
+        (list(range(10, 20)), [5, 6, 7], 9, 1),
+        (list(range(20, 23)), [8], 2, 1),
+        (list(range(30, 35)), [9, 10], 0, 5),
+        (list(range(40, 50)), [11, 12, 13], 4, 6),
+    ])  # fmt: skip
+    buffers.load(prepare(plan), 16)
+    input_ids, positions, meta = buffers.forward_args(16)
+    assert input_ids.tolist() == [19, 22, 30, 31, 32, 33, 34, *range(44, 50), 0, 0, 0]
+    assert positions.tolist() == [9, 2, 0, 1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 0, 0, 0]
+    assert meta.slot_mapping.tolist()[-4:] == [13 * 4 + 1, -1, -1, -1]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 7, 13, 16, 16, 16]
+    assert meta.seq_lens.tolist() == [10, 3, 5, 10, 3, 0, 0]
+    assert meta.block_table[:5, :3].tolist() == [
+        [5, 6, 7], [8, 0, 0], [9, 10, 0], [11, 12, 13], [0, 0, 0],
+    ]  # fmt: skip
+    # The capture's host fields, the same for every step: bounds, one launch of the prefill
+    # kernel over every row (no leading decodes), never the fresh-prompt (TMA) path.
+    assert (meta.max_query_len, meta.max_seq_len) == (16, MAX_MODEL_LEN)
+    assert meta.query_start_loc_host.tolist() == [0] + [16] * 7
+    assert meta.seq_lens_host.tolist() == [MAX_MODEL_LEN] * 7
+    assert meta.num_leading_decodes == 0 and not meta.fresh_prefill
+    # The torch backend's host fields are read back from the buffers.
+    exact = buffers.forward_args(16, host_bounds=False)[2]
+    assert exact.query_start_loc_host.tolist() == meta.query_start_loc.tolist()
+    assert exact.seq_lens_host.tolist() == meta.seq_lens.tolist()
+    # A smaller step in a smaller bucket next: nothing of the first is left where it is read.
+    small = make_plan(1, [(list(range(60, 66)), [14, 15], 0, 6)])
+    buffers.load(prepare(small), 8)
+    input_ids, _, meta = buffers.forward_args(8)
+    assert input_ids.tolist() == [60, 61, 62, 63, 64, 65, 0, 0]
+    assert meta.slot_mapping.tolist() == [56, 57, 58, 59, 60, 61, -1, -1]
+    assert meta.query_start_loc.tolist() == [0, 6, 8, 8, 8, 8, 8, 8]
+    assert meta.seq_lens.tolist() == [6, 2, 0, 0, 0, 0, 0]
+    assert meta.block_table[0, :2].tolist() == [14, 15] and meta.block_table[1, 0] == 0
+    # Capture's empty step: the padding sequence holds every token.
+    buffers.load_padding(32)
+    _, _, meta = buffers.forward_args(32)
+    assert meta.query_start_loc.tolist() == [0] + [32] * 7
+    assert meta.seq_lens.tolist() == [32, 0, 0, 0, 0, 0, 0]
+    assert meta.slot_mapping.tolist() == [-1] * 32
+    assert meta.block_table[0, :8].tolist() == [0] * 8
+    with pytest.raises(ValueError, match="13 tokens do not fit the bucket of 8"):
+        buffers.load(prepare(plan), 8)
+
+
+def test_padding_past_max_model_len_has_table_columns():
+    # A bucket larger than max_model_len: the padding sequence's context needs more columns
+    # than a real sequence's, and the static table has them.
+    buffers = StaticMixedBuffers(48, 4, 16, BLOCK_SIZE, CPU)
+    assert buffers.width == 12 and buffers.context_bound == 48
+    buffers.load(prepare(make_plan(0, [([1, 2, 3], [7], 0, 3)])), 48)
+    _, _, meta = buffers.forward_args(48)
+    assert meta.seq_lens.tolist()[:2] == [3, 45]
+    assert meta.block_table[1].tolist() == [0] * 12
+
+
+def test_can_run_what_fits_a_bucket():
+    runner = MixedGraphRunner(
+        torch.nn.Identity(), [], max_tokens=20, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE, device=CPU,
+    )  # fmt: skip
+    assert runner.buckets == [8, 16, 20]
+    seq = (list(range(40)), list(range(1, 11)), 10)
+
+    def plan(*q_lens: int) -> StepPlan:
+        return make_plan(0, [(*seq, q) for q in q_lens])
+
+    assert runner.can_run(plan(1, 1, 5)) and runner.bucket_for(7) == 8
+    assert runner.can_run(plan(20)) and runner.bucket_for(20) == 20
+    assert not runner.can_run(plan(21))  # past the largest bucket: eager
+    assert not runner.can_run(plan(5, 5, 5, 5, 1))  # past max_num_seqs
+    with pytest.raises(ValueError, match="21 tokens exceed the largest mixed-step bucket"):
+        runner.run(prepare(plan(21)))

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,8 +27,11 @@ if not torch.cuda.is_available():  # must precede the first `import kernels` (te
 from rank_worker.inputs.block_tables import BlockTables
 from rank_worker.inputs.graph_sizes import token_buckets
 from rank_worker.inputs.input_prep import prepare_inputs
+from rank_worker.runner.cuda_graphs import ENV_VAR
 from rank_worker.runner.mixed_graphs import MixedGraphRunner, StaticMixedBuffers
+from rank_worker.runner.model_runner import ModelRunner
 from rank_worker.runner_config import RunnerConfig
+from rank_worker.tp import TPInfo
 from shm_ipc.step_plan import StepPlan
 from tests.test_cuda_graphs import make_plan
 
@@ -150,3 +155,136 @@ def test_can_run_what_fits_a_bucket():
     assert not runner.can_run(plan(5, 5, 5, 5, 1))  # past max_num_seqs
     with pytest.raises(ValueError, match="21 tokens exceed the largest mixed-step bucket"):
         runner.run(prepare(plan(21)))
+
+
+# -- the padded path computes what the eager path does ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from tp_engine.testing import build_random_qwen3
+
+    return build_random_qwen3(
+        tmp_path_factory.mktemp("m"), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=64, max_position_embeddings=MAX_MODEL_LEN, seed=11,
+    )  # fmt: skip
+
+
+# Blocks no sequence of `scenario` owns: block 0 (every padding row's context) and the last five.
+UNOWNED = [0, *range(NUM_KV_BLOCKS - 5, NUM_KV_BLOCKS)]
+
+
+def scenario(vocab: int) -> list[StepPlan]:
+    """Mixed steps in every bucket of [8, 16, 32], a prompt larger than the largest (eager), a
+    decode batch (the decode graphs) and a prompt after a cached prefix (F shares A's first two
+    blocks). Sequences: (all tokens, blocks)."""
+    rng = np.random.default_rng(3)
+    tok = lambda n: rng.integers(0, vocab, n).tolist()  # noqa: E731
+    a, b, c = (tok(13), [1, 2, 3, 4]), (tok(9), [5, 6, 7]), (tok(10), [8, 9, 10])
+    d, e = (tok(38), list(range(11, 21))), (tok(41), list(range(21, 32)))
+    f = (a[0][:8] + tok(6), [1, 2, 32, 33])
+    return [
+        make_plan(0, [(*a, 0, 9), (*b, 0, 5)]),  # 14 tokens: bucket 16
+        make_plan(1, [(*a, 9, 1), (*b, 5, 1), (*c, 0, 7)]),  # 9: 16
+        make_plan(2, [(*a, 10, 1), (*b, 6, 1), (*c, 7, 1), (*d, 0, 20)]),  # 23: 32, a chunk
+        make_plan(3, [(*a, 11, 1), (*b, 7, 1), (*c, 8, 1), (*d, 20, 17)]),  # 20: 32, its end
+        make_plan(4, [(*e, 0, 40)]),  # 40 > 32: eager
+        make_plan(5, [(*a, 12, 1), (*b, 8, 1)]),  # uniform: the decode graphs
+        make_plan(6, [(*c, 9, 1), (*f, 8, 6), (*e, 40, 1)]),  # 8: a prefix hit in bucket 8
+        make_plan(7, [(*d, 37, 1), (*f, 14 - 1, 1)]),  # decodes again
+    ]
+
+
+def run_steps(
+    model_dir: Path, backend: str, device: str, graphs: bool, monkeypatch
+) -> tuple[list[torch.Tensor], ModelRunner]:
+    """`scenario`'s logits per step, eagerly (`graphs` False) or over the graphs' padded path
+    (`TP_ENGINE_DECODE_GRAPHS=padded`: the runners built, nothing captured; GPU: captured)."""
+    if graphs and device == "cpu":
+        monkeypatch.setenv(ENV_VAR, "padded")
+    else:
+        monkeypatch.delenv(ENV_VAR, raising=False)
+    config = RunnerConfig(
+        max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
+        max_num_seqs=8, max_num_batched_tokens=48, cuda_graph_max_tokens=32,
+        attention_backend=backend, dtype="float32", enforce_eager=not graphs,
+        # The graphs' data path is attention's; interpreted layer kernels would only add time.
+        layer_kernels="torch" if device == "cpu" else "auto",
+    )  # fmt: skip
+    runner = ModelRunner(model_dir, config, TPInfo(0, 1), device)
+    runner.init_kv_cache(runner.determine_num_kv_blocks())
+    assert (runner.mixed_graphs is not None) == graphs
+    logits = [runner.execute(plan) for plan in scenario(runner.vocab_size)]
+    return logits, runner
+
+
+def assert_same(got: tuple[list[torch.Tensor], ModelRunner], ref: tuple[list, ModelRunner]):
+    """Every step's logits and every cache equal the eager run's (fp32: the padded steps only
+    change the matmuls' row counts); the blocks nobody owns hold nothing."""
+    for step, (a, b) in enumerate(zip(got[0], ref[0], strict=True)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"step {step}")
+    for pair, ref_pair in zip(got[1].kv_caches, ref[1].kv_caches, strict=True):
+        for cache, ref_cache in zip(pair, ref_pair, strict=True):
+            assert not cache[UNOWNED].any(), "a padding row wrote a block nobody owns"
+            torch.testing.assert_close(cache, ref_cache, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def eager_runs(model_dir) -> dict[str, tuple[list[torch.Tensor], ModelRunner]]:
+    with pytest.MonkeyPatch.context() as mp:
+        return {
+            backend: run_steps(model_dir, backend, device, False, mp)
+            for backend, device in (("torch", "cpu"), ("triton", KERNEL_DEVICE))
+        }
+
+
+@pytest.mark.parametrize(("backend", "device"), [("torch", "cpu"), ("triton", KERNEL_DEVICE)])
+def test_padded_mixed_steps_match_eager(model_dir, eager_runs, monkeypatch, backend, device):
+    """torch: host lengths read back from the buffers; triton (interpreted on CPU): the
+    capture's host bounds, lengths read on the device, one prefill launch per layer."""
+    padded = run_steps(model_dir, backend, device, True, monkeypatch)
+    mixed, decode = padded[1].mixed_graphs, padded[1].graph_runner
+    assert mixed.buckets == [8, 16, 32] and mixed.host_bounds == (backend == "triton")
+    runs = mixed.replays_by_bucket if device == "cuda" else mixed.eager_runs_by_bucket
+    assert runs == {16: 2, 32: 2, 8: 1}  # steps 0-3 and 6; step 4 (40 tokens) ran eagerly
+    assert mixed.padding_tokens == (16 - 14) + (16 - 9) + (32 - 23) + (32 - 20)
+    assert sum(decode.eager_runs_by_query_len.values()) + decode.num_replays == 2  # 5, 7
+    assert_same(padded, eager_runs[backend])
+
+
+def plant(monkeypatch, fault: str) -> None:
+    """An error in the graphs' data path: a padding token's slot in a real block, or one of
+    the metadata buffers left as the step before wrote it."""
+    load = StaticMixedBuffers.load
+
+    def faulty(self: StaticMixedBuffers, inputs, bucket: int) -> None:
+        kept = {name: getattr(self, name).clone() for name in ("seq_lens", "query_start_loc")}
+        load(self, inputs, bucket)
+        t = inputs.meta.num_tokens
+        if fault == "padding_slot" and t < bucket:
+            self.slot_mapping[t] = 5 * BLOCK_SIZE  # B's first token: its block 5, slot 0
+        elif fault == "padding_slot_unowned" and t < bucket:
+            self.slot_mapping[t] = UNOWNED[-1] * BLOCK_SIZE
+        elif fault.startswith("stale_"):
+            name = fault.removeprefix("stale_")
+            getattr(self, name).copy_(kept[name])
+
+    monkeypatch.setattr(StaticMixedBuffers, "load", faulty)
+
+
+@pytest.mark.parametrize(
+    ("backend", "fault"),
+    [
+        ("torch", "padding_slot"),
+        ("torch", "padding_slot_unowned"),
+        ("torch", "stale_seq_lens"),
+        ("triton", "stale_query_start_loc"),
+    ],
+)
+def test_planted_errors_are_caught(model_dir, eager_runs, monkeypatch, backend, fault):
+    device = "cpu" if backend == "torch" else KERNEL_DEVICE
+    plant(monkeypatch, fault)
+    padded = run_steps(model_dir, backend, device, True, monkeypatch)
+    unowned = "a padding row wrote a block nobody owns"
+    with pytest.raises(AssertionError, match=unowned if fault.endswith("unowned") else "step"):
+        assert_same(padded, eager_runs[backend])

@@ -34,6 +34,7 @@ from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 from shm_ipc.step_plan import StepPlan
 from tests.test_cuda_graphs import make_plan
+from tests.test_lora_e2e import case  # noqa: F401 (a fixture: the adapters and PEFT's outputs)
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
@@ -288,3 +289,88 @@ def test_planted_errors_are_caught(model_dir, eager_runs, monkeypatch, backend, 
     unowned = "a padding row wrote a block nobody owns"
     with pytest.raises(AssertionError, match=unowned if fault.endswith("unowned") else "step"):
         assert_same(padded, eager_runs[backend])
+
+
+# -- the engine against transformers ---------------------------------------------------------
+
+E2E_MAX_TOKENS = 8
+# Prompt lengths: steps of every bucket of [8, 16, 24] (the scheduler packs them up to its
+# budget of 32 tokens, so some steps take 25..32 tokens: eager), and one prompt longer than the
+# budget (chunked: 32 + 8).
+E2E_LENGTHS = (3, 6, 11, 15, 22, 29, 40)
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """A checkpoint, prompts (E2E_LENGTHS, then prompts sharing a cached prefix with them) and
+    transformers' greedy continuations."""
+    from tests.tp_cases import CHECKPOINTS, hf_greedy
+    from tp_engine.testing import build_random_qwen3
+
+    checkpoint = build_random_qwen3(
+        tmp_path_factory.mktemp("ckpt"), max_position_embeddings=MAX_MODEL_LEN,
+        **CHECKPOINTS["tied_kv2_oddvocab"],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 643, (n,), generator=g).tolist() for n in E2E_LENGTHS]
+    # Prefix hits: the first 4 blocks (16 tokens) of the 22- and 29-token prompts, then more.
+    prompts += [p[:16] + torch.randint(0, 643, (n,), generator=g).tolist()
+                for p, n in ((prompts[4], 3), (prompts[5], 12))]  # fmt: skip
+    return checkpoint, prompts, hf_greedy(checkpoint, prompts, E2E_MAX_TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_engine_over_padded_mixed_steps_equals_transformers(e2e, monkeypatch, tp):
+    """Greedy through every rank's padded path (at TP 2 the ranks' collectives would not match if
+    one of them ran a step in another bucket than the other)."""
+    from tp_engine import LLM, SamplingParams
+
+    checkpoint, prompts, expected = e2e
+    monkeypatch.setenv(ENV_VAR, "padded")  # the ranks, spawned below, inherit it
+    llm = LLM(
+        str(checkpoint), tensor_parallel_size=tp, block_size=BLOCK_SIZE, num_kv_blocks=128,
+        max_num_seqs=8, max_num_batched_tokens=32, cuda_graph_max_tokens=24,
+    )  # fmt: skip
+    try:
+        mixed = llm.engine.runner.mixed_graphs
+        assert mixed is not None and mixed.buckets == [8, 16, 24] and mixed.graphs == {}
+        greedy = SamplingParams(temperature=0.0, max_tokens=E2E_MAX_TOKENS, ignore_eos=True)
+        n = len(E2E_LENGTHS)
+        # All at once (mixed steps of many sizes), one at a time (a prompt alone in its
+        # bucket), then the prompts sharing cached prefixes.
+        batches = [list(range(n)), *([i] for i in range(n)), [n, n + 1]]
+        for batch in batches:
+            outs = llm.generate(
+                [{"prompt_token_ids": prompts[i]} for i in batch], greedy, use_tqdm=False
+            )
+            for i, out in zip(batch, outs, strict=True):
+                assert out.outputs[0].token_ids == expected[i], f"prompt {i}"
+        assert outs[0].num_cached_tokens == outs[1].num_cached_tokens == 16
+        assert set(mixed.eager_runs_by_bucket) == {8, 16, 24}, mixed.eager_runs_by_bucket
+        assert mixed.padding_tokens > 0
+        llm.engine.core.scheduler.block_manager.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_lora_over_padded_mixed_steps_equals_peft(case, monkeypatch):  # noqa: F811
+    """A batch of three adapters and the base model, then each request alone, through the padded
+    path (the LoRA kernels read each token's slot from their fixed buffer, -1 past the step)."""
+    from tests.test_lora_e2e import MIXED, generate, lora, start_llm
+
+    monkeypatch.setenv(ENV_VAR, "padded")
+    llm = start_llm(case, 1, max_loras=3, cuda_graph_max_tokens=24)
+    try:
+        work = list(enumerate(MIXED))
+        expected = [case["reference"][name][i] for i, (name, _) in work]
+        prompts = [case["prompts"][i] for i, _ in work]
+        outs = generate(llm, prompts, [lora(case, name) for _, (name, _) in work])
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        for (i, (name, _)), want in zip(work[:4], expected, strict=False):
+            [out] = generate(llm, [prompts[i]], [lora(case, name)])
+            assert out.outputs[0].token_ids == want, (i, name)
+        assert len(llm.engine.runner.mixed_graphs.eager_runs_by_bucket) >= 2
+    finally:
+        llm.shutdown()

@@ -12,7 +12,11 @@ bf16, blocks of 16 tokens) at TP 1 and TP 2 (one rank's share: 4 heads), the pro
 contiguous on both sides (2 x 28 transfers) or scattered at random over caches of 2x and 3x
 the blocks needed (one transfer per block per layer and K/V). Beside each (b), its twin: the
 raw write of the same shape (as many transfers, as long) over consecutive addresses, which
-separates what our path adds from what Mooncake costs per transfer.
+separates what our path adds from what Mooncake costs per transfer. (c) staged: the scattered
+prompt through host staging pools (`rank_worker.kv.pd_staging`, for caches that cannot be
+registered): the sender gathers its blocks into a pool and writes it, timed together; the
+receiver's slots are consecutive (as its rank 0 hands them out), and its copy of them into
+scattered blocks of its cache is timed apart, in this process on a cache of the same shape.
 
 Each figure is `--repeats` timed runs after one warm-up, in rounds (every case once per round,
 so a shared machine's load drifting falls on all alike); GiB/s on the bytes moved; "/ raw" is
@@ -36,6 +40,8 @@ import numpy as np
 import torch
 
 from rank_worker.kv.kv_transfer import KVRegion, KVTransferEngine, write_descriptors
+from rank_worker.kv.pd_staging import HostStaging, StagingCopier
+from shm_ipc.block_copies import DEVICE_TIER, STAGING_TIER, BlockCopy
 
 HOST = "127.0.0.1"
 MIB = 1 << 20
@@ -97,9 +103,11 @@ def kv_cases(prompts: list[int], seed: int) -> list[dict[str, Any]]:
     for tokens in prompts:
         n = -(-tokens // BLOCK_SIZE)
         for tp in (1, 2):
-            for pattern in ("contiguous", "scattered"):
+            for pattern in ("contiguous", "scattered", "staged"):
                 if pattern == "contiguous":
                     src, dst = np.arange(n), np.arange(n, 2 * n)
+                elif pattern == "staged":  # scattered in the sender's cache, to slots 0..n-1
+                    src, dst = rng.choice(SRC_SPARE * n, n, replace=False), np.arange(n)
                 else:
                     src = rng.choice(SRC_SPARE * n, n, replace=False)
                     dst = rng.choice(DST_SPARE * n, n, replace=False)
@@ -131,6 +139,18 @@ def twin_write(
     return functools.partial(engine.write, peer, srcs, dsts, lengths)
 
 
+def copy_in_seconds(n: int, tp: int, repeats: int, seed: int) -> list[float]:
+    """A decode rank's copy of `n` staged slots (a run, as its rank 0 hands them out) into
+    scattered blocks of its cache: `StagingCopier` as a step plan runs it, timed here."""
+    cache = torch.zeros(cache_shape(DST_SPARE * n, tp), dtype=torch.bfloat16)
+    staging = HostStaging(cache, n)
+    staging.pool.fill_(1)
+    copier = StagingCopier(staging, [(cache[i, 0], cache[i, 1]) for i in range(LAYERS)], None)
+    dst = np.random.default_rng(seed).choice(DST_SPARE * n, n, replace=False).astype(np.int32)
+    copy = BlockCopy(STAGING_TIER, DEVICE_TIER, np.arange(n, dtype=np.int32), dst)
+    return timed_rounds([functools.partial(copier.before_forward, [copy], True)], repeats)[0]
+
+
 def kv_row(case: dict, secs: list[float], twin: list[float], reference: float) -> dict[str, Any]:
     src, dst, lengths = case["src_region"], case["dst_region"], case["lengths"]
     build = timed_rounds(
@@ -145,6 +165,8 @@ def kv_row(case: dict, secs: list[float], twin: list[float], reference: float) -
     row["ratio_to_same_shape"] = round(
         row["median_gib_s"] / row["same_shape_raw"]["median_gib_s"], 3
     )
+    if "copy_in" in case:
+        row["decode_copy_in_ms"] = round(statistics.median(case["copy_in"]) * 1e3, 2)
     return row
 
 
@@ -174,11 +196,21 @@ def measure(prompts: list[int], repeats: int, seed: int) -> dict[str, Any]:
                 )
                 parent.send(("cache", cache_shape(DST_SPARE * n, tp)))
                 dst = KVRegion.from_wire(parent.recv())
-                lengths = write_descriptors(src, dst, case["src"], case["dst"])[2]
+                if case["pattern"] == "staged":
+                    cache = src_buf[: nbytes_of(shape)].view(torch.bfloat16).view(shape)
+                    staging = HostStaging(cache, n)
+                    engine.register(staging.pool)
+                    lengths = write_descriptors(staging.region, dst, range(n), case["dst"])[2]
+                    write = functools.partial(staging.send, engine, peer, dst, case["src"],
+                                              case["dst"])  # fmt: skip
+                    case["copy_in"] = copy_in_seconds(n, tp, repeats, seed)
+                else:
+                    lengths = write_descriptors(src, dst, case["src"], case["dst"])[2]
+                    write = functools.partial(
+                        engine.write_blocks, peer, src, dst, case["src"], case["dst"]
+                    )
                 kv.append({**case, "src_region": src, "dst_region": dst, "lengths": lengths})
-                fns.append(
-                    functools.partial(engine.write_blocks, peer, src, dst, case["src"], case["dst"])
-                )
+                fns.append(write)
                 fns.append(twin_write(engine, peer, src_buf.data_ptr(), dst_ptr, lengths))
             times = timed_rounds(fns, repeats)
         for r, secs in zip(raw, times, strict=False):
@@ -213,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         name = f"kv {r['tokens']} tok TP {r['tp']} {r['pattern']}"
         print(f"{name:<32} {r['median_gib_s']:>9} {r['best_gib_s']:>6} {r['median_ms']:>8} "
               f"{r['transfers']:>9} {r['descriptors_ms']:>8} {r['ratio_to_raw']:>6} "
-              f"{r['same_shape_raw']['median_gib_s']:>10} {r['ratio_to_same_shape']:>6}")  # fmt: skip
+              f"{r['same_shape_raw']['median_gib_s']:>10} {r['ratio_to_same_shape']:>6}"
+              + (f"  copy in {r['decode_copy_in_ms']} ms" if "decode_copy_in_ms" in r else ""))  # fmt: skip
     if args.output_json:
         from benchmarks.results import environment, write_json
 

@@ -117,11 +117,12 @@ def test_the_staging_copier_writes_only_the_named_blocks_and_hands_the_rest_on()
     copies = [
         BlockCopy(HOST_TIER, DEVICE_TIER, ids([1]), ids([2])),
         BlockCopy(STAGING_TIER, DEVICE_TIER, ids([3, 0]), ids([5, 9])),
+        BlockCopy(STAGING_TIER, DEVICE_TIER, ids([1, 2]), ids([7, 3])),  # a run of slots
     ]
     copier.before_forward(copies, reads_copies_up=True)
     copier.after_forward()
     expected = before.clone()
-    expected[:, :, [5, 9]] = staging.pool[:, :, [3, 0]]
+    expected[:, :, [5, 9, 7, 3]] = staging.pool[:, :, [3, 0, 1, 2]]
     expected[:, :, 2] = host.host[1]  # the host tier's pool: [blocks, layers, 2, ...]
     assert torch.equal(storage, expected)
     # A slot past the pool, or a copy into another tier: refused before anything is copied.
@@ -208,3 +209,30 @@ def test_a_decode_agent_told_to_stage_registers_and_announces_its_pool():
         agent.close()
         pull.close(linger=0)
     assert wire.encode(hello)  # the hello is one of the wire's messages
+
+
+@pytest.mark.gpu
+def test_staging_beside_a_cuda_cache_gathers_and_copies_in_exactly():
+    """The GPU's path: the pool pinned in host memory, the gather on the device then across
+    the bus, the copy in across the bus then scattered on the device."""
+    from rank_worker.kv.pd_staging import _cpu_wheel_installed
+
+    cache = kv_storage(12).cuda()
+    staging = HostStaging(cache, 4)
+    assert staging.pool.is_pinned() and not staging.pool.is_cuda
+    staging.gather([7, 2, 9])
+    assert torch.equal(staging.pool[:, :, :3], cache[:, :, [7, 2, 9]].cpu())
+    received = torch.zeros_like(cache)
+    copier = StagingCopier(staging, pairs(received), None)
+    copies = [
+        BlockCopy(STAGING_TIER, DEVICE_TIER, ids([0, 1, 2]), ids([4, 0, 11])),  # a run
+        BlockCopy(STAGING_TIER, DEVICE_TIER, ids([2, 0]), ids([5, 6])),
+    ]
+    copier.before_forward(copies, reads_copies_up=True)
+    torch.cuda.synchronize()
+    expected = torch.zeros_like(cache)
+    expected[:, :, [4, 0, 11]] = cache[:, :, [7, 2, 9]]
+    expected[:, :, [5, 6]] = cache[:, :, [9, 7]]
+    assert torch.equal(received, expected)
+    # `auto` stages a CUDA cache exactly when Mooncake's CPU wheel is the one installed.
+    assert (staging_reason("auto", cache) is not None) == _cpu_wheel_installed()

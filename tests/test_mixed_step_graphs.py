@@ -407,3 +407,39 @@ def test_lora_over_padded_mixed_steps_equals_peft(case, monkeypatch):  # noqa: F
         assert len(llm.engine.runner.mixed_graphs.eager_runs_by_bucket) >= 2
     finally:
         llm.shutdown()
+
+
+def test_graph_memory_past_the_utilization_budget_warns(model_dir, monkeypatch, caplog):
+    """Capture (stubbed on CPU) measured against a stand-in device: the graphs' bytes kept, and
+    a warning naming how far past gpu_memory_utilization they pushed the device."""
+    from rank_worker.kv.device_memory import MemoryReading
+    from rank_worker.runner import graph_setup
+    from rank_worker.runner.cuda_graphs import DecodeGraphRunner
+
+    gib = 1 << 30
+    free = [10 * gib]  # the stand-in's free bytes: capture takes 3 GiB of them
+
+    class Device:
+        def read(self) -> MemoryReading:
+            return MemoryReading(total=100 * gib, free=free[0], reserved=0, allocated=0,
+                                 peak_allocated=0)  # fmt: skip
+
+        def reset_peak(self) -> None:
+            pass
+
+    def capture(self, pool) -> None:
+        free[0] -= 3 * gib if isinstance(self, MixedGraphRunner) else 0
+
+    monkeypatch.setattr(graph_setup, "disabled_reason", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(MixedGraphRunner, "capture", capture)
+    monkeypatch.setattr(DecodeGraphRunner, "capture", capture)
+    config = RunnerConfig(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=8,
+                          max_num_seqs=4, max_num_batched_tokens=32)  # fmt: skip
+    runner = ModelRunner(model_dir, config, TPInfo(0, 1), "cpu", memory=Device())
+    with caplog.at_level("WARNING", logger=graph_setup.__name__):
+        runner.init_kv_cache(8)
+    assert runner.graph_memory_bytes == 3 * gib
+    # 100 GiB at 0.9: 90 GiB may be used; 93 GiB are.
+    assert f"{3 * gib} bytes past gpu_memory_utilization=0.9" in caplog.text
+    assert graph_setup.over_budget_warning(Device().read(), 0.95, 3 * gib) is None

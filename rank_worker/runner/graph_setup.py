@@ -8,6 +8,12 @@ Graphs are off where `cuda_graphs.disabled_reason` says so (logged, with the rea
 the pool holds the largest graph's activations once and the smaller graphs reuse them. The
 capture's seconds and the device memory it took are logged and returned.
 
+The KV-cache sizing (`rank_worker.kv.cache.measure_gpu_num_blocks`) runs before any graph
+exists and does not reserve their memory (the cache must exist before capture: a graph holds
+its addresses). So after capture the device's use is checked against
+`gpu_memory_utilization`, and a rank the graphs pushed past it says by how much and what to
+lower (`over_budget_warning`).
+
 Ownership: the runners returned belong to the calling `ModelRunner` (and hold its cache's
 addresses); nothing here keeps them.
 """
@@ -23,7 +29,7 @@ from typing import Any
 import torch
 
 from rank_worker.attention.backend import AttentionBackend
-from rank_worker.kv.device_memory import DeviceMemory
+from rank_worker.kv.device_memory import DeviceMemory, MemoryReading
 from rank_worker.pp import PipelineInfo
 from rank_worker.runner.cuda_graphs import (
     PADDED_NOTE,
@@ -87,7 +93,24 @@ def build_graphs(
         "(decodes: %s by tokens per sequence; mixed steps: %s tokens)",
         rank, seconds, memory_bytes, decode.ladders, None if mixed is None else mixed.buckets,
     )  # fmt: skip
+    if memory is not None and memory_bytes is not None:
+        warning = over_budget_warning(memory.read(), config.gpu_memory_utilization, memory_bytes)
+        if warning is not None:
+            logger.warning("rank %d: %s", rank, warning)
     return GraphRunners(decode, mixed, captured=True, memory_bytes=memory_bytes)
+
+
+def over_budget_warning(reading: MemoryReading, utilization: float, graph_bytes: int) -> str | None:
+    """What to say when the device's use (every process's, as the sizing counts it) is past
+    `utilization` of it once the graphs exist; None within it."""
+    over = reading.total - reading.free - int(reading.total * utilization)
+    if over <= 0:
+        return None
+    return (
+        f"the device is {over} bytes past gpu_memory_utilization={utilization} after the CUDA "
+        f"graphs took {graph_bytes} bytes, which the KV-cache sizing does not reserve; lower "
+        "--gpu-memory-utilization or --cuda-graph-max-tokens (or --enforce-eager)"
+    )
 
 
 def capture_all(runners: list[Any], memory: DeviceMemory | None) -> tuple[float, int | None]:

@@ -8,13 +8,13 @@ count alone, in buckets (`token_buckets`: 8, 16, 32, 64, then every 64 up to 512
 256, up to the largest, `RunnerConfig.cuda_graph_max_tokens`), and attention reads every
 per-sequence fact from static device buffers:
 
-    tokens  | real tokens [0, t)                       | padding [t, T)          |
-    seqs    | real sequences 0 .. b-1                  | b: the padding sequence | b+1 .. S-1: empty |
-    qsl     | 0 .. t (the step's)                      | t, then T               | T ...             |
-    seq_len | the step's                               | T - t                   | 0                 |
-    slots   | the step's                               | -1 (store nothing)      |                   |
-    table   | the step's blocks (columns past them:    | block 0 (dummy) in the  | never read        |
-            | stale, never read)                       | columns T - t reaches   |                   |
+    tokens  | real tokens [0, t)                 | padding [t, T)          |
+    seqs    | real sequences 0 .. b-1            | b: the padding sequence | b+1 .. S-1: empty |
+    qsl     | 0 .. t (the step's)                | t, then T               | T ...             |
+    seq_len | the step's                         | T - t                   | 0                 |
+    slots   | the step's                         | -1 (store nothing)      |                   |
+    table   | the step's blocks (columns past    | block 0 (dummy) in the  | never read        |
+            | them: stale, never read)           | columns T - t reaches   |                   |
 
 S = min(max_num_seqs, T) + 1 rows: a step of b <= min(max_num_seqs, t) sequences always leaves
 row b for the padding sequence. Its T - t queries attend causally to T - t keys of the dummy
@@ -34,22 +34,25 @@ batch changes every step, is not launched) and is no fresh prefill (`fresh_prefi
 TMA path, which attends from the step's dense K/V and ignores the cache, is never captured).
 The cost: a decode over a long context is attended by one program per KV head instead of the
 decode kernel's split, and idle programs launch. flash_attn's varlen call takes the same
-bounds. The torch backend loops over host lengths: never captured (`disabled_reason`), and on
-the padded CPU path below it reads the host fields back from the static buffers themselves
-(`host_bounds=False`), so that a stale buffer still shows.
+bounds (its empty rows and bounds not yet checked on a GPU). The torch backend loops over host
+lengths: never captured (`disabled_reason`), and on the padded CPU path below it reads the
+host fields back from the static buffers themselves (`host_bounds=False`), so that a stale
+buffer still shows.
 
 Which step takes which path (`ModelRunner.execute`): a uniform step the decode graphs hold
 replays one of those; any other step of at most the largest bucket's tokens replays the
 smallest bucket that holds it (with LoRA, the graph without the LoRA terms when no sequence has
 an adapter, as the decode graphs); a larger one, and everything when graphs are off, runs
-eagerly. Every layer is captured, attention included: the Triton and flash_attn backends need no
-piecewise fallback, and the torch backend gets no graphs at all.
+eagerly. Every layer is captured, attention included: the Triton and flash_attn backends need
+no piecewise graphs (layers captured, attention eager), so none are built; the torch backend
+gets no graphs at all. The start-up log line names the buckets and the decode ladders.
 
-Start-up (`rank_worker.runner.graph_setup`): the mixed graphs, largest bucket first, then the decode graphs, all
-in one memory pool (replays never overlap, so the pool holds the largest graph's activations
-once); the seconds and the device bytes the capture took are logged and kept
-(`ModelRunner.startup_s["capture"]`, `ModelRunner.graph_memory_bytes`). The KV-cache sizing does
-not reserve them yet: the cache is allocated before capture (a graph holds its addresses).
+Start-up (`rank_worker.runner.graph_setup`): the mixed graphs, largest bucket first, then the
+decode graphs, all in one memory pool (replays never overlap, so the pool holds the largest
+graph's activations once); the seconds and the device bytes the capture took are logged and
+kept (`ModelRunner.startup_s["capture"]`, `ModelRunner.graph_memory_bytes`). The KV-cache
+sizing does not reserve them yet (the cache is allocated before capture: a graph holds its
+addresses); a rank the graphs push past gpu_memory_utilization warns.
 
 Tests: `TP_ENGINE_DECODE_GRAPHS=padded` builds this runner on CPU too, uncaptured; `run` then
 runs the model eagerly on the same padded buffers (tests/test_mixed_step_graphs.py).

@@ -14,6 +14,7 @@ marker): capture and replay against eager execution, and the same planted errors
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -310,6 +311,32 @@ def test_captured_mixed_graphs_match_eager_gpu(model_dir, eager_runs, monkeypatc
 
 
 @pytest.mark.gpu
+def test_graph_memory_is_counted_in_the_kv_budget_gpu(model_dir):
+    """Sized from the device's memory: the KV sizing reserves the graphs' pool (measured on a
+    forward of the largest graph's 32 tokens), so that once captured the device's use stays
+    within gpu_memory_utilization (less the graphs' own driver memory, which is not reserved)."""
+    from rank_worker.kv.device_memory import CudaMemory
+
+    utilization = 0.2
+    config = RunnerConfig(
+        max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_seqs=8,
+        max_num_batched_tokens=48, cuda_graph_max_tokens=32, attention_backend="triton",
+        gpu_memory_utilization=utilization,
+    )  # fmt: skip
+    runner = ModelRunner(model_dir, config, TPInfo(0, 1), "cuda")
+    try:
+        runner.init_kv_cache(runner.determine_num_kv_blocks())
+        reserved, took = runner.graph_reserve_bytes, runner.graph_memory_bytes
+        assert reserved is not None and reserved > 0 and took is not None and took > 0
+        reading = CudaMemory(runner.device).read()
+        over = reading.total - reading.free - int(reading.total * utilization)
+        # Past the budget by the graphs' driver memory at most: a few MiB for this model.
+        assert over < (64 << 20), (over, reserved, took)
+    finally:
+        runner.release()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "fault", ["padding_slot", "padding_slot_unowned", "stale_seq_lens", "stale_query_start_loc"]
 )
@@ -443,3 +470,47 @@ def test_graph_memory_past_the_utilization_budget_warns(model_dir, monkeypatch, 
     # 100 GiB at 0.9: 90 GiB may be used; 93 GiB are.
     assert f"{3 * gib} bytes past gpu_memory_utilization=0.9" in caplog.text
     assert graph_setup.over_budget_warning(Device().read(), 0.95, 3 * gib) is None
+
+
+def test_kv_sizing_reserves_the_graphs_pool(model_dir, monkeypatch):
+    """Where graphs will be captured, the sizing takes the graphs' pool off the KV budget: the
+    peak of a forward over the largest graph's tokens (32: the mixed bucket bound by the token
+    budget), measured after the warm-up on a stand-in device."""
+    from rank_worker.kv.cache import KVCacheSpec
+    from rank_worker.runner import graph_setup
+    from tests.test_memory_profile import OUTSIDE, TOTAL, DeviceStandIn
+
+    probe = 3 << 20
+    probes = []
+
+    class ProbedDevice(DeviceStandIn):
+        def read(self):
+            reading = super().read()
+            if self.calls.count("reset_peak") < 2:  # the warm-up's
+                return reading
+            return dataclasses.replace(reading, peak_allocated=reading.allocated + probe)
+
+    monkeypatch.setattr(graph_setup, "disabled_reason", lambda *args: None)
+    pool_bytes = graph_setup.graph_pool_bytes
+    monkeypatch.setattr(
+        graph_setup,
+        "graph_pool_bytes",
+        lambda run, memory: probes.append(run) or pool_bytes(run, memory),
+    )
+    config = RunnerConfig(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_seqs=4,
+                          max_num_batched_tokens=32, gpu_memory_utilization=0.5)  # fmt: skip
+    assert graph_setup.largest_graph_tokens(config) == 32
+    decodes_only = dataclasses.replace(config, cuda_graph_max_tokens=0)
+    assert graph_setup.largest_graph_tokens(decodes_only) == 4  # max_num_seqs decodes
+    peak = 20 << 20
+    runner = ModelRunner(model_dir, config, TPInfo(0, 1), "cpu", memory=ProbedDevice(peak))
+    blocks = runner.determine_num_kv_blocks()
+    assert len(probes) == 1  # the probe ran, once
+    spec = KVCacheSpec(2, 2, 16, BLOCK_SIZE, torch.float32)
+    scratch = math.ceil(32 / BLOCK_SIZE) * spec.bytes_per_block  # the warm-up's
+    expected = (int(TOTAL * 0.5) - (peak - scratch) - OUTSIDE - probe) // spec.bytes_per_block
+    assert blocks == expected
+    # Without graphs, nothing is reserved.
+    monkeypatch.setattr(graph_setup, "disabled_reason", lambda *args: "enforce_eager is set")
+    runner = ModelRunner(model_dir, config, TPInfo(0, 1), "cpu", memory=ProbedDevice(peak))
+    assert runner.determine_num_kv_blocks() == expected + probe // spec.bytes_per_block

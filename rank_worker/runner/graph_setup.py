@@ -8,11 +8,15 @@ Graphs are off where `cuda_graphs.disabled_reason` says so (logged, with the rea
 the pool holds the largest graph's activations once and the smaller graphs reuse them. The
 capture's seconds and the device memory it took are logged and returned.
 
-The KV-cache sizing (`rank_worker.kv.cache.measure_gpu_num_blocks`) runs before any graph
-exists and does not reserve their memory (the cache must exist before capture: a graph holds
-its addresses). So after capture the device's use is checked against
-`gpu_memory_utilization`, and a rank the graphs pushed past it says by how much and what to
-lower (`over_budget_warning`).
+Memory. The KV cache must exist before capture (a graph holds its addresses), so its sizing
+(`rank_worker.kv.cache.measure_gpu_num_blocks`) cannot measure the graphs themselves. It
+reserves what their pool will hold instead: the pool is the allocator's private one, apart from
+the memory eager steps reuse, and grows to the working set of the largest graph's forward,
+which `graph_pool_bytes` measures on an eager forward of as many tokens (no logits: they are
+computed after the graph) over a scratch cache, after the warm-up. Not counted: each graph's
+output rows beyond the largest's, and the driver's memory for the graphs themselves. After
+capture the device's use is checked against `gpu_memory_utilization`, and a rank the graphs
+pushed past it says by how much and what to lower (`over_budget_warning`).
 
 Ownership: the runners returned belong to the calling `ModelRunner` (and hold its cache's
 addresses); nothing here keeps them.
@@ -36,13 +40,46 @@ from rank_worker.runner.cuda_graphs import (
     DecodeGraphRunner,
     disabled_reason,
     graph_runner_for,
+    ladders,
     padded_without_capture,
+    verify_query_lens,
 )
 from rank_worker.runner.mixed_graphs import MixedGraphRunner, mixed_runner_for
 from rank_worker.runner_config import RunnerConfig
 from rank_worker.tp import TPInfo
 
 logger = logging.getLogger(__name__)
+
+
+def captures_graphs(
+    device: torch.device,
+    config: RunnerConfig,
+    backend: AttentionBackend,
+    tp: TPInfo,
+    pipe: PipelineInfo,
+) -> bool:
+    """Whether `build_graphs` will capture (the KV sizing then reserves the graphs' pool)."""
+    return disabled_reason(device, config.enforce_eager, backend, tp, pipe) is None
+
+
+def largest_graph_tokens(config: RunnerConfig) -> int:
+    """Tokens of the largest graph captured: the largest mixed bucket, or the largest uniform
+    batch (the memory pool grows to its forward's working set)."""
+    uniform = ladders(
+        verify_query_lens(config.num_speculative_tokens), config.max_num_seqs,
+        config.max_num_batched_tokens, int(config.max_model_len),
+    )  # fmt: skip
+    most = max((q * sizes[-1] for q, sizes in uniform.items()), default=1)
+    return max(most, config.resolved_cuda_graph_max_tokens)
+
+
+def graph_pool_bytes(forward: Callable[[], object], memory: DeviceMemory) -> int:
+    """The bytes `forward` (the model over `largest_graph_tokens`, its inputs and scratch cache
+    already allocated) allocates at its peak above what was live before it."""
+    memory.reset_peak()
+    before = memory.read().allocated
+    forward()
+    return max(0, memory.read().peak_allocated - before)
 
 
 @dataclass(frozen=True)
@@ -90,8 +127,10 @@ def build_graphs(
     seconds, memory_bytes = capture_all(runners, memory)
     logger.info(
         "rank %d: captured CUDA graphs in %.2f s, taking %s bytes of device memory "
-        "(decodes: %s by tokens per sequence; mixed steps: %s tokens)",
-        rank, seconds, memory_bytes, decode.ladders, None if mixed is None else mixed.buckets,
+        "(decodes: %s by tokens per sequence; mixed steps up to %s tokens: %s; larger steps "
+        "and the rest run eagerly)",
+        rank, seconds, memory_bytes, decode.ladders, None if mixed is None else mixed.buckets[-1],
+        None if mixed is None else mixed.buckets,
     )  # fmt: skip
     if memory is not None and memory_bytes is not None:
         warning = over_budget_warning(memory.read(), config.gpu_memory_utilization, memory_bytes)
@@ -108,8 +147,8 @@ def over_budget_warning(reading: MemoryReading, utilization: float, graph_bytes:
         return None
     return (
         f"the device is {over} bytes past gpu_memory_utilization={utilization} after the CUDA "
-        f"graphs took {graph_bytes} bytes, which the KV-cache sizing does not reserve; lower "
-        "--gpu-memory-utilization or --cuda-graph-max-tokens (or --enforce-eager)"
+        f"graphs took {graph_bytes} bytes, more than the KV-cache sizing reserved for them; "
+        "lower --gpu-memory-utilization or --cuda-graph-max-tokens (or --enforce-eager)"
     )
 
 

@@ -51,8 +51,9 @@ Start-up (`rank_worker.runner.graph_setup`): the mixed graphs, largest bucket fi
 decode graphs, all in one memory pool (replays never overlap, so the pool holds the largest
 graph's activations once); the seconds and the device bytes the capture took are logged and
 kept (`ModelRunner.startup_s["capture"]`, `ModelRunner.graph_memory_bytes`). The KV-cache
-sizing does not reserve them yet (the cache is allocated before capture: a graph holds its
-addresses); a rank the graphs push past gpu_memory_utilization warns.
+sizing, which runs before any graph exists, reserves the pool from a measured forward of the
+largest graph's tokens, and a rank the graphs push past gpu_memory_utilization all the same
+warns (`graph_setup`).
 
 Tests: `TP_ENGINE_DECODE_GRAPHS=padded` builds this runner on CPU too, uncaptured; `run` then
 runs the model eagerly on the same padded buffers (tests/test_mixed_step_graphs.py).

@@ -25,6 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +35,7 @@ from rank_worker.attention.selection import get_backend, select_backend, select_
 from rank_worker.inputs.block_tables import BlockTables
 from rank_worker.inputs.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.inputs.synthetic_plans import synthetic_plan
-from rank_worker.kv.cache import (
-    CacheGroup,
-    KVCacheSpec,
-    allocate_kv_cache,
-)
+from rank_worker.kv.cache import CacheGroup, KVCacheSpec, allocate_kv_cache
 from rank_worker.kv.copies import HostBlockCopier, PlanCopier, queue_plan_copies
 from rank_worker.kv.device_memory import CudaMemory, DeviceMemory, add_cuda_user, drop_cuda_user
 from rank_worker.lora.manager import LoraManager, plan_runs_adapters
@@ -48,9 +45,9 @@ from rank_worker.models.model_spec import HeadSpec, load_hf_config
 from rank_worker.models.qwen3 import KVCachePair
 from rank_worker.models.weight_map import WeightMap
 from rank_worker.pp import PipelineInfo, StageHandoff
+from rank_worker.runner import graph_setup
 from rank_worker.runner.cuda_graphs import DecodeGraphRunner
 from rank_worker.runner.device_sleep import DeviceSleep
-from rank_worker.runner.graph_setup import build_graphs
 from rank_worker.runner.mixed_graphs import MixedGraphRunner
 from rank_worker.runner.startup import (
     ProfileSampling,
@@ -160,13 +157,11 @@ class ModelRunner:
         self.input_buffers = StepInputBuffers.for_config(
             config, self.device, double_buffered=gpu_paths
         )
+        width = math.ceil(int(config.max_model_len) / config.block_size)
         self.block_tables = BlockTables(
-            batch_rows(config.max_num_seqs),
-            math.ceil(int(config.max_model_len) / config.block_size),
-            config.block_size,
-            self.device,
+            batch_rows(config.max_num_seqs), width, config.block_size, self.device,
             device_copy=gpu_paths,
-        )
+        )  # fmt: skip
         self.kv_caches: list[KVCachePair] | None = None
         # The host KV tier's pool (`rank_worker.kv.copies`), kept across sleep; a PD decode's
         # staging pool in front of it (`rank_worker.kv.pd_staging`, set by its KV agent).
@@ -176,6 +171,7 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None
         self.mixed_graphs: MixedGraphRunner | None = None
         self.graph_memory_bytes: int | None = None  # what capture took of the device
+        self.graph_reserve_bytes: int | None = None  # what the KV sizing reserved for it
         # Sleep mode: releases and restores the weights' and the cache's device memory.
         self.device_sleep = DeviceSleep(self)
         # Speculative decoding with a draft model: a runner of its own (weights, cache, no
@@ -183,10 +179,7 @@ class ModelRunner:
         self.draft: ModelRunner | None = None
         if config.draft_model is not None:
             self.draft = ModelRunner(
-                config.draft_model,
-                draft_config(config),
-                self.world,
-                self.device,
+                config.draft_model, draft_config(config), self.world, self.device
             )
             self.draft.block_tables = self.block_tables
         # Speculative decoding with an EAGLE-3 head: replicated beside the target, its own cache.
@@ -229,14 +222,14 @@ class ModelRunner:
         """
         start = time.perf_counter()
         try:
-            local = local_num_kv_blocks(
-                self.config,
-                self.pool_spec,
-                self.memory,
-                self.baseline_allocated,
-                self.tp.ranks_on_device,
-                lambda: self._warmup(profile_sampling),
+            graphs = graph_setup.captures_graphs(
+                self.device, self.config, self.attention_backend, self.tp, self.pipe
             )
+            local = local_num_kv_blocks(
+                self.config, self.pool_spec, self.memory, self.baseline_allocated,
+                self.tp.ranks_on_device, lambda: self._warmup(profile_sampling),
+                self._graph_pool_probe if graphs else None,
+            )  # fmt: skip
             return all_reduce_min_int(local, self.world)
         finally:
             self.startup_s["profile"] = time.perf_counter() - start
@@ -275,7 +268,7 @@ class ModelRunner:
         wake from sleep, since a graph holds the addresses of the weights and the cache."""
         set_lora = None if self.lora is None else self.lora.batch.capture_mode
         start = time.perf_counter()
-        graphs = build_graphs(
+        graphs = graph_setup.build_graphs(
             self.model, self.kv_caches, self.config, self.device, self.attention_backend,
             self.tp, self.pipe, set_lora, self.memory, self.world.rank,
         )  # fmt: skip
@@ -493,3 +486,15 @@ class ModelRunner:
             profile_sampling(logits, num_sampled)
         del scratch, logits
         return num_blocks * self.pool_spec.bytes_per_block
+
+    @torch.inference_mode()
+    def _graph_pool_probe(self) -> int:
+        """What the CUDA graphs' pool will hold (`graph_setup`): the peak of a forward over the
+        largest graph's tokens, without logits, on a scratch cache."""
+        tokens = graph_setup.largest_graph_tokens(self.config)
+        plan, num_blocks, _ = largest_step_plan(replace(self.config, max_num_batched_tokens=tokens))
+        scratch = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
+        inputs = self._prepare_scratch(plan)
+        run = lambda: self.model(inputs.input_ids, inputs.positions, inputs.meta, scratch)  # noqa: E731
+        self.graph_reserve_bytes = graph_setup.graph_pool_bytes(run, self.memory)
+        return self.graph_reserve_bytes

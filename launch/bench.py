@@ -132,7 +132,7 @@ def _linear_bytes_per_value(hf_config: dict) -> float | None:
 def startup_record(llm: LLM, total_s: float) -> dict:
     """How long the engine took to start, by phase (rank 0's), and what it captured."""
     runner = llm.engine.runner
-    graphs = runner.graph_runner
+    graphs, mixed = runner.graph_runner, runner.mixed_graphs
     captured = sorted(graphs.graphs) if graphs is not None else []  # (q tokens per seq, size)
     return {
         "total": total_s,
@@ -141,6 +141,9 @@ def startup_record(llm: LLM, total_s: float) -> dict:
         # With speculative decoding, those of verify steps (q = 1 + k).
         "cuda_verify_graph_sizes": [s for q, s in captured if q > 1],
         "static_block_table_width": graphs.buffers.width if graphs is not None else None,
+        # Mixed steps (prompt tokens), by token bucket; the device bytes every graph took.
+        "cuda_mixed_graph_tokens": sorted(mixed.graphs) if mixed is not None else [],
+        "cuda_graph_memory_bytes": runner.graph_memory_bytes,
         "num_kv_blocks": runner.num_kv_blocks,
     }
 

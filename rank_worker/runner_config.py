@@ -15,6 +15,9 @@ from typing import Any
 # LoRA's limits, RunnerConfig's to check (`rank_worker.lora` reads the config, not the
 # other way round). The slot stacks' dtypes (`--lora-dtype`; "auto": the model's).
 LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
+# The largest mixed step captured when `cuda_graph_max_tokens` is not given (vLLM's default
+# max_cudagraph_capture_size is 512 too).
+DEFAULT_MIXED_GRAPH_TOKENS = 512
 # vLLM's `MaxLoRARanks`.
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -61,6 +64,11 @@ class RunnerConfig:
     kv_cache_memory_bytes: int | None = None
     # No CUDA graphs.
     enforce_eager: bool = False
+    # The largest mixed step (prompt tokens beside decodes, or prompts alone) captured in a
+    # CUDA graph, in tokens (vLLM's max_cudagraph_capture_size, SGLang's --cuda-graph-max-bs);
+    # larger steps run eagerly. None: `DEFAULT_MIXED_GRAPH_TOKENS`, at most the token budget;
+    # 0: no mixed-step graphs (`rank_worker.runner.mixed_graphs`).
+    cuda_graph_max_tokens: int | None = None
     # "auto", "torch", "triton" or "flash_attn"; each rank resolves it for its device and dtype
     # (`rank_worker.attention.selection`).
     attention_backend: str = "auto"
@@ -130,6 +138,14 @@ class RunnerConfig:
             check_lora_limits(
                 self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype
             )
+
+    @property
+    def resolved_cuda_graph_max_tokens(self) -> int:
+        """The largest mixed-step bucket, within the token budget (0: none)."""
+        asked = self.cuda_graph_max_tokens
+        return min(
+            DEFAULT_MIXED_GRAPH_TOKENS if asked is None else asked, self.max_num_batched_tokens
+        )
 
     @property
     def resolved_max_cpu_loras(self) -> int:

@@ -588,18 +588,26 @@ def test_runner_captures_only_what_its_config_allows(model_dir, monkeypatch, k, 
     1 + 3), static block tables exactly as wide as max_model_len needs; and the runner reports
     how long each start-up phase took. (CPU: capture itself is stubbed, the sizing is what is
     checked.)"""
-    from rank_worker.runner import model_runner
+    from rank_worker.runner import graph_setup
+    from rank_worker.runner.mixed_graphs import MixedGraphRunner
 
     captured = []
-    monkeypatch.setattr(model_runner, "disabled_reason", lambda *args: None)
-    monkeypatch.setattr(DecodeGraphRunner, "capture", lambda self: captured.append(self.ladders))
+    monkeypatch.setattr(graph_setup, "disabled_reason", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(
+        DecodeGraphRunner, "capture", lambda self, pool: captured.append((self.ladders, pool))
+    )
+    monkeypatch.setattr(
+        MixedGraphRunner, "capture", lambda self, pool: captured.append((self.buckets, pool))
+    )
     config = RunnerConfig(
         max_model_len=40, block_size=BLOCK_SIZE, num_kv_blocks=24, max_num_seqs=12,
         max_num_batched_tokens=10, attention_backend="triton", num_speculative_tokens=k,
     )  # fmt: skip
     runner = ModelRunner(model_dir, config, TPInfo(0, 1), KERNEL_DEVICE)
     runner.init_kv_cache(runner.determine_num_kv_blocks())
-    assert captured == [ladder]
+    # The mixed steps' buckets (up to the token budget) first, all into one pool.
+    assert captured == [([8, 10], "pool"), (ladder, "pool")]
     assert runner.graph_runner.buffers.width == 40 // BLOCK_SIZE
     assert runner.graph_runner.buffers.block_table.shape == (10, 10)
     assert runner.graph_runner.buffers.input_ids.shape == (10,)  # max(1 * 10, 4 * 2) tokens
@@ -611,7 +619,7 @@ def test_padded_knob_builds_the_runner_on_cpu_without_capture(model_dir, monkeyp
     """`TP_ENGINE_DECODE_GRAPHS=padded`: on CPU the runner exists (the engine's steps take its
     padded path) and nothing is captured; enforce_eager still means no runner."""
     captured = []
-    monkeypatch.setattr(DecodeGraphRunner, "capture", lambda self: captured.append(self))
+    monkeypatch.setattr(DecodeGraphRunner, "capture", lambda self, pool: captured.append(self))
     monkeypatch.setenv(ENV_VAR, "padded")
     config = RunnerConfig(
         max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_kv_blocks=8, max_num_seqs=4,

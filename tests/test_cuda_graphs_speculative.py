@@ -43,7 +43,7 @@ def test_ngram_verify_steps_take_the_padded_graph_path(checkpoint, reference, mo
         greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         # The repetitive prompts one at a time (batch 1: every verify step of k drafts is
         # uniform), then all prompts together (mixed steps, verify entries of unequal lengths:
-        # eager).
+        # the mixed-step graphs' padded path, `rank_worker.runner.mixed_graphs`).
         repetitive = len(make_prompts(643)) - 4  # make_prompts: the last 4 are random
         # Copies of a prompt draft alike, so their verify steps are uniform: 3 run in a batch
         # of 4, 5 in 8 (padded).
@@ -66,6 +66,8 @@ def test_ngram_verify_steps_take_the_padded_graph_path(checkpoint, reference, mo
         assert graphs.padded_runs_by_query_len[1 + K] > 0, graphs.padded_runs_by_query_len
         assert set(graphs.eager_runs_by_query_len) == {1, 1 + K}
         assert graphs.num_replays == 0
+        mixed = llm.engine.runner.mixed_graphs
+        assert mixed.graphs == {} and sum(mixed.eager_runs_by_bucket.values()) > 0
         llm.engine.core.scheduler.block_manager.check_integrity()
     finally:
         llm.shutdown()

@@ -38,6 +38,7 @@ NON_DEFAULTS = {
     "kv_cache_dtype": "fp8",
     "num_kv_blocks": "33",
     "kv_cache_memory_bytes": "123456",
+    "cuda_graph_max_tokens": "96",
     "kv_offloading_size": "0.25",
     "kv_offloading_dir": "/tmp/kv-files",
     "kv_offloading_dir_size": "2.5",

@@ -66,6 +66,7 @@ def generate(
             "backend": runner.attention_backend.name,
             "device": runner.device,
             "replays": runner.graph_runner.num_replays if runner.graph_runner else None,
+            "mixed_replays": runner.mixed_graphs.num_replays if runner.mixed_graphs else None,
         }
     gc.collect()
     if torch.cuda.is_available():
@@ -194,6 +195,8 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(fp32_model):
     eager, eager_facts = generate(fp32_model, prompts, max_tokens, enforce_eager=True, **common)
     graphs, graph_facts = generate(fp32_model, prompts, max_tokens, enforce_eager=False, **common)
     assert eager_facts["replays"] is None and graph_facts["replays"] > 0
+    # The prompts' step (174 tokens) replays the mixed-step graph of 192 (mixed_graphs).
+    assert graph_facts["mixed_replays"] > 0
     assert graphs == eager
 
 

@@ -273,27 +273,35 @@ def test_a_refused_sleep_changes_nothing(llm1, monkeypatch):
 def test_graphs_are_dropped_at_sleep_and_captured_again_once_awake(checkpoint, monkeypatch):
     """On a GPU a graph holds the weights' and the cache's addresses, which a wake changes.
     Here graphs are 'on' (the CPU's reason to skip them is removed) and `capture` counted."""
-    captures = []
-    monkeypatch.setattr(model_runner, "disabled_reason", lambda *a: None)
+    from rank_worker.runner import graph_setup
+
+    captures, mixed_captures = [], []
+    monkeypatch.setattr(graph_setup, "disabled_reason", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(
-        model_runner.DecodeGraphRunner, "capture", lambda self: captures.append(self)
+        model_runner.DecodeGraphRunner, "capture", lambda self, pool: captures.append(self)
+    )
+    monkeypatch.setattr(
+        model_runner.MixedGraphRunner, "capture", lambda self, pool: mixed_captures.append(self)
     )
     config = RunnerConfig(max_model_len=MAX_MODEL_LEN, block_size=4, max_num_seqs=4,
                           max_num_batched_tokens=32, num_kv_blocks=8)  # fmt: skip
     runner = ModelRunner(checkpoint, config, TPInfo(0, 1), "cpu")
     runner.init_kv_cache(8)
-    first = runner.graph_runner
-    assert captures == [first]
+    first, first_mixed = runner.graph_runner, runner.mixed_graphs
+    assert captures == [first] and mixed_captures == [first_mixed]
     plan = synthetic_plan([(0, 3, [0])])
     logits = runner.execute(plan)
     runner.device_sleep.sleep(1)
     assert runner.graph_runner is None and first.graphs == {} and first.model is None
+    assert runner.mixed_graphs is None and first_mixed.model is None
     with pytest.raises(RuntimeError, match=r"rank 0 is asleep .*kv_cache, weights"):
         runner.execute(plan)
     runner.device_sleep.wake_up([SleepTag.WEIGHTS])
     assert captures == [first]  # the cache still sleeps: nothing to capture against
     runner.device_sleep.wake_up([SleepTag.KV_CACHE])
     assert captures == [first, runner.graph_runner] and runner.graph_runner is not first
+    assert mixed_captures == [first_mixed, runner.mixed_graphs]
     assert runner.graph_runner.kv_caches is runner.kv_caches
     assert torch.equal(runner.execute(plan), logits)
     runner.release()

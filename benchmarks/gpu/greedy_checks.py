@@ -77,6 +77,7 @@ def run(model: Path, prompts, max_tokens, **kwargs) -> tuple[list[list[int]], di
             "backend": runner.attention_backend.name,
             "device": str(runner.device),
             "graph_replays": runner.graph_runner.num_replays if runner.graph_runner else None,
+            "mixed_graph_replays": runner.mixed_graphs.num_replays if runner.mixed_graphs else None,
             "tp_size": llm.engine.tp.size,
         }
     gc.collect()

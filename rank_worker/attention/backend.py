@@ -26,6 +26,12 @@ their query rows sees at least one key. How each backend keeps the contract:
   eagerly (tests) the bounds are still correct: it gathers max_model_len positions of every
   sequence through its whole (valid) table row and masks with the device seq_lens.
 
+Mixed steps (prompt tokens, alone or beside decodes) are captured too, by token count
+(`rank_worker.runner.mixed_graphs`), under the same contract: their host fields are the
+capture's (`max_query_len` = the bucket's T, a layout without leading decodes and no fresh
+prefill), so triton launches the prefill kernel once over every row, decodes included, and
+flash_attn its varlen call; every length is read on the device.
+
 Cache layout (per layer, K and V alike): `[num_blocks, block_size, num_kv_heads, head_dim]`,
 token `i` of a sequence at `cache[block_table[i // block_size], i % block_size]`.
 

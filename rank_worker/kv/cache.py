@@ -148,21 +148,27 @@ def measure_gpu_num_blocks(
     utilization: float,
     memory: DeviceMemory,
     baseline_allocated: int,
+    graph_reserve: Callable[[], int] | None = None,
 ) -> int:
     """Run `warmup` (a forward at the largest batch) and size the cache from what is left.
 
     `warmup` returns the bytes of scratch KV cache it allocated (and freed). The arithmetic is
     `gpu_kv_budget_bytes`; `memory` is the device's (`CudaMemory`) or a test's stand-in.
+    `graph_reserve`, called after the reading: the bytes the CUDA graphs' memory pool will hold
+    beside the warm-up's peak (a pool of its own, `rank_worker.runner.graph_setup`), taken off
+    the budget; None where no graph is captured.
     """
     memory.reset_peak()
     scratch_bytes = warmup()
     reading = memory.read()
     budget = gpu_kv_budget_bytes(reading, utilization, baseline_allocated, scratch_bytes)
+    reserved = graph_reserve() if graph_reserve is not None else 0
+    budget -= reserved
     where = (
         f"gpu_memory_utilization={utilization} of {reading.total} bytes, with "
         f"{reading.peak_allocated - baseline_allocated - scratch_bytes} bytes of weights and "
-        f"activations at the peak, {reading.outside_torch} bytes outside torch and "
-        f"{reading.free} bytes free"
+        f"activations at the peak, {reading.outside_torch} bytes outside torch, "
+        f"{reading.free} bytes free and {reserved} bytes for the CUDA graphs"
     )
     if baseline_allocated:
         where += (

@@ -38,9 +38,11 @@ LoRA kernels, which read the per-token slots from their fixed buffer (-1, the ba
 the step's tokens: the padding), and one without them for steps where no sequence has an
 adapter, so that enabling LoRA costs base traffic nothing.
 
-What runs eagerly instead: a batch whose sequences compute different numbers of tokens (a
+What these graphs do not take: a batch whose sequences compute different numbers of tokens (a
 prefill, a mixed step, a verify step whose sequences have different numbers of drafts), a q
-not captured, a batch larger than its q's largest size, and everything when graphs are off
+not captured, a batch larger than its q's largest size; the mixed-step graphs take those up to
+their largest token bucket (`rank_worker.runner.mixed_graphs`), and the rest runs eagerly, as
+everything does when graphs are off
 (`disabled_reason`): on CPU, with `enforce_eager`, with a backend that syncs with the host
 (torch), or when the ranks talk over gloo, which stages each all-reduce through host memory (a
 graph cannot capture that; NCCL collectives it can).
@@ -48,8 +50,9 @@ graph cannot capture that; NCCL collectives it can).
 Tests (`TP_ENGINE_DECODE_GRAPHS=padded`, read by `ModelRunner.capture_graphs` at start-up and
 after every wake from sleep): on a CPU device, where the graphs are off only because the device
 is a CPU, the runner is built anyway and never captures, so `run` runs the model eagerly on the
-padded static buffers. Engine-level CPU tests then execute the graphs' data path (padding,
-slicing, the captured states) in every rank, which are processes no test can reach into.
+padded static buffers (the mixed-step runner's too). Engine-level CPU tests then execute the
+graphs' data path (padding, slicing, the captured states) in every rank, which are processes
+no test can reach into.
 Unset, nothing changes; any other value is an error.
 
 Ownership: a step's inputs arrive already on the device (`input_prep`: one host-to-device copy
@@ -177,7 +180,7 @@ def padded_without_capture(reason: str | None, device: torch.device, config: Run
 
 
 # What the log line of a rank without graphs adds when the padded path runs all the same.
-PADDED_NOTE = f" (${ENV_VAR}={PADDED}: uniform steps run eagerly on the graphs' padded buffers)"
+PADDED_NOTE = f" (${ENV_VAR}={PADDED}: steps run eagerly on the graphs' padded buffers)"
 
 
 def graph_runner_for(
@@ -388,8 +391,9 @@ class DecodeGraphRunner:
         return sorted(keys, key=lambda key: (-key[0] * key[1], key[0]))
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per (q, size), the most tokens first, all in one memory pool.
+    def capture(self, pool: Any = None) -> None:
+        """Capture one graph per (q, size), the most tokens first, all in one memory pool
+        (`pool`, shared with the mixed-step graphs; None: a new one).
 
         Most tokens first: the pool grows to the largest batch's activations once and the
         smaller graphs reuse that memory. Sharing is safe because replays never overlap and each
@@ -397,7 +401,7 @@ class DecodeGraphRunner:
         its capture, so that Triton compiles (and NCCL sets up) outside the capture, where both
         would fail. The buffers hold padding (slot -1) throughout: nothing is stored.
         """
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         if self.set_lora is not None:
             self.set_lora(True)
         self._capture_set(self.graphs, self.outputs, pool)

@@ -3,18 +3,19 @@
 Every rank (rank 0 included) owns a ModelRunner and calls `execute` with the same plan for
 every step; the forward's collectives keep the ranks in lock-step, and the logits arrive on
 rank 0 only. Under pipeline parallelism a runner holds its stage's layers and cache only, and
-its forward pass receives from and sends to the neighbouring stages (`rank_worker.pp`). The runner holds no request state: what a step needs is in the plan, and what it
-leaves behind is K/V in cache slots that rank 0's block manager accounts for.
+its forward pass receives from and sends to the neighbouring stages (`rank_worker.pp`). The
+runner holds no request state: what a step needs is in the plan, and what it leaves behind is
+K/V in cache slots that rank 0's block manager accounts for.
 
 Life cycle: construct (load weights) → `determine_num_kv_blocks()` (every rank, collective) →
 `init_kv_cache(n)` with the agreed n (where Triton kernels run, this also launches each of them
 once on a small mixed step, so that every binary a step can need is compiled before serving;
-on GPU it then captures the decode CUDA graphs, a collective too) → `execute(plan,
-last_sampled)` per step. `startup_s` records how long each start-up phase took. Each step's
-inputs reach the device in one copy through buffers the runner keeps for its life
-(`rank_worker.inputs.input_prep`).
+on GPU it then captures the CUDA graphs, a collective too) → `execute(plan, last_sampled)` per
+step. `startup_s` records how long each start-up phase took. Each step's inputs reach the
+device in one copy through buffers the runner keeps for its life (`rank_worker.inputs.input_prep`).
 Decode steps, and verify steps with as many drafts in every sequence, replay a graph when one
-fits (`rank_worker.runner.cuda_graphs`); every other step runs eagerly.
+fits (`rank_worker.runner.cuda_graphs`); any other step of at most `cuda_graph_max_tokens` tokens
+a mixed-step graph (`rank_worker.runner.mixed_graphs`); the rest runs eagerly.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +35,7 @@ from rank_worker.attention.selection import get_backend, select_backend, select_
 from rank_worker.inputs.block_tables import BlockTables
 from rank_worker.inputs.input_prep import StepInputBuffers, StepInputs, prepare_inputs
 from rank_worker.inputs.synthetic_plans import synthetic_plan
-from rank_worker.kv.cache import (
-    CacheGroup,
-    KVCacheSpec,
-    allocate_kv_cache,
-)
+from rank_worker.kv.cache import CacheGroup, KVCacheSpec, allocate_kv_cache
 from rank_worker.kv.copies import HostBlockCopier, PlanCopier, queue_plan_copies
 from rank_worker.kv.device_memory import CudaMemory, DeviceMemory, add_cuda_user, drop_cuda_user
 from rank_worker.lora.manager import LoraManager, plan_runs_adapters
@@ -47,14 +45,10 @@ from rank_worker.models.model_spec import HeadSpec, load_hf_config
 from rank_worker.models.qwen3 import KVCachePair
 from rank_worker.models.weight_map import WeightMap
 from rank_worker.pp import PipelineInfo, StageHandoff
-from rank_worker.runner.cuda_graphs import (
-    PADDED_NOTE,
-    DecodeGraphRunner,
-    disabled_reason,
-    graph_runner_for,
-    padded_without_capture,
-)
+from rank_worker.runner import graph_setup
+from rank_worker.runner.cuda_graphs import DecodeGraphRunner
 from rank_worker.runner.device_sleep import DeviceSleep
+from rank_worker.runner.mixed_graphs import MixedGraphRunner
 from rank_worker.runner.startup import (
     ProfileSampling,
     check_max_model_len,
@@ -163,13 +157,11 @@ class ModelRunner:
         self.input_buffers = StepInputBuffers.for_config(
             config, self.device, double_buffered=gpu_paths
         )
+        width = math.ceil(int(config.max_model_len) / config.block_size)
         self.block_tables = BlockTables(
-            batch_rows(config.max_num_seqs),
-            math.ceil(int(config.max_model_len) / config.block_size),
-            config.block_size,
-            self.device,
+            batch_rows(config.max_num_seqs), width, config.block_size, self.device,
             device_copy=gpu_paths,
-        )
+        )  # fmt: skip
         self.kv_caches: list[KVCachePair] | None = None
         # The host KV tier's pool (`rank_worker.kv.copies`), kept across sleep; a PD decode's
         # staging pool in front of it (`rank_worker.kv.pd_staging`, set by its KV agent).
@@ -177,6 +169,9 @@ class ModelRunner:
         self.kv_staging: PlanCopier | None = None
         self.num_kv_blocks: int | None = None
         self.graph_runner: DecodeGraphRunner | None = None
+        self.mixed_graphs: MixedGraphRunner | None = None
+        self.graph_memory_bytes: int | None = None  # what capture took of the device
+        self.graph_reserve_bytes: int | None = None  # what the KV sizing reserved for it
         # Sleep mode: releases and restores the weights' and the cache's device memory.
         self.device_sleep = DeviceSleep(self)
         # Speculative decoding with a draft model: a runner of its own (weights, cache, no
@@ -184,17 +179,14 @@ class ModelRunner:
         self.draft: ModelRunner | None = None
         if config.draft_model is not None:
             self.draft = ModelRunner(
-                config.draft_model,
-                draft_config(config),
-                self.world,
-                self.device,
+                config.draft_model, draft_config(config), self.world, self.device
             )
             self.draft.block_tables = self.block_tables
         # Speculative decoding with an EAGLE-3 head: replicated beside the target, its own cache.
         self.eagle3 = Eagle3Runner.for_runner(self) if config.eagle3_head is not None else None
         # Seconds per start-up phase: "load" (config, model, weights), "profile" (the memory
         # warm-up and sizing), "kv_cache" (allocation), "kernel_warmup" (first launch of every
-        # Triton kernel: compiles on a GPU), "capture" (decode CUDA graphs).
+        # Triton kernel: compiles on a GPU), "capture" (CUDA graphs).
         self.startup_s: dict[str, float] = {"load": time.perf_counter() - start}
 
     @property
@@ -230,14 +222,14 @@ class ModelRunner:
         """
         start = time.perf_counter()
         try:
-            local = local_num_kv_blocks(
-                self.config,
-                self.pool_spec,
-                self.memory,
-                self.baseline_allocated,
-                self.tp.ranks_on_device,
-                lambda: self._warmup(profile_sampling),
+            graphs = graph_setup.captures_graphs(
+                self.device, self.config, self.attention_backend, self.tp, self.pipe
             )
+            local = local_num_kv_blocks(
+                self.config, self.pool_spec, self.memory, self.baseline_allocated,
+                self.tp.ranks_on_device, lambda: self._warmup(profile_sampling),
+                self._graph_pool_probe if graphs else None,
+            )  # fmt: skip
             return all_reduce_min_int(local, self.world)
         finally:
             self.startup_s["profile"] = time.perf_counter() - start
@@ -271,39 +263,33 @@ class ModelRunner:
         self.capture_graphs()
 
     def capture_graphs(self) -> None:
-        """Capture the decode and verify CUDA graphs where they are on (a collective: every rank
-        captures the same graphs in the same order). At start-up, and again after a wake from
-        sleep, since a graph holds the addresses of the weights and the cache (`device_sleep`)."""
-        reason = disabled_reason(
-            self.device, self.config.enforce_eager, self.attention_backend, self.tp, self.pipe
-        )
-        # Tests: the graphs' padded path, uncaptured, where only the CPU device says no.
-        padded = padded_without_capture(reason, self.device, self.config)
-        if reason is not None:
-            note = PADDED_NOTE if padded else ""
-            logger.info("rank %d: no CUDA graphs: %s%s", self.world.rank, reason, note)
-            if not padded:
-                return
+        """Capture the decode, verify and mixed-step CUDA graphs where they are on (a collective:
+        every rank captures the same graphs in the same order). At start-up, and again after a
+        wake from sleep, since a graph holds the addresses of the weights and the cache."""
         set_lora = None if self.lora is None else self.lora.batch.capture_mode
-        self.graph_runner = graph_runner_for(
-            self.model, self.kv_caches, self.config, self.device, set_lora
-        )
         start = time.perf_counter()
-        if not padded:
-            self.graph_runner.capture()
+        graphs = graph_setup.build_graphs(
+            self.model, self.kv_caches, self.config, self.device, self.attention_backend,
+            self.tp, self.pipe, set_lora, self.memory, self.world.rank,
+        )  # fmt: skip
+        if graphs is None:
+            return
+        self.graph_runner, self.mixed_graphs = graphs.decode, graphs.mixed
+        self.graph_memory_bytes = graphs.memory_bytes
         k = self.config.num_speculative_tokens
         if self.eagle3 is not None and k > 0:  # the draft chain's graphs, after the target's
-            self.eagle3.build_chain_graphs(k, self.config.max_num_seqs, capture=not padded)
-        if not padded:
+            self.eagle3.build_chain_graphs(k, self.config.max_num_seqs, capture=graphs.captured)
+        if graphs.captured:
             self.startup_s["capture"] = time.perf_counter() - start
 
     def release_graphs(self) -> bool:
         """Drop every CUDA graph (the target's and the EAGLE-3 chain's) and their memory;
         whether there were any. Sleep drops them before it gives back what they hold."""
-        had = self.graph_runner is not None
-        if had:
-            self.graph_runner.release()
-            self.graph_runner = None
+        had = self.graph_runner is not None or self.mixed_graphs is not None
+        for graphs in (self.graph_runner, self.mixed_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graph_runner = self.mixed_graphs = None
         if self.eagle3 is not None:
             self.eagle3.release_chain_graphs()
         return had
@@ -359,9 +345,12 @@ class ModelRunner:
         self._check_awake(plan)
         queue_plan_copies(self.kv_staging or self.host_pool, self.kv_caches, plan)
         inputs = self._prepare(plan, last_sampled)
-        if self.graph_runner is not None and self.graph_runner.can_run(plan):
+        # A uniform step the decode graphs hold, else a step within the largest mixed bucket.
+        runners = (self.graph_runner, self.mixed_graphs)
+        graphs = next((g for g in runners if g is not None and g.can_run(plan)), None)
+        if graphs is not None:
             base_only = self.lora is not None and self.lora.batch.skip
-            hidden = self.graph_runner.run(inputs, base_only)  # [T, hidden], as eager
+            hidden = graphs.run(inputs, base_only)  # [T, hidden], as eager
             logits = self._logits(hidden, inputs.logits_indices)
         else:
             logits = self._forward(inputs, self.kv_caches)
@@ -497,3 +486,15 @@ class ModelRunner:
             profile_sampling(logits, num_sampled)
         del scratch, logits
         return num_blocks * self.pool_spec.bytes_per_block
+
+    @torch.inference_mode()
+    def _graph_pool_probe(self) -> int:
+        """What the CUDA graphs' pool will hold (`graph_setup`): the peak of a forward over the
+        largest graph's tokens, without logits, on a scratch cache."""
+        tokens = graph_setup.largest_graph_tokens(self.config)
+        plan, num_blocks, _ = largest_step_plan(replace(self.config, max_num_batched_tokens=tokens))
+        scratch = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
+        inputs = self._prepare_scratch(plan)
+        run = lambda: self.model(inputs.input_ids, inputs.positions, inputs.meta, scratch)  # noqa: E731
+        self.graph_reserve_bytes = graph_setup.graph_pool_bytes(run, self.memory)
+        return self.graph_reserve_bytes

@@ -145,15 +145,19 @@ def local_num_kv_blocks(
     baseline_allocated: int,
     ranks_on_device: int,
     warmup: Callable[[], int],
+    graph_reserve: Callable[[], int] | None = None,
 ) -> int:
     """Blocks this rank can hold, before the ranks agree on the least: the configured number;
-    else, where `memory` reads a GPU, what is left of the device after every rank's weights and
-    `warmup`'s peak (the measurement counts other processes' memory as used), split between
-    the ranks that share it; else (CPU) `kv_cache_memory_bytes`' worth."""
+    else, where `memory` reads a GPU, what is left of the device after every rank's weights,
+    `warmup`'s peak and `graph_reserve()` (the CUDA graphs' pool; None: no graphs) (the
+    measurement counts other processes' memory as used), split between the ranks that share
+    it; else (CPU) `kv_cache_memory_bytes`' worth."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if memory is not None:
         budget = config.gpu_memory_utilization
-        blocks = measure_gpu_num_blocks(pool_spec, warmup, budget, memory, baseline_allocated)
+        blocks = measure_gpu_num_blocks(
+            pool_spec, warmup, budget, memory, baseline_allocated, graph_reserve
+        )
         return blocks // ranks_on_device
     return cpu_num_blocks(pool_spec, config.num_kv_blocks, config.kv_cache_memory_bytes)

@@ -70,6 +70,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # Never capture CUDA graphs.
     enforce_eager: bool = False
+    # The largest mixed step (prompt tokens, with or without decodes beside them) captured in a
+    # CUDA graph, in tokens; larger ones run eagerly. None = 512 (at most the token budget);
+    # 0 = no mixed-step graphs, decodes only (`RunnerConfig.cuda_graph_max_tokens`).
+    cuda_graph_max_tokens: int | None = None
     # Parameter dtype; "auto" = the checkpoint's torch_dtype on GPU, float32 on CPU.
     dtype: str = "auto"
     # Seed of the random generators on every rank.
@@ -217,6 +221,12 @@ class EngineConfig:
                 f"'flash_attn' needs a block_size that is a multiple of "
                 f"{_FLASH_ATTN_BLOCK_MULTIPLE} (its paged KV cache accepts no other), got "
                 f"block_size={self.block_size}",
+            )
+        if self.cuda_graph_max_tokens is not None:
+            _check(
+                self.cuda_graph_max_tokens == 0 or self.cuda_graph_max_tokens >= 2,
+                "cuda_graph_max_tokens",
+                f"must be 0 (no mixed-step graphs) or >= 2, got {self.cuda_graph_max_tokens}",
             )
         if self.num_kv_blocks is not None:
             _check(self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")

@@ -80,6 +80,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("enable_chunked_prefill", "split long prompts into chunks that fit the token budget, "
          "batched with decodes", kind="toggle"),
     Flag("enforce_eager", "never capture CUDA graphs", kind="switch"),
+    Flag("cuda_graph_max_tokens", "largest step with prompt tokens captured in a CUDA graph, "
+         "in tokens; larger ones run eagerly (default: 512, at most --max-num-batched-tokens; "
+         "0: decode graphs only)", type=int),
     Flag("async_scheduling", "schedule step t+1 while step t runs (default: on with a GPU, off "
          "on CPU; off with speculative decoding)", kind="toggle"),
     Flag("speculative_config", "speculative decoding, vLLM's shape: '{\"method\": \"ngram\", "

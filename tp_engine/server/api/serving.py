@@ -13,7 +13,8 @@ The pool's last trip also builds the `Generation` and sends its AddRequest (`_se
 request reaches rank 0 one thread switch after the loop handed the body over, not two; the loop
 then waits for the verdict. Should the handler be cancelled meanwhile, what the thread sent is
 aborted when it hands the Generation back (`RequestWork.run`'s `orphaned`). SGLang's /generate
-(`completion_generation` without `send`) builds and sends on the loop, as before.
+parses and checks its body in one pool trip (`sglang_routes`), then builds its `Generation` on
+the loop (`completion_generation` without `send`), which sends it.
 """
 
 from __future__ import annotations
@@ -140,11 +141,8 @@ class OpenAIServing:
         `headers`: the HTTP request's (a router's bootstrap overrides); `prepared`: what
         `_checked_completion` already made of it; `send`: the pool's last trip sends it too
         (`_sent`), as an OpenAI route's does."""
-        if prepared is None:  # one hop to the request pool, or none before the constraints'
-            if gives_constraint(req):
-                prepared = self._checked_completion(req)
-            else:
-                prepared = await self.work.run(self._checked_completion, req)
+        if prepared is None:  # its checks, never on the event loop
+            prepared = await self.work.run(self._checked_completion, req)
         adapter, checks, inputs = prepared
         if inputs is None:  # an output constraint: checked on its own pool, in its time limit
             limits = self.work.limits

@@ -144,10 +144,12 @@ def _completion_request(req: GenerateRequest) -> tuple[CompletionRequest, int]:
         raise APIError(400, f"sampling_params.{where}: {first.get('msg')}") from None
 
 
-def _parsed_generate(body: bytes) -> tuple[GenerateRequest, CompletionRequest, int]:
+def _parsed_generate(
+    serving: OpenAIServing, body: bytes
+) -> tuple[GenerateRequest, CompletionRequest, int, Any]:
     """(request pool) The body, validated and its fields refused as SGLang's refuses them, as
-    the completion request it runs (`_completion_request`); APIError (400) naming what is
-    wrong."""
+    the completion request it runs (`_completion_request`), with that request's checks
+    (`OpenAIServing._checked_completion`); APIError (400) naming what is wrong."""
     try:
         req = GenerateRequest.model_validate_json(body)
     except ValidationError as exc:
@@ -158,7 +160,7 @@ def _parsed_generate(body: bytes) -> tuple[GenerateRequest, CompletionRequest, i
     if refused is not None:
         raise APIError(400, refused, param=refused.split()[0].rstrip(":"))
     creq, num_prompts = _completion_request(req)
-    return req, creq, num_prompts
+    return req, creq, num_prompts, serving._checked_completion(creq)
 
 
 def _request_ids(req: GenerateRequest, num_prompts: int) -> list[str] | None:
@@ -257,13 +259,13 @@ def build_sglang_router(
     @router.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         body = await request.body()
-        req, creq, num_prompts = await serving.work.run(_parsed_generate, body)
+        req, creq, num_prompts, prepared = await serving.work.run(_parsed_generate, serving, body)
         rids = _request_ids(req, num_prompts)
         busy = [r for r in rids or [] if r in running.by_id]
         if busy:
             raise APIError(400, f"a request with rid {busy[0]!r} is running", param="rid")
         gen = await serving.completion_generation(
-            creq, rids[0] if rids else None, headers=request.headers
+            creq, rids[0] if rids else None, headers=request.headers, prepared=prepared
         )
         names = rids or [gen.request_id]
         single = num_prompts == 1 and creq.n == 1

@@ -159,8 +159,11 @@ class Qwen3Attention(nn.Module):
         self, qkv: torch.Tensor, kv_cache: KVCachePair, meta: AttentionMetadata
     ) -> bool:
         """Whether the backend attends this step from its own K/V (`reads_fresh_kv`): asked
-        only on steps with fresh prompts, so a decode step pays two attribute reads."""
+        only on steps with fresh prompts, so a decode step pays two attribute reads, and with
+        this layer's views only if the step's answer may be yes (`may_attend_fresh_kv`)."""
         if not (meta.fresh_prefill and self.backend.reads_fresh_kv):
+            return False
+        if not self.backend.may_attend_fresh_kv(qkv.dtype, self.head_dim, kv_cache[0], meta):
             return False
         q, k, v = self._qkv_views(qkv)
         return self.backend.attends_fresh_kv(q, k, v, kv_cache[0], meta)

@@ -54,7 +54,7 @@ def _decide(x: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int] | None, d
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be [T, 2 * intermediate], got {tuple(x.shape)}")
     check_last_dim_contiguous("x", x)
-    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    num_tokens, inter = int(x.shape[0]), int(x.shape[1]) // 2
     if num_tokens == 0 or inter == 0:
         return (num_tokens, inter), None, {}
     block = min(triton.next_power_of_2(inter), 1024)
@@ -67,7 +67,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     layout of x (`kernels._common.LaunchMemo`)."""
     key = layout(x)
     shape, grid, meta = _DECIDED.get(key) or _DECIDED.put(key, _decide(x))
-    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    out = x.new_empty(shape)  # x's dtype and device, contiguous
     if grid is not None:
         _silu_and_mul_kernel[grid](out, x, x.stride(0), **meta)
     return out

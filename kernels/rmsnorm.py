@@ -143,7 +143,9 @@ def _launch(
     given."""
     key = (layout(x), layout(weight), None if residual is None else layout(residual))
     decided = _DECIDED.get(key) or _DECIDED.put(key, _decide(x, residual, weight))
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # Contiguous whatever x's strides (`empty_like` would keep a dense permuted layout); an
+    # `empty_like` allocates in about half the host time of `empty(shape, dtype, device)`.
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if decided.grid is None:
         return out
     # The kernel never touches the residual and the sum when ADD_RESIDUAL is off.
@@ -169,7 +171,7 @@ def fused_add_rms_norm(
 
     Returns `(normed, new_residual)`, both new contiguous tensors; the inputs are not modified.
     """
-    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
     return _launch(x, residual, new_residual, weight, eps), new_residual
 
 

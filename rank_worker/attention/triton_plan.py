@@ -46,11 +46,8 @@ class StepAttention:
     """The launches of one step's attention for one geometry: the decode kernel's over the
     leading decodes (or the whole decode batch), the prefill kernel's over the rest."""
 
-    def __init__(
-        self, launches: tuple[DecodeLaunch | PrefillLaunch, ...], query: torch.Tensor
-    ) -> None:
+    def __init__(self, launches: tuple[DecodeLaunch | PrefillLaunch, ...]) -> None:
         self.launches = launches
-        self.out_shape, self.dtype, self.device = query.shape, query.dtype, query.device
 
     @classmethod
     def plan(
@@ -68,21 +65,21 @@ class StepAttention:
                 query, k_cache, v_cache, meta.seq_lens, meta.block_table, scale,
                 kv_scales=kv_scales,
             )  # fmt: skip
-            return cls((decode,), query)
+            return cls((decode,))
         n = meta.num_leading_decodes
         prefill = plan_prefill_attention(
             query, k_cache, v_cache, meta.query_start_loc[n:], meta.seq_lens[n:],
             meta.block_table[n:], meta.max_query_len, scale, kv_scales,
         )  # fmt: skip
         if n == 0:
-            return cls((prefill,), query)
+            return cls((prefill,))
         # The decode rows are planned as the first n rows of the query; the launch gets the
         # whole query, whose first rows those are.
         decode = plan_decode_attention(
             query[:n], k_cache, v_cache, meta.seq_lens[:n], meta.block_table[:n], scale,
             kv_scales=kv_scales,
         )  # fmt: skip
-        return cls((decode, prefill), query)
+        return cls((decode, prefill))
 
     def __call__(
         self,
@@ -92,7 +89,8 @@ class StepAttention:
         kv_scales: torch.Tensor | None,
     ) -> torch.Tensor:
         """One layer's attention: `[T, num_heads, head_dim]`, a new contiguous tensor."""
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        # Contiguous, the query's shape (the query itself is a strided view of the QKV rows).
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
         for launch in self.launches:
             launch(query, k_cache, v_cache, kv_scales, out)
         return out

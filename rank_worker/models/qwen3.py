@@ -97,9 +97,12 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(
             inter, hf_config.hidden_size, tp, dtype=dtype, device=device, quant=quant
         )
+        # In a plain attribute, as `Qwen3DecoderLayer._blocks`.
+        self._blocks = (self.gate_up_proj, self.act, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, hidden], all-reduced
+        gate_up_proj, act, down_proj = self._blocks
+        return down_proj(act(gate_up_proj(x)))  # [T, hidden], all-reduced
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -122,6 +125,14 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else Qwen3MLP(hf_config, tp, **kw)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, **kw)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, **kw)
+        # The four blocks in a plain attribute: each `self.<submodule>` read goes through
+        # nn.Module.__getattr__ (a microsecond or two), four per layer per eager step otherwise.
+        self._blocks = (
+            self.input_layernorm,
+            self.self_attn,
+            self.post_attention_layernorm,
+            self.mlp,
+        )
 
     def forward(
         self,
@@ -132,14 +143,15 @@ class Qwen3DecoderLayer(nn.Module):
         kv_cache: KVCachePair,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns `(block output, residual stream)`; the next norm adds them (fused)."""
+        input_layernorm, self_attn, post_attention_layernorm, mlp = self._blocks
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta, kv_cache)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = input_layernorm(hidden, residual)
+        hidden = self_attn(positions, hidden, meta, kv_cache)
+        hidden, residual = post_attention_layernorm(hidden, residual)
+        return mlp(hidden), residual
 
 
 class MissingLayer(nn.Module):
@@ -201,6 +213,9 @@ class Qwen3Model(nn.Module):
             if stage.is_last
             else None
         )
+        # This stage's decoder layers, in a plain tuple: slicing the ModuleList builds a new
+        # ModuleList (a registration per layer) on every forward.
+        self._stage_layers = tuple(self.layers[stage.start : stage.end])
         # EAGLE-3 (`rank_worker.spec.eagle3_runner`): the residual streams a forward keeps, as
         # indices of Hugging Face's `output_hidden_states` (i: the input of layer i); empty:
         # none. `captured` then holds `(embeddings [T, hidden], states [T, len * hidden])`.
@@ -227,8 +242,7 @@ class Qwen3Model(nn.Module):
         wanted = self.capture_layers
         # A clone: the fused add+norm of layer 1 updates the residual (this tensor) in place.
         states = {0: hidden.clone()} if wanted else {}
-        layers = self.layers[stage.start : stage.end]
-        for i, layer, kv_cache in zip(stage.layers, layers, kv_caches, strict=True):
+        for i, layer, kv_cache in zip(stage.layers, self._stage_layers, kv_caches, strict=True):
             if i in wanted and i > 0:
                 states[i] = hidden + residual  # the input of layer i, before its norm
             hidden, residual = layer(positions, hidden, residual, meta, kv_cache)

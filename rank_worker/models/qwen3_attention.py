@@ -96,8 +96,10 @@ class Qwen3Attention(nn.Module):
         # `self.<submodule>` or `self.<parameter>` read goes through nn.Module.__getattr__
         # (about a microsecond or two), ten per layer per eager step otherwise. The objects
         # stay these for the module's life: loads, updates and sleep write into them in place.
+        # The projections are called through `forward`, as the blocks of a decoder layer
+        # (`rank_worker.models.qwen3`: no hooks inside a layer).
         self.q_size = self.qkv_proj.q_size
-        self._projections = (self.qkv_proj, self.o_proj)
+        self._projections = (self.qkv_proj.forward, self.o_proj.forward)
         self._kernel_params = (self.q_norm.weight, self.k_norm.weight, self.kv_scales)
         # Whether the q/k kernel also stores the step's K/V (one launch fewer per layer).
         self.fused_kv_store = fused and _stores_with_the_kernel(backend)

@@ -29,6 +29,8 @@ per tile its table names (a CUDA graph captures each batch size's choice).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -261,7 +263,7 @@ class DecodeLaunch:
 
     def __init__(
         self,
-        kernel: object,
+        kernel: Any,  # a @triton.jit function: the split kernel or the packed one
         num_seqs: int,
         heads_dim: int,
         num_splits: int,
@@ -315,7 +317,7 @@ class DecodeLaunch:
         if self.num_seqs == 0:
             return out
         out_strides = out.stride()
-        self.kernel[self.grid](  # type: ignore[index]
+        self.kernel[self.grid](
             out, self.part_out, self.part_lse, query, k_cache, v_cache, self.seq_lens,
             self.block_table, kv_scales if self.fp8 else k_cache, self.qk_scale,
             *self.query_strides, out_strides[0], out_strides[1], *self.other_strides, **self.meta,

@@ -32,6 +32,8 @@ Triton reads the device from the tensors' current device, so the caller must hav
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from kernels.attention_tables import Tile, prefill_tile, tables
@@ -145,7 +147,7 @@ def _step_fresh_tile(
     if key not in meta.launches:
         tile = prefill_tile(meta.max_query_len, dtype, head_dim, k_cache.device, interpreted())
         meta.launches[key] = tile if tile.kernel == "tma" else None
-    return meta.launches[key]  # type: ignore[return-value]
+    return cast("Tile | None", meta.launches[key])
 
 
 def _rebased_query_start_loc(meta: AttentionMetadata) -> torch.Tensor:
@@ -158,4 +160,4 @@ def _rebased_query_start_loc(meta: AttentionMetadata) -> torch.Tensor:
     key = "rebased_query_start_loc"
     if key not in meta.launches:
         meta.launches[key] = meta.query_start_loc[n:] - n
-    return meta.launches[key]  # type: ignore[return-value]
+    return cast(torch.Tensor, meta.launches[key])

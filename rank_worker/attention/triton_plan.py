@@ -21,6 +21,7 @@ rows. So no layer slices its query or its output, and no offsets are rebased.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import cast
 
 import torch
 
@@ -109,6 +110,7 @@ def step_attention(
     key = plan_key(query, k_cache, v_cache, scale, kv_scales)
     planned = meta.launches.get(key)
     if planned is None:
-        planned = StepAttention.plan(query, k_cache, v_cache, meta, scale, kv_scales)
-        meta.launches[key] = planned
-    return planned  # type: ignore[return-value]
+        planned = meta.launches[key] = StepAttention.plan(
+            query, k_cache, v_cache, meta, scale, kv_scales
+        )
+    return cast(StepAttention, planned)

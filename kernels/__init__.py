@@ -15,6 +15,11 @@ test suite checks that `import kernels` resolves to this package.
 | `activation` | `silu_and_mul` | `silu_and_mul_ref` | no |
 | `fused_moe` | `fused_moe` (experts: grouped GEMMs, SiLU·mul fused; `moe_align`) | `fused_moe_ref` | no |
 
+Every wrapper checks its arguments before it launches, once per layout of them (shapes,
+strides, dtypes, devices: `_common.LaunchMemo`), so the layers of an eager step after the first
+only allocate and launch; the attention wrappers also split into a checked plan
+(`plan_decode_attention`, `plan_prefill_attention`) that a caller keeps for a step and a launch.
+
 The kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter when
 `TRITON_INTERPRET=1` is set before this package is imported (Triton fixes the mode when each
 `@triton.jit` decorator runs). This package imports nothing from the rest of the project.

@@ -3,11 +3,20 @@
 Every host wrapper validates its tensors before launch, because a Triton kernel given a wrong
 stride or dtype does not fail: it reads the wrong memory. None of these checks reads device
 memory, so the wrappers stay free of host-device syncs and can be captured in a CUDA graph.
+
+Checked once per layout, not once per call. An eager step calls each wrapper once per layer
+with tensors laid out alike (28 layers: the same shapes, strides, dtypes and devices, other
+pointers), and the checks and launch decisions (grid, constexprs, strides) are functions of that
+layout alone. So a wrapper keys what it decided on the `layout` of its arguments (plus the plain
+values its checks read) in a `LaunchMemo`: the first call with a layout runs every check and
+decides; a call with a layout already checked only allocates its output and launches.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 import torch
 import triton
@@ -17,6 +26,45 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+Layout = tuple[torch.Size, tuple[int, ...], torch.dtype, torch.device]
+
+
+def layout(t: torch.Tensor) -> Layout:
+    """Everything about `t` that a wrapper's checks read: two tensors with one layout pass or
+    fail the same checks (contiguity, for one, follows from the shape and strides)."""
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+Decided = TypeVar("Decided")
+
+
+class LaunchMemo(Generic[Decided]):
+    """A wrapper's checked launch decisions, by the layout of the arguments they were checked
+    for (`layout`, and whatever plain values the checks read). Decisions only, never tensors:
+    an entry outlives the step whose call made it.
+
+    Bounded: the token count is part of most keys and changes from step to step, so the memo
+    is emptied when it fills (a step's first call of each wrapper then checks again, which is
+    the cost of one call as before).
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._entries: dict[Hashable, Decided] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Hashable) -> Decided | None:
+        return self._entries.get(key)
+
+    def put(self, key: Hashable, decided: Decided) -> Decided:
+        if len(self._entries) >= self.capacity:
+            self._entries.clear()
+        self._entries[key] = decided
+        return decided
 
 
 def interpreting(kernel: object) -> bool:

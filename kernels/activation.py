@@ -15,7 +15,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._common import check_device, check_float, check_last_dim_contiguous
+from kernels._common import (
+    LaunchMemo,
+    check_device,
+    check_float,
+    check_last_dim_contiguous,
+    layout,
+)
 
 
 @triton.jit
@@ -37,21 +43,33 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * INTER + cols, (act * up).to(out_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """`x [T, 2I]` (last dim dense, any row stride) -> new `[T, I]` tensor."""
+# x's layout -> (out shape, grid or None when there is nothing to do, constexprs), checked.
+_DECIDED: LaunchMemo[tuple[tuple[int, int], tuple[int, int] | None, dict[str, int]]]
+_DECIDED = LaunchMemo()
+
+
+def _decide(x: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int] | None, dict[str, int]]:
     check_device(_silu_and_mul_kernel, x)
     check_float("x", x)
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be [T, 2 * intermediate], got {tuple(x.shape)}")
     check_last_dim_contiguous("x", x)
-    num_tokens, inter = x.shape[0], x.shape[1] // 2
-    out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
+    num_tokens, inter = int(x.shape[0]), int(x.shape[1]) // 2
     if num_tokens == 0 or inter == 0:
-        return out
+        return (num_tokens, inter), None, {}
     block = min(triton.next_power_of_2(inter), 1024)
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        out, x, x.stride(0), INTER=inter, BLOCK=block, num_warps=4
-    )
+    grid = (num_tokens, triton.cdiv(inter, block))
+    return (num_tokens, inter), grid, dict(INTER=inter, BLOCK=block, num_warps=4)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`x [T, 2I]` (last dim dense, any row stride) -> new `[T, I]` tensor. Checked once per
+    layout of x (`kernels._common.LaunchMemo`)."""
+    key = layout(x)
+    shape, grid, meta = _DECIDED.get(key) or _DECIDED.put(key, _decide(x))
+    out = x.new_empty(shape)  # x's dtype and device, contiguous
+    if grid is not None:
+        _silu_and_mul_kernel[grid](out, x, x.stride(0), **meta)
     return out
 
 

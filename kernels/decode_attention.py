@@ -29,6 +29,8 @@ per tile its table names (a CUDA graph captures each batch size's choice).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -247,7 +249,88 @@ def launch_meta(
     )
 
 
-def paged_decode_attention(
+class DecodeLaunch:
+    """`paged_decode_attention` decided and checked for one geometry: the kernel, its grid,
+    constexprs and stride arguments, the split buffers, the step's `seq_lens` and
+    `block_table`. Calling it only launches, over the per-layer tensors (`plan_decode_attention`
+    says which may differ).
+
+    Made once per step by the attention backend (`rank_worker.attention.triton_plan`) and
+    called by every layer: the split buffers are shared by the layers, which is safe because
+    each layer's merge reads them before the next layer's stage 1 writes them (one stream, in
+    order; a CUDA graph keeps that order).
+    """
+
+    def __init__(
+        self,
+        kernel: Any,  # a @triton.jit function: the split kernel or the packed one
+        num_seqs: int,
+        heads_dim: int,
+        num_splits: int,
+        num_heads: int,
+        head_dim: int,
+        meta: dict[str, object],
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        scale: float,
+    ) -> None:
+        self.kernel = kernel
+        self.num_seqs = num_seqs
+        self.num_splits = num_splits
+        self.grid = (num_seqs, heads_dim, num_splits)
+        self.merge_grid = (num_seqs, num_heads)
+        self.fp8 = k_cache.dtype == FP8_KV_DTYPE
+        self.meta = dict(meta, KV_FP8=self.fp8)
+        self.merge_meta = dict(
+            NUM_HEADS=num_heads, SPLITS_PAD=next_pow2(MAX_SPLITS), HEAD_DIM=head_dim,
+            BLOCK_D=meta["BLOCK_D"], num_warps=4,
+        )  # fmt: skip
+        self.seq_lens, self.block_table = seq_lens, block_table
+        device = query.device
+        if num_splits > 1:
+            # [B, num_heads, num_splits, head_dim] / [B, num_heads, num_splits], fp32 whatever
+            # the input dtype: the merge must not round each slice's output to 8 mantissa bits.
+            shape = (num_seqs, num_heads, num_splits)
+            self.part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
+            self.part_lse = torch.empty(shape, dtype=torch.float32, device=device)
+        else:
+            # Unused with one split, but fp32 like the real ones: a pointer's dtype is part of
+            # the kernel's specialisation.
+            self.part_out = self.part_lse = torch.empty(1, dtype=torch.float32, device=device)
+        # The stride arguments but the output's (read from `out` at each launch): the query's
+        # row and head strides, the table's row stride, the cache's.
+        self.query_strides = (query.stride(0), query.stride(1))
+        self.other_strides = (block_table.stride(0), *k_cache.stride()[:3])
+        self.qk_scale = scale * _LOG2E
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kv_scales: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attend into `out` (the query's shape and dtype, last dim dense); returns it."""
+        if self.num_seqs == 0:
+            return out
+        out_strides = out.stride()
+        self.kernel[self.grid](
+            out, self.part_out, self.part_lse, query, k_cache, v_cache, self.seq_lens,
+            self.block_table, kv_scales if self.fp8 else k_cache, self.qk_scale,
+            *self.query_strides, out_strides[0], out_strides[1], *self.other_strides, **self.meta,
+        )  # fmt: skip
+        if self.num_splits > 1:
+            _decode_merge_kernel[self.merge_grid](
+                out, self.part_out, self.part_lse, out_strides[0], out_strides[1],
+                self.num_splits, **self.merge_meta,
+            )  # fmt: skip
+        return out
+
+
+def plan_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -255,22 +338,16 @@ def paged_decode_attention(
     block_table: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
-    out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
     tile: Tile | None = None,
-) -> torch.Tensor:
-    """Attention of `query [B, num_heads, head_dim]` (one new token per sequence, already stored
-    in the cache) over each sequence's `seq_lens[i]` cached tokens; returns `out`, or a new
-    tensor when `out` is None.
+) -> DecodeLaunch:
+    """Every check and decision of `paged_decode_attention` (same arguments, less `out`).
 
-    Caches `[num_blocks, block_size, num_kv_heads, head_dim]` contiguous, same dtype as the
-    query; seq_lens `[B]` and block_table `[B, W]` int32. `num_splits=None` picks the split
-    count from the batch size and `W * block_size`, an upper bound of the longest context read
-    from shapes alone: no device sync, and a CUDA graph captured for a fixed W keeps its grid.
-    `out`: the query's shape and dtype, last dim dense (e.g. rows of a larger output).
-    An fp8 cache (float8_e4m3fn, any query dtype) needs `kv_scales [2]` fp32: `(k_scale,
-    v_scale)`, the cache holds `K / k_scale` (`kernels._common.check_kv_scales`).
-    `tile`: the kernel and tile to launch instead of the decode table's (the sweep times each).
+    The launch it returns may be called with other per-layer tensors than the ones it was
+    planned with, if they have their layouts (`kernels._common.layout`): `query` (or one whose
+    first `num_seqs` rows are laid out as the planned query: the kernel reads rows by program
+    id), `k_cache`, `v_cache`, `kv_scales`, and an `out` that `check_out` accepts for the
+    query (or whose first rows it does).
     """
     check_device(_decode_split_kernel, query, k_cache, v_cache, seq_lens, block_table)
     check_kv_cache(k_cache, v_cache)
@@ -282,7 +359,7 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    kv_scales = check_kv_scales(k_cache, query.dtype, kv_scales)
+    check_kv_scales(k_cache, query.dtype, kv_scales)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
     for name, t, ndim in (("seq_lens", seq_lens, 1), ("block_table", block_table, 2)):
@@ -318,63 +395,47 @@ def paged_decode_attention(
         num_splits = choose_num_splits(num_seqs, heads_dim, context_bound, num_sms(query.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return DecodeLaunch(
+        kernel, num_seqs, heads_dim, num_splits, num_heads, head_dim, meta, seq_lens,
+        block_table, query, k_cache, scale,
+    )  # fmt: skip
 
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
+    tile: Tile | None = None,
+) -> torch.Tensor:
+    """Attention of `query [B, num_heads, head_dim]` (one new token per sequence, already stored
+    in the cache) over each sequence's `seq_lens[i]` cached tokens; returns `out`, or a new
+    tensor when `out` is None.
+
+    Caches `[num_blocks, block_size, num_kv_heads, head_dim]` contiguous, same dtype as the
+    query; seq_lens `[B]` and block_table `[B, W]` int32. `num_splits=None` picks the split
+    count from the batch size and `W * block_size`, an upper bound of the longest context read
+    from shapes alone: no device sync, and a CUDA graph captured for a fixed W keeps its grid.
+    `out`: the query's shape and dtype, last dim dense (e.g. rows of a larger output).
+    An fp8 cache (float8_e4m3fn, any query dtype) needs `kv_scales [2]` fp32: `(k_scale,
+    v_scale)`, the cache holds `K / k_scale` (`kernels._common.check_kv_scales`).
+    `tile`: the kernel and tile to launch instead of the decode table's (the sweep times each).
+    Checks and decides on every call; a caller that attends many layers alike plans once
+    (`plan_decode_attention`) and calls the launch per layer.
+    """
+    launch = plan_decode_attention(
+        query, k_cache, v_cache, seq_lens, block_table, scale, num_splits, kv_scales, tile
+    )
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [B, heads, dim]
     else:
         check_out(out, query)
-    if num_seqs == 0:
-        return out
-    if num_splits > 1:
-        # [B, num_heads, num_splits, head_dim] / [B, num_heads, num_splits], fp32 whatever the
-        # input dtype: the merge must not round each slice's output to 8 mantissa bits.
-        part_out = torch.empty(
-            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-        )
-        part_lse = torch.empty(
-            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
-        )
-    else:
-        # Unused with one split, but fp32 like the real ones: a pointer's dtype is part of the
-        # kernel's specialisation.
-        part_out = part_lse = torch.empty(1, dtype=torch.float32, device=query.device)
-    kernel[(num_seqs, heads_dim, num_splits)](
-        out,
-        part_out,
-        part_lse,
-        query,
-        k_cache,
-        v_cache,
-        seq_lens,
-        block_table,
-        kv_scales,
-        scale * _LOG2E,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_table.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
-        **meta,
-    )
-    if num_splits > 1:
-        _decode_merge_kernel[(num_seqs, num_heads)](
-            out,
-            part_out,
-            part_lse,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            NUM_HEADS=num_heads,
-            SPLITS_PAD=next_pow2(MAX_SPLITS),
-            HEAD_DIM=head_dim,
-            BLOCK_D=meta["BLOCK_D"],
-            num_warps=4,
-        )
-    return out
+    return launch(query, k_cache, v_cache, kv_scales, out)
 
 
 def paged_decode_attention_ref(

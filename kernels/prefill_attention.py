@@ -179,6 +179,117 @@ def launch_meta(
     )
 
 
+class PrefillLaunch:
+    """`paged_prefill_attention` decided and checked for one geometry: grid, constexprs and
+    stride arguments, the step's `query_start_loc`, `seq_lens` and `block_table`. Calling it
+    only launches, over the per-layer tensors (`plan_prefill_attention` says which may differ).
+    Made once per step by the attention backend and called by every layer."""
+
+    def __init__(
+        self,
+        grid: tuple[int, int, int] | None,
+        meta: dict[str, object],
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        scale: float,
+    ) -> None:
+        self.grid = grid
+        self.fp8 = k_cache.dtype == FP8_KV_DTYPE
+        self.meta = dict(meta, KV_FP8=self.fp8)
+        self.query_start_loc, self.seq_lens, self.block_table = (
+            query_start_loc, seq_lens, block_table,
+        )  # fmt: skip
+        self.qk_scale = scale * _LOG2E
+        # The stride arguments but the output's (read from `out` at each launch).
+        self.query_strides = (query.stride(0), query.stride(1))
+        self.other_strides = (block_table.stride(0), *k_cache.stride()[:3])
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kv_scales: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attend into `out` (the query's shape and dtype, last dim dense); returns it."""
+        if self.grid is None:
+            return out
+        out_strides = out.stride()
+        _prefill_attention_kernel[self.grid](
+            out, query, k_cache, v_cache, self.query_start_loc, self.seq_lens,
+            self.block_table, kv_scales if self.fp8 else k_cache, self.qk_scale,
+            *self.query_strides, out_strides[0], out_strides[1], *self.other_strides, **self.meta,
+        )  # fmt: skip
+        return out
+
+
+def plan_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    kv_scales: torch.Tensor | None = None,
+) -> PrefillLaunch:
+    """Every check and decision of `paged_prefill_attention` (same arguments, less `out`). The
+    launch may be called with other per-layer tensors than the planned ones if they have their
+    layouts (`kernels._common.layout`): `query`, `k_cache`, `v_cache`, `kv_scales`, and an
+    `out` that `check_out` accepts for the query."""
+    check_device(
+        _prefill_attention_kernel,
+        query,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_table,
+    )
+    check_kv_cache(k_cache, v_cache)
+    check_float("query", query)
+    if query.dim() != 3:
+        raise ValueError(f"query must be [T, num_heads, head_dim], got {tuple(query.shape)}")
+    check_last_dim_contiguous("query", query)
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    check_kv_scales(k_cache, query.dtype, kv_scales)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
+    for name, t, ndim in (
+        ("query_start_loc", query_start_loc, 1),
+        ("seq_lens", seq_lens, 1),
+        ("block_table", block_table, 2),
+    ):
+        check_index(name, t, ndim, row_stride=name == "block_table")
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
+        raise ValueError(
+            f"query_start_loc {tuple(query_start_loc.shape)} and block_table "
+            f"{tuple(block_table.shape)} do not match {num_seqs} sequences"
+        )
+    meta = launch_meta(
+        num_heads // num_kv_heads,
+        head_dim,
+        block_size,
+        query.dtype,
+        interpreting(_prefill_attention_kernel),
+    )
+    grid = None
+    if num_tokens and num_seqs and max_query_len > 0:
+        grid = (triton.cdiv(max_query_len, meta["BLOCK_M"]), num_seqs, num_kv_heads)
+    return PrefillLaunch(grid, meta, query_start_loc, seq_lens, block_table, query, k_cache, scale)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -199,80 +310,18 @@ def paged_prefill_attention(
     query_start_loc `[B+1]`, seq_lens `[B]`, block_table `[B, W]`, all int32. `max_query_len`
     must be at least the longest `q_len` of the batch (the grid is sized from it without reading
     the device); rows of a sequence beyond it would be left unwritten. An fp8 cache needs
-    `kv_scales`, as in `paged_decode_attention`.
+    `kv_scales`, as in `paged_decode_attention`. Checks and decides on every call; a caller
+    that attends many layers alike plans once (`plan_prefill_attention`).
     """
-    check_device(
-        _prefill_attention_kernel,
-        query,
-        k_cache,
-        v_cache,
-        query_start_loc,
-        seq_lens,
-        block_table,
-    )
-    check_kv_cache(k_cache, v_cache)
-    check_float("query", query)
-    if query.dim() != 3:
-        raise ValueError(f"query must be [T, num_heads, head_dim], got {tuple(query.shape)}")
-    check_last_dim_contiguous("query", query)
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    kv_scales = check_kv_scales(k_cache, query.dtype, kv_scales)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
-    for name, t, ndim in (
-        ("query_start_loc", query_start_loc, 1),
-        ("seq_lens", seq_lens, 1),
-        ("block_table", block_table, 2),
-    ):
-        check_index(name, t, ndim, row_stride=name == "block_table")
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {t.dtype}")
-    num_seqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] != num_seqs:
-        raise ValueError(
-            f"query_start_loc {tuple(query_start_loc.shape)} and block_table "
-            f"{tuple(block_table.shape)} do not match {num_seqs} sequences"
-        )
-
+    launch = plan_prefill_attention(
+        query, k_cache, v_cache, query_start_loc, seq_lens, block_table, max_query_len, scale,
+        kv_scales,
+    )  # fmt: skip
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, heads, dim]
     else:
         check_out(out, query)
-    if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
-        return out
-    meta = launch_meta(
-        num_heads // num_kv_heads,
-        head_dim,
-        block_size,
-        query.dtype,
-        interpreting(_prefill_attention_kernel),
-    )
-    grid = (triton.cdiv(max_query_len, meta["BLOCK_M"]), num_seqs, num_kv_heads)
-    _prefill_attention_kernel[grid](
-        out,
-        query,
-        k_cache,
-        v_cache,
-        query_start_loc,
-        seq_lens,
-        block_table,
-        kv_scales,
-        scale * _LOG2E,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_table.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
-        **meta,
-    )
-    return out
+    return launch(query, k_cache, v_cache, kv_scales, out)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:

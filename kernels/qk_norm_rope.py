@@ -27,6 +27,8 @@ What the cache holds is bit for bit what `qk_norm_rope` then `store_kv` would le
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +36,7 @@ import triton.language as tl
 from kernels._common import (
     FP8_KV_DTYPE,
     FP8_KV_MAX,
+    LaunchMemo,
     check_device,
     check_float,
     check_index,
@@ -41,6 +44,7 @@ from kernels._common import (
     check_kv_scales,
     check_last_dim_contiguous,
     interpreting,
+    layout,
     next_pow2,
 )
 from kernels._fp8_cast import to_e4m3
@@ -169,6 +173,20 @@ def launch_meta(
     )
 
 
+# One layout's launch, checked (`kernels._common.LaunchMemo`): the grid (None: no tokens),
+# whether the cache is fp8 (else the kernel gets the cache as a stand-in scales pointer), and
+# the constexprs.
+_Decided = tuple[tuple[int, int] | None, bool, dict[str, object]]
+_DECIDED: LaunchMemo[_Decided] = LaunchMemo()
+_DECIDED_STORE: LaunchMemo[_Decided] = LaunchMemo()  # `qk_norm_rope_store_kv`'s
+
+
+def _grid(num_tokens: int, meta: dict[str, object]) -> tuple[int, int] | None:
+    if num_tokens == 0:
+        return None
+    return (num_tokens, triton.cdiv(cast(int, meta["NUM_ALL"]), cast(int, meta["BLOCK_H"])))
+
+
 def _check(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -226,22 +244,27 @@ def qk_norm_rope(
     `head_dim` (then anything, e.g. the values, left alone); last dim dense, any row stride.
     `positions [T]` int32/int64 (not range-checked on the device); weights `[head_dim]` of
     qkv's dtype; `cos_sin_cache [max_position, head_dim]` contiguous, cos | sin, read as fp32.
+    Checked once per layout of the arguments (`kernels._common.LaunchMemo`).
     """
-    num_heads = num_q_heads + num_kv_heads
-    _check(
-        qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
-        num_heads,
+    key = (
+        layout(qkv), layout(positions), layout(q_weight), layout(k_weight),
+        layout(cos_sin_cache), num_q_heads, num_kv_heads, head_dim,
     )  # fmt: skip
-    num_tokens = qkv.shape[0]
-    if num_tokens == 0:
-        return qkv
-    meta = launch_meta(num_q_heads, num_kv_heads, head_dim)
-    grid = (num_tokens, triton.cdiv(meta["NUM_ALL"], meta["BLOCK_H"]))
-    # The cache pointers are stand-ins the kernel never reads without STORE_KV.
-    _qk_norm_rope_kernel[grid](
-        qkv, positions, q_weight, k_weight, cos_sin_cache, qkv, qkv, positions, cos_sin_cache,
-        qkv.stride(0), eps, **meta,
-    )  # fmt: skip
+    decided = _DECIDED.get(key)
+    if decided is None:
+        _check(
+            qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads,
+            head_dim, num_q_heads + num_kv_heads,
+        )  # fmt: skip
+        meta = launch_meta(num_q_heads, num_kv_heads, head_dim)
+        decided = _DECIDED.put(key, (_grid(qkv.shape[0], meta), False, meta))
+    grid, _, meta = decided
+    if grid is not None:
+        # The cache pointers are stand-ins the kernel never reads without STORE_KV.
+        _qk_norm_rope_kernel[grid](
+            qkv, positions, q_weight, k_weight, cos_sin_cache, qkv, qkv, positions,
+            cos_sin_cache, qkv.stride(0), eps, **meta,
+        )  # fmt: skip
     return qkv
 
 
@@ -266,12 +289,47 @@ def qk_norm_rope_store_kv(
     projection output); its q and k are normalised and rotated IN PLACE (V left as is) and each
     token's K and V go to its slot of `k_cache` / `v_cache` (`[num_blocks, block_size,
     num_kv_heads, head_dim]`, contiguous; `slot_mapping [T]` int32/int64, negative: not stored;
-    an fp8 cache takes `kv_scales [2]` fp32, see `kernels.store_kv`). Returns qkv.
+    an fp8 cache takes `kv_scales [2]` fp32, see `kernels.store_kv`). Returns qkv. Checked
+    once per layout of the arguments, as `qk_norm_rope`.
     """
-    num_row_heads = num_q_heads + 2 * num_kv_heads
+    key = (
+        layout(qkv), layout(positions), layout(q_weight), layout(k_weight),
+        layout(cos_sin_cache), layout(k_cache), layout(v_cache), layout(slot_mapping),
+        None if kv_scales is None else layout(kv_scales), num_q_heads, num_kv_heads, head_dim,
+    )  # fmt: skip
+    decided = _DECIDED_STORE.get(key)
+    if decided is None:
+        decided = _DECIDED_STORE.put(key, _decide_store(
+            qkv, positions, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            num_q_heads, num_kv_heads, head_dim, kv_scales,
+        ))  # fmt: skip
+    grid, fp8, meta = decided
+    if grid is not None:
+        _qk_norm_rope_kernel[grid](
+            qkv, positions, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            kv_scales if fp8 else k_cache, qkv.stride(0), eps, **meta,
+        )  # fmt: skip
+    return qkv
+
+
+def _decide_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_scales: torch.Tensor | None,
+) -> _Decided:
+    """Every check of `qk_norm_rope_store_kv`'s arguments, and the launch they get."""
     _check(
         qkv, positions, q_weight, k_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
-        num_row_heads,
+        num_q_heads + 2 * num_kv_heads,
     )  # fmt: skip
     check_device(_qk_norm_rope_kernel, qkv, k_cache, v_cache, slot_mapping)
     check_kv_cache(k_cache, v_cache)
@@ -280,25 +338,19 @@ def qk_norm_rope_store_kv(
             f"the cache holds {tuple(k_cache.shape[2:])} (heads, head_dim) per slot, the qkv "
             f"row ({num_kv_heads}, {head_dim})"
         )
-    kv_scales = check_kv_scales(k_cache, qkv.dtype, kv_scales)
+    check_kv_scales(k_cache, qkv.dtype, kv_scales)
     check_index("slot_mapping", slot_mapping, 1)
     num_tokens = qkv.shape[0]
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(
             f"slot_mapping {tuple(slot_mapping.shape)} does not match qkv's {num_tokens} tokens"
         )
-    if num_tokens == 0:
-        return qkv
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
     meta = launch_meta(
-        num_q_heads, num_kv_heads, head_dim, store_kv=True,
-        kv_fp8=k_cache.dtype == FP8_KV_DTYPE, interpreted=interpreting(_qk_norm_rope_kernel),
+        num_q_heads, num_kv_heads, head_dim, store_kv=True, kv_fp8=fp8,
+        interpreted=interpreting(_qk_norm_rope_kernel),
     )  # fmt: skip
-    grid = (num_tokens, triton.cdiv(meta["NUM_ALL"], meta["BLOCK_H"]))
-    _qk_norm_rope_kernel[grid](
-        qkv, positions, q_weight, k_weight, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        kv_scales, qkv.stride(0), eps, **meta,
-    )  # fmt: skip
-    return qkv
+    return _grid(num_tokens, meta), fp8, meta
 
 
 def qk_norm_rope_ref(

@@ -15,11 +15,20 @@ and pays only by saving the eager chain's temporaries.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_device, check_float, check_last_dim_contiguous, next_pow2
+from kernels._common import (
+    LaunchMemo,
+    check_device,
+    check_float,
+    check_last_dim_contiguous,
+    layout,
+    next_pow2,
+)
 
 
 # The row count changes with every step: specialising on it (== 1, multiple of 16) would compile
@@ -76,15 +85,20 @@ def _rows_view(name: str, x: torch.Tensor) -> tuple[int, int, int, int]:
     raise ValueError(f"{name} must be [rows, dim] or [T, heads, dim], got {tuple(x.shape)}")
 
 
-def _launch(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    new_residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """Check, allocate the normed output and launch; fills `new_residual` when a residual is
-    given."""
+class _Decided(NamedTuple):
+    """One layout's launch: grid, the row addressing (num_rows, inner, x's two strides, the
+    residual's two), constexprs; `grid` None: no rows, nothing to launch."""
+
+    grid: tuple[int] | None
+    rows: tuple[int, int, int, int, int, int]
+    meta: dict[str, Any]
+
+
+_DECIDED: LaunchMemo[_Decided] = LaunchMemo()
+
+
+def _decide(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> _Decided:
+    """Every check of `_launch`'s arguments, and the launch they get."""
     tensors = [x, weight] if residual is None else [x, residual, weight]
     check_device(_rms_norm_kernel, *tensors)
     check_float("x", x)
@@ -95,42 +109,52 @@ def _launch(
             f"got {tuple(weight.shape)} {weight.dtype}"
         )
     num_rows, inner, stride_xo, stride_xi = _rows_view("x", x)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if residual is None or new_residual is None:
-        # The kernel never touches these two when ADD_RESIDUAL is off.
-        res_arg, sum_arg, stride_ro, stride_ri = x, out, 0, 0
-    else:
+    stride_ro = stride_ri = 0  # the kernel never reads a residual when ADD_RESIDUAL is off
+    if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(
                 f"residual {tuple(residual.shape)} {residual.dtype} must match x "
                 f"{tuple(x.shape)} {x.dtype}"
             )
         _, _, stride_ro, stride_ri = _rows_view("residual", residual)
-        res_arg, sum_arg = residual, new_residual
-    if num_rows == 0:
-        return out
     block_n = next_pow2(n)
     # Several short rows per program (per-head norms have 128-wide rows), up to 4096 elements.
     rows = max(1, min(16, 4096 // block_n))
-    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
-        out,
-        x,
-        res_arg,
-        sum_arg,
-        weight,
-        num_rows,
-        inner,
-        stride_xo,
-        stride_xi,
-        stride_ro,
-        stride_ri,
-        eps,
+    meta = dict(
         N=n,
         BLOCK_N=block_n,
         ROWS=rows,
         ADD_RESIDUAL=residual is not None,
         num_warps=8 if block_n >= 4096 else 4,
     )
+    grid = (triton.cdiv(num_rows, rows),) if num_rows else None
+    return _Decided(grid, (num_rows, inner, stride_xo, stride_xi, stride_ro, stride_ri), meta)
+
+
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    new_residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Check (once per layout: `kernels._common.LaunchMemo`), allocate the normed output and
+    launch; fills `new_residual` (a new contiguous tensor of x's shape) when a residual is
+    given."""
+    key = (layout(x), layout(weight), None if residual is None else layout(residual))
+    decided = _DECIDED.get(key) or _DECIDED.put(key, _decide(x, residual, weight))
+    # Contiguous whatever x's strides (`empty_like` would keep a dense permuted layout); an
+    # `empty_like` allocates in about half the host time of `empty(shape, dtype, device)`.
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if decided.grid is None:
+        return out
+    # The kernel never touches the residual and the sum when ADD_RESIDUAL is off.
+    res_arg, sum_arg = (
+        (x, out) if residual is None or new_residual is None else (residual, new_residual)
+    )
+    _rms_norm_kernel[decided.grid](
+        out, x, res_arg, sum_arg, weight, *decided.rows, eps, **decided.meta
+    )  # fmt: skip
     return out
 
 
@@ -147,7 +171,7 @@ def fused_add_rms_norm(
 
     Returns `(normed, new_residual)`, both new contiguous tensors; the inputs are not modified.
     """
-    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
     return _launch(x, residual, new_residual, weight, eps), new_residual
 
 

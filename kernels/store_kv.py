@@ -16,12 +16,14 @@ import triton.language as tl
 from kernels._common import (
     FP8_KV_DTYPE,
     FP8_KV_MAX,
+    LaunchMemo,
     check_device,
     check_index,
     check_kv_cache,
     check_kv_scales,
     check_last_dim_contiguous,
     interpreting,
+    layout,
     next_pow2,
     quantized,
 )
@@ -81,8 +83,41 @@ def store_kv(
     slot are skipped. key/value may be strided views (e.g. slices of a fused QKV output) as long
     as each token's heads are dense. An fp8 cache (float8_e4m3fn) takes key/value of any float
     dtype and stores `key / k_scale` (and `value / v_scale`) saturated to ±448, with
-    `kv_scales [2]` fp32 `(k_scale, v_scale)`.
+    `kv_scales [2]` fp32 `(k_scale, v_scale)`. Checked once per layout of the arguments
+    (`kernels._common.LaunchMemo`).
     """
+    key_ = (
+        layout(key), layout(value), layout(k_cache), layout(v_cache), layout(slot_mapping),
+        None if kv_scales is None else layout(kv_scales),
+    )  # fmt: skip
+    decided = _DECIDED.get(key_) or _DECIDED.put(
+        key_, _decide(key, value, k_cache, v_cache, slot_mapping, kv_scales)
+    )
+    grid, fp8, meta = decided
+    if grid is None:
+        return
+    _store_kv_kernel[grid](
+        key, value, k_cache, v_cache, slot_mapping, kv_scales if fp8 else k_cache,
+        key.stride(0), value.stride(0), **meta,
+    )  # fmt: skip
+
+
+# One layout's launch, checked (`kernels._common.LaunchMemo`): the grid (None: no tokens),
+# whether the cache is fp8 (else the kernel gets the cache as a stand-in scales pointer), and
+# the constexprs.
+_Decided = tuple[tuple[int, int] | None, bool, dict[str, object]]
+_DECIDED: LaunchMemo[_Decided] = LaunchMemo()
+
+
+def _decide(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None,
+) -> _Decided:
+    """Every check of `store_kv`'s arguments, and the launch they get."""
     check_device(_store_kv_kernel, key, value, k_cache, v_cache, slot_mapping)
     check_kv_cache(k_cache, v_cache)
     check_index("slot_mapping", slot_mapping, 1)
@@ -94,31 +129,22 @@ def store_kv(
                 f"{name} must be [{num_tokens}, {num_kv_heads}, {head_dim}] to match "
                 f"slot_mapping and the cache, got {tuple(t.shape)}"
             )
-        kv_scales = check_kv_scales(k_cache, t.dtype, kv_scales)
+        check_kv_scales(k_cache, t.dtype, kv_scales)
         check_last_dim_contiguous(name, t)
         if t.stride(1) != head_dim:
             raise ValueError(f"{name}'s heads must be dense (stride {head_dim}), got {t.stride()}")
-    if num_tokens == 0:
-        return
     row = num_kv_heads * head_dim
     block = min(next_pow2(row), 4096)
-    grid = (num_tokens, triton.cdiv(row, block))
-    _store_kv_kernel[grid](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        kv_scales,
-        key.stride(0),
-        value.stride(0),
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
+    meta = dict(
         ROW=row,
         BLOCK=block,
-        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
+        KV_FP8=fp8,
         FP8_MAX=FP8_KV_MAX,
         INTERPRETED=interpreting(_store_kv_kernel),
         num_warps=4,
     )
+    return ((num_tokens, triton.cdiv(row, block)) if num_tokens else None), fp8, meta
 
 
 def store_kv_ref(

@@ -249,26 +249,26 @@ def test_triton_matches_torch_gpu(case_name, dtype, device, block_size):
 
 
 def test_decode_only_batches_take_the_decode_kernel(monkeypatch):
-    from rank_worker.attention import triton_backend
+    from rank_worker.attention import triton_plan
 
     calls = []
-    for kernel in ("paged_decode_attention", "paged_prefill_attention"):
-        real = getattr(triton_backend, kernel)
+    for kernel in ("plan_decode_attention", "plan_prefill_attention"):
+        real = getattr(triton_plan, kernel)
 
         def spy(*args, _real=real, _name=kernel, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(triton_backend, kernel, spy)
+        monkeypatch.setattr(triton_plan, kernel, spy)
     backend = get_backend("triton")
     for case_name in ("decode_only", "mixed", "decodes_first"):
         case = make_case(CASES[case_name], 4, 2, 16, 4, torch.float32, KERNEL_DEVICE)
         run_backend(backend, case)
     assert calls == [
-        "paged_decode_attention",  # decode_only
-        "paged_prefill_attention",  # mixed: no leading decodes, one prefill launch
-        "paged_decode_attention",  # decodes_first: the 3 leading decodes...
-        "paged_prefill_attention",  # ...and the rest
+        "plan_decode_attention",  # decode_only
+        "plan_prefill_attention",  # mixed: no leading decodes, one prefill launch
+        "plan_prefill_attention",  # decodes_first: the rest...
+        "plan_decode_attention",  # ...and the 3 leading decodes
     ]
 
 

@@ -62,6 +62,14 @@ class AttentionBackend(ABC):
     # steps `attends_fresh_kv` names, `attend` on the others.
     reads_fresh_kv: bool = False
 
+    def may_attend_fresh_kv(
+        self, dtype: torch.dtype, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> bool:
+        """Whether `attends_fresh_kv` can say yes this step for queries of `dtype` and
+        `head_dim`: a step-wide answer, cheap, so that a layer builds the views
+        `attends_fresh_kv` takes only when it can."""
+        return self.reads_fresh_kv
+
     def attends_fresh_kv(
         self,
         query: torch.Tensor,

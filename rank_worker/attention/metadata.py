@@ -7,6 +7,7 @@ steps can never see each other's metadata.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,27 +47,24 @@ class AttentionMetadata:
     seq_lens_host: np.ndarray
     # Derived once per step (not per layer) in __post_init__: the sequences at the head of the
     # batch with exactly one new token (the scheduler puts running decodes first). In a mixed
-    # batch they go to the split-KV decode kernel and the rest to the prefill kernel, whose
-    # query offsets rebased to the first non-decode row are `prefill_query_start_loc`
-    # [B - num_leading_decodes + 1] (None unless 0 < num_leading_decodes < B).
+    # batch they go to the split-KV decode kernel and the rest to the prefill kernel.
     num_leading_decodes: int = field(init=False)
-    prefill_query_start_loc: torch.Tensor | None = field(init=False)
     # Whether every sequence after the leading decodes is a fresh prompt (q_len == seq_len: no
     # cached prefix, not a later chunk), whose keys are all among the step's own K/V rows: the
     # triton backend may then attend from those dense rows (`kernels.prefill_attention_tma`).
     fresh_prefill: bool = field(init=False)
+    # What the attention backend decided for this step, by the first layer that asked, with
+    # every argument check, and reused by the layers after it: its launches (grids, tiles,
+    # split buffers, slices of the tensors above), keyed by the layouts of the per-layer
+    # tensors they were checked for (`rank_worker.attention.triton_plan`). Per step, like the
+    # rest of the metadata, so no step can launch with another's decisions.
+    launches: dict[Hashable, object] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         qsl = self.query_start_loc_host
         not_one = np.flatnonzero((qsl[1:] - qsl[:-1]) != 1)
         n = int(not_one[0]) if not_one.size else self.num_seqs
-        rebased = None
-        if 0 < n < self.num_seqs:
-            # Decode rows are one token each, so the prefill rows start at token n. Computed
-            # on the device: no host-to-device copy of its own.
-            rebased = self.query_start_loc[n:] - n
         object.__setattr__(self, "num_leading_decodes", n)
-        object.__setattr__(self, "prefill_query_start_loc", rebased)
         fresh = bool(np.array_equal(qsl[n + 1 :] - qsl[n:-1], self.seq_lens_host[n:]))
         object.__setattr__(self, "fresh_prefill", n < self.num_seqs and fresh)
 

@@ -8,8 +8,13 @@ Two kernels, chosen per batch from the metadata alone (no device-to-host copy):
 - a mixed batch: the leading decode rows (the scheduler puts running decodes first) go to the
   decode kernel, so a decode over a long context is still split across programs; the remaining
   rows (prefills, chunks after a cached prefix) are one launch of the paged prefill kernel. Both
-  write their rows of one output tensor (no copies); their inputs are slices of the step's
-  tensors at offsets that change from step to step, which the kernels do not specialise on.
+  write their rows of one output tensor (no copies), both over the layer's whole query (the
+  decode kernel's first rows, the prefill kernel's rows by the step's absolute offsets); the
+  step's seq_lens and block table they get as slices at offsets that change from step to step,
+  which the kernels do not specialise on.
+
+Which launches, with which grids and tiles, is decided and checked once per step by the first
+layer (`triton_plan`); every other layer's `attend` is the launches.
 - a batch with no leading decodes: one launch of the prefill kernel (it treats a one-token
   sequence as a query at its last position). A speculative verify step of q tokens in every
   sequence is one, and CUDA graphs capture it too: the grid comes from `max_query_len` (q) and
@@ -27,11 +32,12 @@ Triton reads the device from the tensors' current device, so the caller must hav
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from kernels.attention_tables import Tile, prefill_tile, tables
 from kernels.decode_attention import paged_decode_attention
-from kernels.prefill_attention import paged_prefill_attention
 from kernels.prefill_attention_tma import (
     fresh_prefill_attention,
     interpreted,
@@ -39,6 +45,7 @@ from kernels.prefill_attention_tma import (
 )
 from rank_worker.attention.kernel_store import KernelStoreBackend
 from rank_worker.attention.metadata import AttentionMetadata
+from rank_worker.attention.triton_plan import step_attention
 
 
 class TritonAttentionBackend(KernelStoreBackend):
@@ -77,10 +84,9 @@ class TritonAttentionBackend(KernelStoreBackend):
                 query[:n], k_cache, v_cache, meta.seq_lens[:n], meta.block_table[:n], scale,
                 out=out[:n], kv_scales=kv_scales,
             )  # fmt: skip
-        query_start_loc = meta.query_start_loc if n == 0 else meta.prefill_query_start_loc
         fresh_prefill_attention(
-            query[n:], key[n:], value[n:], query_start_loc, meta.max_query_len, scale,
-            out=out[n:], tile=tile,
+            query[n:], key[n:], value[n:], _rebased_query_start_loc(meta), meta.max_query_len,
+            scale, out=out[n:], tile=tile,
         )  # fmt: skip
         return out
 
@@ -94,6 +100,11 @@ class TritonAttentionBackend(KernelStoreBackend):
     ) -> bool:
         return self._fresh_prefill_tile(query, key, value, k_cache, meta) is not None
 
+    def may_attend_fresh_kv(
+        self, dtype: torch.dtype, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> bool:
+        return _step_fresh_tile(dtype, head_dim, k_cache, meta) is not None
+
     @staticmethod
     def _fresh_prefill_tile(
         query: torch.Tensor,
@@ -102,15 +113,10 @@ class TritonAttentionBackend(KernelStoreBackend):
         k_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> Tile | None:
-        """The TMA kernel's tile when it takes this step's prompts, else None. Not with an fp8
-        cache: the dense K/V are not the quantized values the other steps read."""
-        if meta.max_query_len == 1 or not meta.fresh_prefill or k_cache.dtype != query.dtype:
-            return None
-        tile = prefill_tile(
-            meta.max_query_len, query.dtype, query.shape[-1], query.device,
-            interpreted(),
-        )  # fmt: skip
-        if tile.kernel != "tma" or unusable_reason(query, key, value) is not None:
+        """The TMA kernel's tile when it takes this step's prompts, else None: the step's
+        choice (`_step_fresh_tile`), then whether descriptors can cover these tensors."""
+        tile = _step_fresh_tile(query.dtype, query.shape[-1], k_cache, meta)
+        if tile is None or unusable_reason(query, key, value) is not None:
             return None
         return tile
 
@@ -123,53 +129,35 @@ class TritonAttentionBackend(KernelStoreBackend):
         scale: float,
         kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if meta.max_query_len == 1:
-            # One row per sequence: query [B, num_heads, head_dim].
-            return paged_decode_attention(
-                query, k_cache, v_cache, meta.seq_lens, meta.block_table, scale,
-                kv_scales=kv_scales,
-            )  # fmt: skip
-        n = meta.num_leading_decodes
-        if n == 0:
-            return self._prefill(
-                query, k_cache, v_cache, meta, meta.query_start_loc, 0, scale, kv_scales
-            )
-        assert meta.prefill_query_start_loc is not None  # set by prepare_inputs when 0 < n < B
-        # [T, num_heads, head_dim]; query may be a strided view (of the QKV projection).
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        paged_decode_attention(
-            query[:n], k_cache, v_cache, meta.seq_lens[:n], meta.block_table[:n], scale,
-            out=out[:n], kv_scales=kv_scales,
-        )  # fmt: skip
-        self._prefill(
-            query[n:], k_cache, v_cache, meta, meta.prefill_query_start_loc, n, scale,
-            kv_scales, out[n:],
-        )  # fmt: skip
-        return out
-
-    @staticmethod
-    def _prefill(
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        query_start_loc: torch.Tensor,
-        first_seq: int,
-        scale: float,
-        kv_scales: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The prefill kernel over sequences `first_seq:` (their rows are `query`), into `out`
-        when given."""
-        return paged_prefill_attention(
-            query,
-            k_cache,
-            v_cache,
-            query_start_loc,
-            meta.seq_lens[first_seq:],
-            meta.block_table[first_seq:],
-            meta.max_query_len,
-            scale,
-            out=out,
-            kv_scales=kv_scales,
+        """The step's plan (`triton_plan`: made and checked by the first layer), launched."""
+        return step_attention(query, k_cache, v_cache, meta, scale, kv_scales)(
+            query, k_cache, v_cache, kv_scales
         )
+
+
+def _step_fresh_tile(
+    dtype: torch.dtype, head_dim: int, k_cache: torch.Tensor, meta: AttentionMetadata
+) -> Tile | None:
+    """The TMA kernel's tile if the prefill table gives it this step's fresh prompts, decided
+    once per step (the metadata's `launches`). Not with an fp8 cache: the dense K/V are not the
+    quantized values the other steps read."""
+    if meta.max_query_len == 1 or not meta.fresh_prefill or k_cache.dtype != dtype:
+        return None
+    key = ("fresh_tile", dtype, head_dim, k_cache.device)
+    if key not in meta.launches:
+        tile = prefill_tile(meta.max_query_len, dtype, head_dim, k_cache.device, interpreted())
+        meta.launches[key] = tile if tile.kernel == "tma" else None
+    return cast("Tile | None", meta.launches[key])
+
+
+def _rebased_query_start_loc(meta: AttentionMetadata) -> torch.Tensor:
+    """The offsets of the rows after the leading decodes, from 0: the TMA kernel gets those
+    rows as tensors of their own. Computed once per step, on the device (decode rows are one
+    token each, so the prefill rows start at token n)."""
+    n = meta.num_leading_decodes
+    if n == 0:
+        return meta.query_start_loc
+    key = "rebased_query_start_loc"
+    if key not in meta.launches:
+        meta.launches[key] = meta.query_start_loc[n:] - n
+    return cast(torch.Tensor, meta.launches[key])

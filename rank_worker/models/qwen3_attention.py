@@ -92,6 +92,15 @@ class Qwen3Attention(nn.Module):
             torch.ones(2, dtype=torch.float32, device=device), requires_grad=False
         )
         self.kv_scales.weight_loader = _load_kv_scale  # type: ignore[attr-defined]
+        # What `forward` reads of its submodules and parameters, in plain attributes: each
+        # `self.<submodule>` or `self.<parameter>` read goes through nn.Module.__getattr__
+        # (about a microsecond or two), ten per layer per eager step otherwise. The objects
+        # stay these for the module's life: loads, updates and sleep write into them in place.
+        # The projections are called through `forward`, as the blocks of a decoder layer
+        # (`rank_worker.models.qwen3`: no hooks inside a layer).
+        self.q_size = self.qkv_proj.q_size
+        self._projections = (self.qkv_proj.forward, self.o_proj.forward)
+        self._kernel_params = (self.q_norm.weight, self.k_norm.weight, self.kv_scales)
         # Whether the q/k kernel also stores the step's K/V (one launch fewer per layer).
         self.fused_kv_store = fused and _stores_with_the_kernel(backend)
         if fused:
@@ -115,40 +124,42 @@ class Qwen3Attention(nn.Module):
         kv_cache: KVCachePair,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim], local heads
+        qkv_proj, o_proj = self._projections
+        qkv = qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim], local heads
+        q_weight, k_weight, kv_scales = self._kernel_params
         if self.fused_kv_store and not self._attends_fresh_kv(qkv, kv_cache, meta):
             # q and k normalised and rotated in place, K and V stored in the cache, one launch;
             # then attention over the cache alone (the store is done).
             k_cache, v_cache = kv_cache
             self._qk_norm_rope_store_kv(
-                qkv, positions, self.q_norm.weight, self.k_norm.weight,
-                self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
-                self.num_local_heads, self.num_local_kv_heads, self.head_dim, self.eps,
-                self.kv_scales,
+                qkv, positions, q_weight, k_weight, self.rotary.cos_sin_cache, k_cache,
+                v_cache, meta.slot_mapping, self.num_local_heads, self.num_local_kv_heads,
+                self.head_dim, self.eps, kv_scales,
             )  # fmt: skip
-            q = qkv[:, : self.qkv_proj.q_size].view(num_tokens, self.num_local_heads, self.head_dim)
-            o = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.kv_scales)
-            return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
+            # The q heads of each row as [T, heads, head_dim]: one view op where a slice and a
+            # view are two (the kernel above checked that qkv's last dim is dense).
+            d = self.head_dim
+            q = qkv.as_strided((num_tokens, self.num_local_heads, d), (qkv.stride(0), d, 1))
+            o = self.backend.attend(q, k_cache, v_cache, meta, self.scale, kv_scales)
+            return o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
         if self.fused:
             # q and k normalised and rotated in place; attention reads them as strided views.
             self._qk_norm_rope(
-                qkv, positions, self.q_norm.weight, self.k_norm.weight,
-                self.rotary.cos_sin_cache, self.num_local_heads, self.num_local_kv_heads,
-                self.head_dim, self.eps,
+                qkv, positions, q_weight, k_weight, self.rotary.cos_sin_cache,
+                self.num_local_heads, self.num_local_kv_heads, self.head_dim, self.eps,
             )  # fmt: skip
         q, k, v = self._qkv_views(qkv)
         if not self.fused:
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
         # [T, heads, head_dim]
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)
-        return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, kv_scales)
+        return o_proj(o.reshape(num_tokens, -1))  # [T, hidden], all-reduced
 
     def _qkv_views(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, d], k and v [T, kv_heads, d]: views of the QKV projection's rows."""
         num_tokens = qkv.shape[0]
-        q, k, v = qkv.split(
-            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1
-        )
+        kv_size = self.num_local_kv_heads * self.head_dim
+        q, k, v = qkv.split([self.q_size, kv_size, kv_size], -1)
         return (
             q.view(num_tokens, self.num_local_heads, self.head_dim),
             k.view(num_tokens, self.num_local_kv_heads, self.head_dim),
@@ -159,8 +170,11 @@ class Qwen3Attention(nn.Module):
         self, qkv: torch.Tensor, kv_cache: KVCachePair, meta: AttentionMetadata
     ) -> bool:
         """Whether the backend attends this step from its own K/V (`reads_fresh_kv`): asked
-        only on steps with fresh prompts, so a decode step pays two attribute reads."""
+        only on steps with fresh prompts, so a decode step pays two attribute reads, and with
+        this layer's views only if the step's answer may be yes (`may_attend_fresh_kv`)."""
         if not (meta.fresh_prefill and self.backend.reads_fresh_kv):
+            return False
+        if not self.backend.may_attend_fresh_kv(qkv.dtype, self.head_dim, kv_cache[0], meta):
             return False
         q, k, v = self._qkv_views(qkv)
         return self.backend.attends_fresh_kv(q, k, v, kv_cache[0], meta)

@@ -71,9 +71,11 @@ class _Linear(nn.Module):
         """`weight [rows, cols]`, and for fp8 its `weight_scale_inv`; binds `self._matmul`."""
         self.quant = quant
         if quant is None:
-            self.weight = make_param((rows, cols), dtype=dtype, device=device,
-                                     weight_loader=load_weight)  # fmt: skip
-            self._matmul = lambda x: F.linear(x, self.weight)
+            weight = self.weight = make_param((rows, cols), dtype=dtype, device=device,
+                                              weight_loader=load_weight)  # fmt: skip
+            # Bound to the parameter itself, not read through nn.Module.__getattr__ per call:
+            # loads and updates write into this object in place.
+            self._matmul = lambda x: F.linear(x, weight)
             return
 
         def load_fp8(param: nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
@@ -92,7 +94,8 @@ class _Linear(nn.Module):
             weight_loader=load_scale_checked,
         )  # fmt: skip
         fp8_linear = fp8_linear_fn(quant)
-        self._matmul = lambda x: fp8_linear(x, self.weight, self.weight_scale_inv)
+        weight, scale_inv = self.weight, self.weight_scale_inv
+        self._matmul = lambda x: fp8_linear(x, weight, scale_inv)
 
 
 class OutputPart(NamedTuple):

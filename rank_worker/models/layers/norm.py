@@ -48,7 +48,12 @@ class RMSNorm(nn.Module):
         if fused:
             from kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
-            self._rms_norm, self._fused_add_rms_norm = rms_norm, fused_add_rms_norm
+            # Bound to the parameter itself, not read through nn.Module.__getattr__ per call
+            # (a microsecond or two, twice per layer per eager step): loads and updates write
+            # into this object in place.
+            weight = self.weight
+            self._rms_norm = lambda x: rms_norm(x, weight, eps)
+            self._fused_add_rms_norm = lambda x, r: fused_add_rms_norm(x, r, weight, eps)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 even for bf16 activations (as Hugging Face does): the mean of
@@ -70,8 +75,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
             if residual is None:
-                return self._rms_norm(x, self.weight, self.eps)
-            return self._fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return self._rms_norm(x)
+            return self._fused_add_rms_norm(x, residual)
         if residual is None:
             return self._norm(x)
         new_residual = x + residual  # [num_tokens, hidden], the stream the next block adds to

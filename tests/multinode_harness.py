@@ -20,18 +20,16 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.server_harness import REPO_ROOT, Server
+from tp_engine.server.rank0 import replicas
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return replicas.free_port("127.0.0.1")
 
 
 def unshare_available() -> str | None:

@@ -42,7 +42,13 @@ from tests.server_harness import Server, port_is_free, shm_entries, wait_until
 from tp_engine.server.api.worker_routes import checkpoint_facts, model_info, server_info
 from tp_engine.server.args import build_parser
 from tp_engine.server.messages import Hello
-from tp_engine.server.rank0.replicas import Replica, device_slices, free_port, replica_command
+from tp_engine.server.rank0.replicas import (
+    Replica,
+    _ephemeral_low,
+    device_slices,
+    free_port,
+    replica_command,
+)
 from tp_engine.server.rank0.router_process import ROUTER_ADMIN_KEY_ENV
 
 MODEL = "tp-engine-demo"
@@ -73,6 +79,19 @@ def test_replica_command_keeps_the_flags_and_makes_it_one_private_replica():
     args = build_parser().parse_args(cmd[3:])
     assert (args.host, args.port, args.replica_index) == ("127.0.0.1", 12345, 1)
     assert (args.tensor_parallel_size, args.max_model_len) == (2, 300)
+
+
+def test_a_port_handed_to_the_router_is_drawn_below_the_ephemeral_range(tmp_path):
+    """The kernel hands out ephemeral ports to every outgoing connection and bind(0): one of
+    those, picked for a router that binds it seconds later, was taken first (a CI run)."""
+    low = _ephemeral_low()
+    ports = {free_port("127.0.0.1") for _ in range(8)}
+    if low > 20000:
+        assert all(20000 <= port < low for port in ports), (low, ports)
+    assert all(port_is_free("127.0.0.1", port) for port in ports)
+    (tmp_path / "range").write_text("40000\t60999\n")
+    assert _ephemeral_low(str(tmp_path / "range")) == 40000
+    assert _ephemeral_low(str(tmp_path / "absent")) == 0
 
 
 def test_worker_routes_answer_what_the_router_reads(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from shm_ipc.error_channel import WorkerErrorReport
-from tp_engine.common.failures import diagnose_stall
+from tp_engine.common.failures import check_ranks, diagnose_stall
 
 
 class FakeChannel:
@@ -62,3 +62,25 @@ def test_several_silent_deaths_are_all_named():
     cause = diagnose_stall(channel_with([], dead=[3, 2]), 8)
     assert cause is not None and cause.rank is None
     assert "rank 2 and rank 3 died during step 8 without reporting an error" in str(cause)
+
+
+class DyingNode(FakeChannel):
+    """Ranks 2 and 3 of a lost node, the second seen gone a few polls after the first."""
+
+    def __init__(self) -> None:
+        super().__init__([], dead=[2])
+        self.polls = 0
+
+    def dead_readers(self) -> list[int]:
+        self.polls += 1
+        return [2, 3] if self.polls > 3 else [2]
+
+
+def test_an_idle_check_names_every_rank_of_a_node_lost_together():
+    # Seen in CI: the error named rank 2 alone, its node's rank 3 noticed a poll later.
+    cause = check_ranks(DyingNode())
+    assert cause is not None and "rank 2 and rank 3 died during an idle wait" in str(cause)
+
+
+def test_an_idle_check_with_every_worker_alive_returns_at_once():
+    assert check_ranks(channel_with([], dead=[])) is None

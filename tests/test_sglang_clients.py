@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from typing import Any
 import pytest
 
 from tests.server_harness import Server, parse_sse, torchrun_cmd
+from tp_engine.server.rank0.replicas import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +34,7 @@ PROMPT = [5, 17, 33, 2, 9]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from tests.tp_cases import CHECKPOINTS, MAX_MODEL_LEN
 from tests.weight_trainer import trainer_main
 from tp_engine import LLM, SamplingParams
 from tp_engine.executor.control import ControlRefusedError
+from tp_engine.server.rank0.replicas import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -226,9 +226,7 @@ def test_refusals_leave_the_weights_intact(engine: Engine, tmp_path: Path) -> No
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")
 
 
 def test_distributed_path(engine: Engine) -> None:

@@ -15,6 +15,10 @@ from shm_ipc import ChannelError, PlanBroadcaster, ReaderDiedError, WorkerError,
 
 # How long rank 0 keeps listening for a worker's error report after a step failed.
 _ERROR_REPORT_WAIT_S = 5.0
+# How long an idle check that found one rank gone waits for others going with it: a node lost
+# takes all its ranks, but their connections are seen closing a few ms apart, and their
+# heartbeats (a hung node's) fall silent up to one beat interval (0.25 s) apart.
+_TOGETHER_WAIT_S = 0.5
 
 
 class EngineDeadError(RuntimeError):
@@ -125,12 +129,22 @@ def check_ranks(channel: PlanBroadcaster | None) -> EngineDeadError | None:
     """Between steps: the root cause among error reports and deaths since the last step, or
     None when every worker is alive and silent. Cheap (pid and heartbeat clocks, a non-blocking
     read of the back channel), so an idle engine loop can ask it a few times a second: a node
-    lost while nothing runs is otherwise noticed only by the next request's collective."""
+    lost while nothing runs is otherwise noticed only by the next request's collective. Once it
+    finds a rank gone, it waits up to `_TOGETHER_WAIT_S` for the ranks going with it."""
     if channel is None:
         return None
     dead, reports = channel.dead_readers(), channel.poll_errors()
     if not dead and not reports:
         return None
+    # Ranks that go together are noticed one by one: a moment for the others, so that the
+    # error names every rank of a lost node, not the first one seen.
+    deadline = time.monotonic() + _TOGETHER_WAIT_S
+    while time.monotonic() < deadline:
+        if len({r.rank for r in reports} | set(dead)) == channel.handle.num_readers:
+            break
+        time.sleep(0.05)
+        reports += channel.poll_errors()
+        dead = channel.dead_readers()
     return FailureGuard(channel, "an idle wait")._root_cause(reports, dead)
 
 

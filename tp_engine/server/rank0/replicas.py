@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -128,9 +129,35 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def free_port(host: str) -> int:
+    """A port of `host` that is free now, for a process that binds it seconds later (the router,
+    a replica). Drawn below the kernel's ephemeral range where it can be read: a port from that
+    range (what `bind(0)` gives) is also what the kernel gives every outgoing connection and
+    every other `bind(0)` meanwhile, so on a busy host it can be taken before it is bound
+    (seen: the router's "Address already in use")."""
+    low = _ephemeral_low()
+    if low > _FIRST_PORT:
+        for port in random.sample(range(_FIRST_PORT, low), 64):
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+_FIRST_PORT = 20000  # above the registered ports most services listen on
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The lowest port the kernel hands out on its own (Linux); 0 where unknown."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def replica_command(argv: list[str], replica: Replica) -> list[str]:

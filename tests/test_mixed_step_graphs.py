@@ -415,13 +415,15 @@ def test_engine_over_padded_mixed_steps_equals_transformers(e2e, monkeypatch, tp
 
 
 @pytest.mark.slow
-def test_lora_over_padded_mixed_steps_equals_peft(case, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lora_over_padded_mixed_steps_equals_peft(case, monkeypatch, tp):  # noqa: F811
     """A batch of three adapters and the base model, then each request alone, through the padded
-    path (the LoRA kernels read each token's slot from their fixed buffer, -1 past the step)."""
+    path (the LoRA kernels read each token's slot from their fixed buffer, -1 past the step; at
+    TP 2 each rank's shard of the adapters)."""
     from tests.test_lora_e2e import MIXED, generate, lora, start_llm
 
-    monkeypatch.setenv(ENV_VAR, "padded")
-    llm = start_llm(case, 1, max_loras=3, cuda_graph_max_tokens=24)
+    monkeypatch.setenv(ENV_VAR, "padded")  # the ranks, spawned below, inherit it
+    llm = start_llm(case, tp, max_loras=3, cuda_graph_max_tokens=24)
     try:
         work = list(enumerate(MIXED))
         expected = [case["reference"][name][i] for i, (name, _) in work]

@@ -128,6 +128,9 @@ def check_args(args: argparse.Namespace) -> None:
         )
 
 
+_FIRST_PORT = 20000  # above the registered ports most services listen on
+
+
 def free_port(host: str) -> int:
     """A port of `host` that is free now, for a process that binds it seconds later (the router,
     a replica). Drawn below the kernel's ephemeral range where it can be read: a port from that
@@ -136,7 +139,7 @@ def free_port(host: str) -> int:
     (seen: the router's "Address already in use")."""
     low = _ephemeral_low()
     if low > _FIRST_PORT:
-        for port in random.sample(range(_FIRST_PORT, low), 64):
+        for port in random.sample(range(_FIRST_PORT, low), min(64, low - _FIRST_PORT)):
             with socket.socket() as sock:
                 try:
                     sock.bind((host, port))
@@ -146,9 +149,6 @@ def free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-_FIRST_PORT = 20000  # above the registered ports most services listen on
 
 
 def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:

@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -217,6 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for s in steps
         ],
         "trace_dir": str(trace_dir),
+        "server_log": str(work / "server.log"),
     }
 
 
@@ -240,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {**environment(), "label": args.label, **run(args)}
     args.output_json.parent.mkdir(parents=True, exist_ok=True)
     args.output_json.write_text(json.dumps(result, indent=1) + "\n")
+    # The server's own log beside the figures: which steps took which path (graphs or eager),
+    # capture time and memory, and any error a GPU run hit.
+    shutil.copyfile(result["server_log"], args.output_json.with_suffix(".server.log"))
     print(format_table(result["summary_ms"]))
     print(f"{result['traced']} requests traced, {result['failed']} failed; {args.output_json}")
     return 0

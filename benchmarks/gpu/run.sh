@@ -354,7 +354,10 @@ kvtier() {
 }
 
 # ttft: issue 48's breakdown of a served request's time to first token (1k-token prompts at 8
-# requests/s on the 0.6B shape, as the 2026-11-27 lease's serving run), stage by stage.
+# requests/s on the 0.6B shape, as the 2026-11-27 lease's serving run), stage by stage. Twice:
+# as served by default, where a step carrying a 1k prompt (over the default largest mixed-step
+# bucket, 512 tokens) runs eagerly; then with buckets up to 2048 tokens, where it replays a
+# mixed-step graph (issue 57).
 ttft() {
   local sizes=(--num-prompts 16 --input-len 64 --output-len 8)
   if [ $GPU = 1 ]; then
@@ -363,6 +366,9 @@ ttft() {
   fi
   step ttft-breakdown 300 $PY -m benchmarks.ttft_breakdown "${sizes[@]}" \
     --output-json "$WORK/ttft-breakdown.json"
+  step ttft-breakdown-graphs 300 $PY -m benchmarks.ttft_breakdown "${sizes[@]}" \
+    --label graphs2048 --output-json "$WORK/ttft-breakdown-graphs.json" \
+    -- --cuda-graph-max-tokens 2048
 }
 
 # sweeps: issue 48's tables, measured here and then used by everything timed after them. The

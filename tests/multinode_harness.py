@@ -29,7 +29,7 @@ from tp_engine.server.rank0 import replicas
 
 
 def free_port() -> int:
-    return replicas.free_port("127.0.0.1")
+    return replicas.free_port("127.0.0.1")  # the nodes' ports: loopback, never ephemeral
 
 
 def unshare_available() -> str | None:

@@ -33,10 +33,6 @@ pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 33, 2, 9]
 
 
-def _free_port() -> int:
-    return free_port("127.0.0.1")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     os.environ.setdefault("TP_ENGINE_CACHE", str(tmp_path_factory.mktemp("cache")))
@@ -112,7 +108,7 @@ def slime_update_from_distributed(server: Server, checkpoint_b, group: str) -> N
     from safetensors.torch import load_file
 
     tensors = load_file(str(checkpoint_b) + "/model.safetensors")
-    port = _free_port()
+    port = free_port("127.0.0.1")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     trainer = ctx.Process(target=sglang_trainer, args=(port, 3, group, str(checkpoint_b), q))
@@ -217,7 +213,7 @@ def test_slime_update_from_tensor(server, tmp_path):
 
 
 def test_bogus_group_is_a_400_within_its_timeout_while_serving(server):
-    port = _free_port()  # nobody listens there
+    port = free_port("127.0.0.1")  # nobody listens there
     body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
             "world_size": 3, "group_name": "bogus", "backend": "gloo", "timeout": 4}  # fmt: skip
     result: dict[str, Any] = {}
@@ -380,7 +376,7 @@ def test_sigterm_while_a_join_waits_stops_the_server(tmp_path):
             "--shutdown-timeout", "5"]  # fmt: skip
     srv = Server([*torchrun_cmd(2), *args], env, tmp_path / "server.log").wait_ready()
     try:
-        body = {"master_address": "127.0.0.1", "master_port": _free_port(), "rank_offset": 1,
+        body = {"master_address": "127.0.0.1", "master_port": free_port("127.0.0.1"), "rank_offset": 1,
                 "world_size": 3, "group_name": "never", "timeout": 120}  # fmt: skip
         thread = threading.Thread(
             target=lambda: call(srv, "POST", "/init_weights_update_group", body), daemon=True

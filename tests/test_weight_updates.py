@@ -225,15 +225,11 @@ def test_refusals_leave_the_weights_intact(engine: Engine, tmp_path: Path) -> No
     assert engine.tokens() == hf_tokens(engine.a)
 
 
-def _free_port() -> int:
-    return free_port("127.0.0.1")
-
-
 def test_distributed_path(engine: Engine) -> None:
     engine.reset_to_a()
     ctx = mp.get_context("spawn")
     commands, replies = ctx.Queue(), ctx.Queue()
-    port, world = _free_port(), 1 + engine.tp
+    port, world = free_port("127.0.0.1"), 1 + engine.tp
     trainer = ctx.Process(
         target=trainer_main, args=(port, world, "wug", commands, replies), daemon=True
     )

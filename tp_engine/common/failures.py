@@ -68,15 +68,7 @@ class FailureGuard:
             # cause: a real exception, else a rank that died without a word (SIGKILL, OOM),
             # and only last a rank whose own collective merely broke because of the others.
             reports: list[WorkerErrorReport] = [exc.report] if isinstance(exc, WorkerError) else []
-            dead: list[int] = []
-            deadline = time.monotonic() + _ERROR_REPORT_WAIT_S
-            while time.monotonic() < deadline:
-                reports += channel.poll_errors()
-                dead = channel.dead_readers()
-                if len({r.rank for r in reports} | set(dead)) == channel.handle.num_readers:
-                    break
-                time.sleep(0.05)
-            reports += channel.poll_errors()
+            reports, dead = _evidence(channel, reports, [], _ERROR_REPORT_WAIT_S)
             culprit = self._root_cause(reports, dead)
             if culprit is not None:
                 return culprit
@@ -138,14 +130,24 @@ def check_ranks(channel: PlanBroadcaster | None) -> EngineDeadError | None:
         return None
     # Ranks that go together are noticed one by one: a moment for the others, so that the
     # error names every rank of a lost node, not the first one seen.
-    deadline = time.monotonic() + _TOGETHER_WAIT_S
-    while time.monotonic() < deadline:
-        if len({r.rank for r in reports} | set(dead)) == channel.handle.num_readers:
-            break
-        time.sleep(0.05)
-        reports += channel.poll_errors()
-        dead = channel.dead_readers()
+    reports, dead = _evidence(channel, reports, dead, _TOGETHER_WAIT_S)
     return FailureGuard(channel, "an idle wait")._root_cause(reports, dead)
+
+
+def _evidence(
+    channel: PlanBroadcaster, reports: list[WorkerErrorReport], dead: list[int], wait_s: float
+) -> tuple[list[WorkerErrorReport], list[int]]:
+    """`reports` and `dead` with what the channel adds within `wait_s`: it stops early once every
+    worker has either reported or died."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        reports = reports + channel.poll_errors()
+        dead = channel.dead_readers()
+        if len({r.rank for r in reports} | set(dead)) == channel.handle.num_readers:
+            return reports, dead
+        if time.monotonic() >= deadline:
+            return reports + channel.poll_errors(), dead
+        time.sleep(0.05)
 
 
 # Messages of a rank whose collective broke because a peer vanished: a consequence, not a cause.

@@ -1,7 +1,7 @@
 """The API process's own work per request, without rank 0 or a socket: `api_parse`, `api_out`.
 
     python -m benchmarks.api_hops --output-json OUT.json [--requests 300] [--input-len 32]
-        [--chat] [--text] [--profile OUT.prof]
+        [--chat] [--text] [--gap-ms MS] [--profile OUT.prof]
 
 Builds the real app (`tp_engine.server.api.app.build_app`) with Qwen3's tokenizer and drives
 it as uvicorn would, one ASGI call per request, one request at a time, with
@@ -165,6 +165,8 @@ async def drive(args: argparse.Namespace, tokenizer_dir: Path) -> None:
             profile.enable()
         if not await one_request(app, path, body):
             raise SystemExit("a request returned no body")
+        if args.gap_ms:
+            time.sleep(args.gap_ms / 1e3)  # the process idle, as between a served run's requests
     if profile is not None:
         profile.disable()
         profile.dump_stats(args.profile)
@@ -199,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--accept-with-first-token", action="store_true",
         help="answer `accepted` with the first token, as rank 0 did before it sent verdicts early",
+    )  # fmt: skip
+    p.add_argument(
+        "--gap-ms", type=float, default=0.0,
+        help="the process sleeps this long after each request (a served rate's idle time: its "
+        "caches go cold, as in `ttft_breakdown`'s server at a few requests a second)",
     )  # fmt: skip
     p.add_argument("--label", default=None)
     p.add_argument("--profile", default=None, help="a cProfile of the event loop's thread")

@@ -18,6 +18,12 @@ back to the loop (`EngineClient` says how the order of messages is kept). Each c
 copy of the caller's context, so the request's trace marks (`request_trace`) are the same as on
 the loop.
 
+The pools are `ThreadHop`s, not `run_in_executor` on a `ThreadPoolExecutor`: a call reaches its
+thread through one queue put and comes back through one `call_soon_threadsafe`, where the
+executor's futures, condition variables and work items cost two to three times that when the
+process has been idle and its caches are cold, which is how a server sees most requests
+(`benchmarks/results/cpu/api-hops/`).
+
 The fast tokenizers release the GIL while they encode. A check that runs out of time keeps its
 thread until it ends (a thread cannot be stopped); the constraints pool is small, so hostile
 constraints queue behind each other and time out, while requests without one never wait for
@@ -27,10 +33,12 @@ it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tp_engine.server.api.guards import RequestLimits
@@ -44,8 +52,8 @@ _CONSTRAINT_WORKERS = 2
 class RequestWork:
     def __init__(self, limits: RequestLimits) -> None:
         self.limits = limits
-        self._requests = ThreadPoolExecutor(limits.request_workers, "tpe-request")
-        self._constraints = ThreadPoolExecutor(_CONSTRAINT_WORKERS, "tpe-constraint")
+        self._requests = ThreadHop(limits.request_workers, "tpe-request")
+        self._constraints = ThreadHop(_CONSTRAINT_WORKERS, "tpe-constraint")
 
     async def run(
         self, fn: Callable[..., T], *args: Any, orphaned: Callable[[T], object] | None = None
@@ -53,9 +61,8 @@ class RequestWork:
         """`fn(*args)` on the requests pool; its exceptions (APIErrors) are raised here.
         `orphaned(result)`: called on the loop with what `fn` returns if the caller was
         cancelled meanwhile (a thread cannot be stopped: a request it sent is aborted so)."""
-        loop = asyncio.get_running_loop()
         call = functools.partial(contextvars.copy_context().run, fn, *args)
-        future = loop.run_in_executor(self._requests, call)
+        future = self._requests.submit(call)
         if orphaned is None:
             return await future
         try:
@@ -66,8 +73,7 @@ class RequestWork:
 
     async def constraint(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the constraints pool, within the time limit (a 400 past it)."""
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._constraints, functools.partial(fn, *args))
+        future = self._constraints.submit(functools.partial(fn, *args))
         timeout = self.limits.constraint_timeout_s
         try:
             return await asyncio.wait_for(future, timeout)
@@ -78,8 +84,92 @@ class RequestWork:
             ) from None
 
     def shutdown(self) -> None:
-        self._requests.shutdown(wait=False, cancel_futures=True)
-        self._constraints.shutdown(wait=False, cancel_futures=True)
+        self._requests.shutdown()
+        self._constraints.shutdown()
+
+
+class ThreadHop:
+    """Up to `max_workers` threads (started as calls need them) that run the calls the event
+    loop hands over and settle each one's future on the loop. A call still queued when its
+    future is cancelled (its caller timed out or left) does not run."""
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        self._max_workers = max_workers
+        self._name = name
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads done with a call and not yet claimed by a new one
+        self._closed = False
+
+    def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """`fn()` on a pool thread; its result or exception settles the returned future."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the {self._name} pool is shut down")
+            if self._idle:
+                self._idle -= 1
+            elif len(self._threads) < self._max_workers:
+                name = f"{self._name}_{len(self._threads)}"
+                thread = threading.Thread(target=self._work, name=name, daemon=True)
+                self._threads.append(thread)
+                thread.start()
+        self._queue.put((loop, future, fn))
+        return future
+
+    def shutdown(self) -> None:
+        """Cancel what is queued and let the threads end once their calls return."""
+        with self._lock:
+            self._closed = True
+            threads = len(self._threads)
+        while True:
+            try:
+                call = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                _on_loop(call[0], call[1].cancel)
+        for _ in range(threads):
+            self._queue.put(None)
+
+    def _work(self) -> None:
+        while (call := self._queue.get()) is not None:
+            _run(*call)
+            del call  # nothing of a finished call outlives it here
+            with self._lock:
+                self._idle += 1
+
+
+_Call = tuple[asyncio.AbstractEventLoop, asyncio.Future, Callable[[], Any]]
+
+
+def _run(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callable[[], Any]) -> None:
+    if future.cancelled():  # a benign race: a cancel just after this only discards the result
+        return
+    try:
+        result = fn()
+    except BaseException as exc:  # the caller's to raise, as an executor's are
+        _on_loop(loop, _settle, future, None, exc)
+    else:
+        _on_loop(loop, _settle, future, result, None)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: Any) -> None:
+    """`callback(*args)` on `loop`, from another thread; nothing if the loop has closed."""
+    with contextlib.suppress(RuntimeError):  # closed: nobody waits for the call any more
+        loop.call_soon_threadsafe(callback, *args)
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    """(loop) The call's outcome, unless its caller has cancelled the future meanwhile."""
+    if future.cancelled():
+        return
+    if exc is None:
+        future.set_result(result)
+    else:
+        future.set_exception(exc)
 
 
 def _hand_over(orphaned: Callable[[Any], object], future: asyncio.Future) -> None:

@@ -44,7 +44,7 @@ def test_threads_start_as_calls_need_them_and_never_more_than_max_workers():
             running += 1
             most = max(most, running)
             names.add(threading.current_thread().name)
-        time.sleep(0.05)
+        time.sleep(0.1)
         with lock:
             running -= 1
 

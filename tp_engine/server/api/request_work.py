@@ -136,24 +136,29 @@ class ThreadHop:
 
     def _work(self) -> None:
         while (call := self._queue.get()) is not None:
-            _run(*call)
-            del call  # nothing of a finished call outlives it here
-            with self._lock:
+            loop, future, fn = call
+            outcome = _outcome(future, fn)
+            with self._lock:  # idle before the caller hears: its next call finds this thread
                 self._idle += 1
+            if outcome is not None:
+                _on_loop(loop, _settle, future, *outcome)
+            del call, future, fn, outcome  # nothing of a finished call outlives it here
 
 
 _Call = tuple[asyncio.AbstractEventLoop, asyncio.Future, Callable[[], Any]]
 
 
-def _run(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callable[[], Any]) -> None:
-    if future.cancelled():  # a benign race: a cancel just after this only discards the result
-        return
+def _outcome(
+    future: asyncio.Future, fn: Callable[[], Any]
+) -> tuple[Any, BaseException | None] | None:
+    """`fn()`'s result or exception; None, without running it, if its caller has cancelled
+    (a benign race: a cancel just after this check only discards the result)."""
+    if future.cancelled():
+        return None
     try:
-        result = fn()
+        return fn(), None
     except BaseException as exc:  # the caller's to raise, as an executor's are
-        _on_loop(loop, _settle, future, None, exc)
-    else:
-        _on_loop(loop, _settle, future, result, None)
+        return None, exc
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: Any) -> None:

@@ -98,7 +98,7 @@ class ThreadHop:
         self._name = name
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._started = 0  # threads started so far (they never end before shutdown)
         self._idle = 0  # threads done with a call and not yet claimed by a new one
         self._closed = False
 
@@ -111,11 +111,10 @@ class ThreadHop:
                 raise RuntimeError(f"the {self._name} pool is shut down")
             if self._idle:
                 self._idle -= 1
-            elif len(self._threads) < self._max_workers:
-                name = f"{self._name}_{len(self._threads)}"
-                thread = threading.Thread(target=self._work, name=name, daemon=True)
-                self._threads.append(thread)
-                thread.start()
+            elif self._started < self._max_workers:
+                name = f"{self._name}_{self._started}"
+                threading.Thread(target=self._work, name=name, daemon=True).start()
+                self._started += 1
         self._queue.put((loop, future, fn))
         return future
 
@@ -123,7 +122,7 @@ class ThreadHop:
         """Cancel what is queued and let the threads end once their calls return."""
         with self._lock:
             self._closed = True
-            threads = len(self._threads)
+            threads = self._started
         while True:
             try:
                 call = self._queue.get_nowait()

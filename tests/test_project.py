@@ -15,6 +15,33 @@ def test_kernels_is_this_projects_package_not_hugging_faces():
     assert Path(kernels.__file__).resolve().parent == REPO_ROOT / "kernels"
 
 
+def test_hugging_faces_kernels_library_is_not_installed():
+    # Where it is, transformers imports it at once (`transformers.activations`) and gets ours
+    # inside the repository, and a process started elsewhere gets theirs for ours: every
+    # model test fails with an ImportError that does not say why. transformers >= 5.25
+    # requires it, hence the cap in pyproject.toml.
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("kernels")
+    except metadata.PackageNotFoundError:
+        return
+    from packaging.requirements import Requirement
+
+    def needs_it(requirement: str) -> bool:  # `kernels`, not only with an extra
+        r = Requirement(requirement)
+        return r.name == "kernels" and "extra" not in str(r.marker or "")
+
+    required_by = sorted(
+        d.metadata["Name"] for d in metadata.distributions() if any(map(needs_it, d.requires or ()))
+    )
+    raise AssertionError(
+        f"Hugging Face's `kernels` {dist.version} is installed (required by {required_by}); "
+        "it shares this project's `kernels` import name: uninstall it, and keep transformers "
+        "below 5.25 (README, 'A note on the `kernels` package name')"
+    )
+
+
 def test_control_plane_imports_no_cuda_or_process_groups():
     import subprocess
     import sys

@@ -154,6 +154,7 @@ class PlanBroadcaster:
             int, ProcessWatch | _RemoteWatch
         ] = {}  # rank -> its process, from its hello
         self._errors: list[WorkerErrorReport] = []  # reports not yet returned or raised
+        self._reports_seen: list[WorkerErrorReport] = []  # every report, in order of arrival
         self._back_lock = threading.RLock()
         self._next_seq = 1
         self._slot_steps: list[int | None] = [None] * num_slots  # step last written per slot
@@ -273,6 +274,14 @@ class PlanBroadcaster:
             errors, self._errors = self._errors, []
         return errors
 
+    def reports_seen(self) -> list[WorkerErrorReport]:
+        """Every error report that has arrived, whoever took it (`poll_errors`, a raised
+        `WorkerError`); never blocks. For a diagnosis on another thread (the server's watchdog)
+        while the owner thread may be weighing the same reports."""
+        with self._back_lock:
+            self._drain_back_channel()
+            return list(self._reports_seen)
+
     def dead_readers(self) -> list[int]:
         """Ranks whose process is gone, in rank order; never blocks, reads no reports."""
         return [rank for rank, watch in sorted(self._watches.items()) if not watch.alive()]
@@ -390,6 +399,7 @@ class PlanBroadcaster:
                     self._register(msg)
                 else:
                     self._errors.append(msg)
+                    self._reports_seen.append(msg)
 
     def _register(self, hello: ReaderHello) -> None:
         n = self.handle.num_readers

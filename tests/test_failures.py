@@ -16,11 +16,15 @@ from tp_engine.common.failures import check_ranks, diagnose_stall
 class FakeChannel:
     def __init__(self, reports: list[WorkerErrorReport], dead: list[int]) -> None:
         self.reports, self.dead = reports, dead
+        self.seen = list(reports)  # as PlanBroadcaster.reports_seen: polled or not
         self.handle = SimpleNamespace(num_readers=3)
 
     def poll_errors(self) -> list[WorkerErrorReport]:
         reports, self.reports = self.reports, []
         return reports
+
+    def reports_seen(self) -> list[WorkerErrorReport]:
+        return list(self.seen)
 
     def dead_readers(self) -> list[int]:
         return self.dead
@@ -42,6 +46,19 @@ def test_stall_blames_the_rank_that_raised_not_the_one_whose_collective_broke():
     raised = report(2, "injected fault on rank 2 at step 8", "InjectedFault")
     cause = diagnose_stall(channel_with([peer_loss, raised], dead=[1, 2]), 8)
     assert cause is not None and cause.rank == 2 and cause.step_id == 8
+    assert "injected fault on rank 2 at step 8" in str(cause)
+
+
+def test_stall_counts_reports_the_engine_thread_has_already_taken():
+    # Seen in CI: the engine thread took both reports (its step had raised) and waited for the
+    # third worker; the watchdog, firing meanwhile, found only deaths and blamed "rank 1 and
+    # rank 2 ... without reporting an error" in place of rank 2's exception.
+    peer_loss = report(1, "[gloo] Connection closed by peer [127.0.0.1]:1234")
+    raised = report(2, "injected fault on rank 2 at step 8", "InjectedFault")
+    channel = channel_with([peer_loss, raised], dead=[1, 2])
+    assert channel.poll_errors() == [peer_loss, raised]  # the engine thread's `_evidence`
+    cause = diagnose_stall(channel, 8)
+    assert cause is not None and cause.rank == 2
     assert "injected fault on rank 2 at step 8" in str(cause)
 
 

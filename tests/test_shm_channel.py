@@ -310,6 +310,7 @@ def test_error_report_reaches_rank_0() -> None:
             reports = bc.poll_errors()
         [report] = reports
         assert (report.rank, report.step_id, report.type) == (1, 42, "KeyError")
+        assert bc.poll_errors() == [] and bc.reports_seen() == [report]  # taken, still seen
         assert "no such block" in report.message and "KeyError" in report.traceback
         rx.report_error(None, RuntimeError("again"))  # outside a step
         with pytest.raises(WorkerError, match="rank 1 failed outside a step: RuntimeError: again"):

@@ -108,13 +108,14 @@ def diagnose_stall(channel: PlanBroadcaster | None, step_id: int) -> EngineDeadE
     reports and deaths (as `FailureGuard` finds it), or None when every worker is silent and
     alive, i.e. a rank is truly hung.
 
-    For the server's watchdog thread. It reads the channel's back channel while the engine
-    thread is blocked inside a collective, the one time that thread does not use it.
+    For the server's watchdog thread, while the engine thread is blocked inside a collective
+    or is itself waiting for the rest of the evidence (`_evidence`) with the reports it has
+    taken: so every report that has arrived counts, not only those no one has read.
     """
     if channel is None:
         return None
     guard = FailureGuard(channel, f"step {step_id}")
-    return guard._root_cause(channel.poll_errors(), channel.dead_readers())
+    return guard._root_cause(channel.reports_seen(), channel.dead_readers())
 
 
 def check_ranks(channel: PlanBroadcaster | None) -> EngineDeadError | None:

@@ -153,8 +153,8 @@ class PlanBroadcaster:
         self._watches: dict[
             int, ProcessWatch | _RemoteWatch
         ] = {}  # rank -> its process, from its hello
-        self._errors: list[WorkerErrorReport] = []  # reports not yet returned or raised
-        self._reports_seen: list[WorkerErrorReport] = []  # every report, in order of arrival
+        self._reports: list[WorkerErrorReport] = []  # every report, in order of arrival
+        self._reports_taken = 0  # how many of them were returned or raised
         self._back_lock = threading.RLock()
         self._next_seq = 1
         self._slot_steps: list[int | None] = [None] * num_slots  # step last written per slot
@@ -271,7 +271,8 @@ class PlanBroadcaster:
         call from another thread (the server's watchdog) while the owner thread publishes."""
         with self._back_lock:
             self._drain_back_channel()
-            errors, self._errors = self._errors, []
+            errors = self._reports[self._reports_taken :]
+            self._reports_taken = len(self._reports)
         return errors
 
     def reports_seen(self) -> list[WorkerErrorReport]:
@@ -280,7 +281,7 @@ class PlanBroadcaster:
         while the owner thread may be weighing the same reports."""
         with self._back_lock:
             self._drain_back_channel()
-            return list(self._reports_seen)
+            return list(self._reports)
 
     def dead_readers(self) -> list[int]:
         """Ranks whose process is gone, in rank order; never blocks, reads no reports."""
@@ -398,8 +399,7 @@ class PlanBroadcaster:
                 elif isinstance(msg, ReaderHello):
                     self._register(msg)
                 else:
-                    self._errors.append(msg)
-                    self._reports_seen.append(msg)
+                    self._reports.append(msg)
 
     def _register(self, hello: ReaderHello) -> None:
         n = self.handle.num_readers
@@ -419,8 +419,9 @@ class PlanBroadcaster:
             self._watches[hello.rank] = ProcessWatch(hello.pid)
 
     def _raise_reported_error(self) -> None:
-        if self._errors:
-            raise WorkerError(self._errors.pop(0))
+        if self._reports_taken < len(self._reports):
+            self._reports_taken += 1
+            raise WorkerError(self._reports[self._reports_taken - 1])
 
     def _live_ring(self) -> ShmRing:
         if self._closed or self._ring is None:
